@@ -1,0 +1,53 @@
+"""The ``TESSERA_KERNELS`` switch: which lowering every operator takes.
+
+* ``auto`` (default): on cuda, an operator's Pallas kernel where one exists,
+  supports the case and is expected to be faster; XLA (the reference) elsewhere.
+* ``xla``: the reference lowering (jax.numpy / lax) everywhere.
+* ``pallas``: the Pallas kernel wherever one supports the case, on any platform
+  it compiles for (no speed heuristic).
+* ``interpret``: the Pallas kernels in interpret mode (Pallas interpret for
+  plain kernels, the Mosaic GPU interpreter for Hopper kernels) on any platform;
+  this is how the CPU test-suite runs kernel bodies.
+
+Set it with the environment variable before import, or in code with
+``with ts.kernel_mode("interpret"): ...``. The setting is part of jax's jit
+cache key, so a function jitted under one mode is relowered under another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tessera_jax import _compat
+
+KERNEL_MODES = ("auto", "xla", "pallas", "interpret")
+
+_kernel_mode_state = _compat.enum_config_state(
+    name="tessera_kernels",
+    values=list(KERNEL_MODES),
+    default="auto",
+    help="Which lowering tessera_jax operators take: auto, xla, pallas or interpret.",
+)
+
+
+def get_kernel_mode() -> str:
+    """The kernel mode in force (``auto``, ``xla``, ``pallas`` or ``interpret``)."""
+    return _kernel_mode_state.value
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str):
+    """Context manager selecting the lowering of every ts operator traced inside."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel_mode: {mode=!r} must be one of {KERNEL_MODES}")
+    with _kernel_mode_state(mode):
+        yield
+
+
+def set_kernel_mode(mode: str) -> None:
+    """Sets the process-wide kernel mode (what ``TESSERA_KERNELS`` sets at import)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"set_kernel_mode: {mode=!r} must be one of {KERNEL_MODES}")
+    import jax
+
+    jax.config.update("tessera_kernels", mode)

@@ -1,0 +1,1 @@
+"""Numerics: Tessera dtypes, precision policies, rounding and quantization."""

@@ -1,0 +1,246 @@
+"""Tessera dtypes and the policies composed from them with ``@``.
+
+``ts.bf16 @ ts.accum(ts.f32) @ ts.stochastic_round`` reads "stored in bf16,
+accumulated in f32, rounded stochastically when cast to storage". A ``DType``
+and a ``Policy`` both expose ``.dtype`` (the numpy dtype an array of them has),
+so either can be passed wherever jax.numpy takes a dtype.
+
+fp6 (e3m2) has no XLA array type on every backend: its values live on the fp6
+grid inside an fp8 e4m3 container, which represents every fp6 value exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """A Tessera scalar type.
+
+    Attributes:
+      name: the Tessera name (``"bf16"``).
+      container: the numpy dtype arrays of this type have.
+      grid: the numeric format values are rounded to (differs from ``container``
+        only for formats XLA cannot store, e.g. fp6).
+    """
+
+    name: str
+    container: np.dtype
+    grid: np.dtype
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.container
+
+    @property
+    def is_float(self) -> bool:
+        return jnp.issubdtype(self.container, jnp.floating)
+
+    @property
+    def bits(self) -> int:
+        return 6 if self.grid == np.dtype(ml_dtypes.float6_e3m2fn) else self.grid.itemsize * 8
+
+    def __matmul__(self, other: Any) -> Policy:
+        return Policy(storage=self) @ other
+
+    def __repr__(self) -> str:
+        return f"ts.{self.name}"
+
+
+def _dt(name: str, container: Any, grid: Any = None) -> DType:
+    container = np.dtype(container)
+    return DType(name, container, np.dtype(grid) if grid is not None else container)
+
+
+f64 = _dt("f64", np.float64)
+f32 = _dt("f32", np.float32)
+f16 = _dt("f16", np.float16)
+bf16 = _dt("bf16", jnp.bfloat16)
+fp8_e4m3 = _dt("fp8_e4m3", jnp.float8_e4m3fn)
+fp8_e5m2 = _dt("fp8_e5m2", jnp.float8_e5m2)
+fp6_e3m2 = _dt("fp6_e3m2", jnp.float8_e4m3fn, ml_dtypes.float6_e3m2fn)
+int8 = _dt("int8", np.int8)
+int32 = _dt("int32", np.int32)
+complex64 = _dt("complex64", np.complex64)
+
+ALL_DTYPES = {
+    d.name: d for d in (f64, f32, f16, bf16, fp8_e4m3, fp8_e5m2, fp6_e3m2, int8, int32, complex64)
+}
+_ALIASES = {
+    "fp6": "fp6_e3m2",
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "fp32": "f32",
+    "fp16": "f16",
+    "e4m3": "fp8_e4m3",
+    "e5m2": "fp8_e5m2",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Accum:
+    """``ts.accum(ts.f32)``: the dtype reductions and matmuls accumulate in."""
+
+    dtype: DType
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """``ts.loss_scale(128.0)``: scale the loss by ``scale`` before differentiating."""
+
+    scale: float
+
+    def __post_init__(self):
+        if not (
+            isinstance(self.scale, (int, float)) and np.isfinite(self.scale) and self.scale > 0
+        ):
+            raise ValueError(f"loss_scale: scale={self.scale!r} must be a positive finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StochasticRound:
+    def __repr__(self) -> str:
+        return "ts.stochastic_round"
+
+
+stochastic_round = _StochasticRound()
+
+
+def accum(dtype: Any) -> Accum:
+    return Accum(as_tdtype(dtype))
+
+
+def loss_scale(scale: float) -> LossScale:
+    return LossScale(float(scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A storage dtype with its numerics: accumulation, rounding, loss scale."""
+
+    storage: DType
+    accumulate: DType | None = None
+    stochastic_round: bool = False
+    loss_scale: float | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.storage.container
+
+    def __matmul__(self, other: Any) -> Policy:
+        if isinstance(other, Accum):
+            return dataclasses.replace(self, accumulate=other.dtype)
+        if isinstance(other, _StochasticRound):
+            return dataclasses.replace(self, stochastic_round=True)
+        if isinstance(other, LossScale):
+            return dataclasses.replace(self, loss_scale=other.scale)
+        raise TypeError(
+            f"policy composition: cannot apply {other!r} to {self!r}; expected ts.accum(...), "
+            "ts.stochastic_round or ts.loss_scale(...)"
+        )
+
+    def __repr__(self) -> str:
+        parts = [repr(self.storage)]
+        if self.accumulate is not None:
+            parts.append(f"ts.accum({self.accumulate!r})")
+        if self.stochastic_round:
+            parts.append("ts.stochastic_round")
+        if self.loss_scale is not None:
+            parts.append(f"ts.loss_scale({self.loss_scale})")
+        return " @ ".join(parts)
+
+
+def as_tdtype(x: Any) -> DType:
+    """Any dtype spelling (ts dtype, policy, numpy/jnp dtype, string) → a ts ``DType``."""
+    if isinstance(x, DType):
+        return x
+    if isinstance(x, Policy):
+        return x.storage
+    storage = getattr(x, "storage", None)
+    if isinstance(storage, DType):  # a @precision_policy class or instance
+        return storage
+    if isinstance(x, str):
+        key = _ALIASES.get(x, x)
+        if key in ALL_DTYPES:
+            return ALL_DTYPES[key]
+        try:
+            x = np.dtype(x)
+        except TypeError:
+            raise TypeError(
+                f"unknown dtype {x!r}; expected one of {sorted(ALL_DTYPES)} or a numpy dtype name"
+            ) from None
+    try:
+        npd = np.dtype(x)
+    except TypeError:
+        raise TypeError(f"{x!r} is not a dtype, a ts dtype or a precision policy") from None
+    for d in ALL_DTYPES.values():
+        if d.container == npd and d.grid == npd:
+            return d
+    return DType(str(npd), npd, npd)
+
+
+def as_np_dtype(x: Any) -> np.dtype:
+    """The numpy dtype arrays of ``x`` (a ts dtype, policy, string, …) are stored in."""
+    return as_tdtype(x).container
+
+
+def as_policy(x: Any) -> Policy:
+    if isinstance(x, Policy):
+        return x
+    return Policy(storage=as_tdtype(x))
+
+
+def _format_params(grid: np.dtype) -> tuple[int, int, float]:
+    fi = (
+        ml_dtypes.finfo(grid)
+        if grid not in (np.float32, np.float64, np.float16)
+        else np.finfo(grid)
+    )
+    return int(fi.nmant), int(fi.minexp), float(fi.max)
+
+
+def round_to_grid(x: jax.Array, target: DType, key: jax.Array | None = None) -> jax.Array:
+    """Rounds ``x`` to ``target``'s grid and returns it in ``target``'s container.
+
+    Without ``key``: round to nearest even (saturating at the largest finite value
+    for formats without infinities). With ``key``: stochastic rounding, unbiased,
+    ``E[round(x)] = x`` for every ``x`` inside the format's range: with ``ulp`` the
+    spacing of the grid at ``|x|``, the result is ``floor(|x|/ulp + u)·ulp`` with
+    ``u ~ U[0, 1)``, so it rounds up with probability equal to the fraction.
+    """
+    grid = target.grid
+    if jnp.issubdtype(grid, jnp.integer):
+        info = np.iinfo(grid)
+        xf = x.astype(jnp.float32)
+        if key is None:
+            r = jnp.round(xf)
+        else:
+            r = jnp.floor(xf + jax.random.uniform(key, xf.shape, jnp.float32))
+        return jnp.clip(r, info.min, info.max).astype(target.container)
+    if key is None and grid == target.container:
+        return x.astype(target.container)
+    nmant, minexp, fmax = _format_params(grid)
+    xf = x.astype(jnp.float32)
+    a = jnp.minimum(jnp.abs(xf), fmax)
+    _, e = jnp.frexp(a)  # a = m·2^e with m in [0.5, 1): unbiased exponent is e-1
+    e = jnp.maximum(e - 1, minexp)
+    ulp = jnp.ldexp(jnp.ones_like(a), e - nmant)
+    scaled = a / ulp  # exact: a power-of-two scaling
+    if key is None:
+        q = jnp.round(scaled)
+    else:
+        q = jnp.floor(scaled + jax.random.uniform(key, a.shape, jnp.float32))
+    r = jnp.minimum(q * ulp, fmax)
+    r = jnp.where(jnp.isnan(xf), xf, jnp.copysign(r, xf))
+    return r.astype(target.container)

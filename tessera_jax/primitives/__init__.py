@@ -1,0 +1,1 @@
+"""Tessera operators, one module per family. The public namespace is ``ts.op``."""

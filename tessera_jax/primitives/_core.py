@@ -1,0 +1,185 @@
+"""How a Tessera operator is defined: one JAX primitive, its reference, its kernels.
+
+An :class:`Operator` owns a ``jax.extend.core.Primitive`` named ``ts_<name>``
+(the name rewrite passes match in a jaxpr) and registers, in one place:
+
+* eager application (jit-compiles the single primitive, like ``jax.lax`` ops);
+* abstract evaluation;
+* one lowering rule for every platform. At lowering time it consults the
+  ``TESSERA_KERNELS`` mode (part of the jit key) and the operator's kernels,
+  in order, and lowers the first kernel that supports the case; otherwise the
+  reference implementation (jax.numpy / lax). See :meth:`Operator.select`.
+
+The operator module then adds its JVP/transpose and batching rules with the
+plain jax registries (``_compat.ad`` / ``_compat.batching``), next to the rest
+of the operator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tessera_jax import _compat
+from tessera_jax._config import get_kernel_mode
+
+ad = _compat.ad
+batching = _compat.batching
+mlir = _compat.mlir
+not_mapped = _compat.not_mapped
+
+# Every operator, by name: rewrite passes and docs enumerate the graph vocabulary.
+OPERATORS: dict[str, Operator] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A kernel implementation of an operator.
+
+    Attributes:
+      name: shown in errors and benchmark records.
+      fn: ``fn(*operands, interpret: bool, **params)`` returning what the
+        reference returns. Called inside the lowering, so it may call
+        ``pallas_call``.
+      supports: ``supports(avals_in, params, platform) -> str | None``; ``None``
+        if the kernel can run the case, else the reason it cannot.
+      platforms: platforms the compiled (non-interpret) kernel runs on.
+      prefer: in ``auto`` mode, ``prefer(avals_in, params) -> bool`` says whether
+        the kernel is expected to beat XLA for this case (the dispatch heuristic;
+        an autotune cache plugs in here). ``None`` means always.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[[Sequence[Any], dict[str, Any], str | None], str | None]
+    platforms: tuple[str, ...] = ("cuda",)
+    prefer: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
+
+
+class Operator:
+    """A Tessera operator: a primitive with a reference lowering and kernels."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        reference: Callable[..., Any],
+        abstract_eval: Callable[..., Any],
+        multiple_results: bool = False,
+    ):
+        if name in OPERATORS:
+            raise ValueError(f"operator {name!r} is already defined")
+        self.name = name
+        self.reference = reference
+        self.kernels: list[Kernel] = []
+        self.prim = _compat.Primitive(f"ts_{name}")
+        self.prim.multiple_results = multiple_results
+        self.prim.def_impl(functools.partial(_compat.apply_primitive, self.prim))
+        self.prim.def_abstract_eval(abstract_eval)
+        mlir.register_lowering(self.prim, self._lower)
+        OPERATORS[name] = self
+
+    def __repr__(self) -> str:
+        return f"Operator({self.name!r})"
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        return self.prim.bind(*args, **params)
+
+    def add_kernel(self, kernel: Kernel) -> Kernel:
+        self.kernels.append(kernel)
+        return kernel
+
+    def select(self, platform: str | None, avals_in: Sequence[Any], params: dict[str, Any]):
+        """The implementation the lowering uses: ``(name, fn)``.
+
+        ``xla`` mode, or a lowering for several platforms at once, takes the
+        reference. ``interpret`` takes the first supporting kernel in interpret
+        mode on any platform; ``pallas`` the first supporting kernel compiled for
+        this platform; ``auto`` additionally requires the kernel's ``prefer``.
+        """
+        mode = get_kernel_mode()
+        if mode != "xla" and platform is not None:
+            for k in self.kernels:
+                if mode != "interpret" and platform not in k.platforms:
+                    continue
+                if k.supports(avals_in, params, platform) is not None:
+                    continue
+                if mode == "interpret":
+                    return k.name, functools.partial(k.fn, interpret=True)
+                if mode == "auto" and k.prefer is not None and not k.prefer(avals_in, params):
+                    continue
+                return k.name, functools.partial(k.fn, interpret=False)
+        return "reference", self.reference
+
+    def _lower(self, ctx, *args, **params):
+        platforms = tuple(ctx.module_context.platforms)
+        platform = platforms[0] if len(platforms) == 1 else None
+        _, fn = self.select(platform, ctx.avals_in, params)
+        lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
+        return lowered(ctx, *args, **params)
+
+
+# --- helpers shared by operator modules -------------------------------------------------
+
+
+def move_bdim_to_front(x: jax.Array, bdim: int | None, size: int) -> jax.Array:
+    """``x`` with its vmapped dimension first, broadcasting an unbatched operand."""
+    if bdim is not_mapped:
+        return jax.numpy.broadcast_to(x, (size, *x.shape))
+    return jax.numpy.moveaxis(x, bdim, 0)
+
+
+def normalize_axis(op: str, arg: str, axis: int, ndim: int) -> int:
+    """``axis`` as a non-negative int, or a ValueError naming the operator."""
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{op}: {arg}={axis!r} must be an int")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: {arg}={axis} is out of range for an array of rank {ndim}")
+    return int(axis) % ndim
+
+
+def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """``axis`` (None = all, an int, or a sequence) as a sorted tuple of distinct axes."""
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, (int, np.integer)):
+        axis = (axis,)
+    axes = tuple(normalize_axis(op, "axis", a, ndim) for a in axis)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{op}: axis={tuple(axis)} repeats an axis")
+    return tuple(sorted(axes))
+
+
+def check_dtype(op: str, arg: str, x: Any, kinds: Sequence[Any]) -> None:
+    """TypeError unless ``x.dtype`` is a subtype of one of ``kinds`` (jnp.floating, …)."""
+    dt = np.dtype(x.dtype)
+    if not any(jax.numpy.issubdtype(dt, k) for k in kinds):
+        names = ", ".join(getattr(k, "__name__", str(k)) for k in kinds)
+        raise TypeError(f"{op}: {arg}.dtype={dt} is not supported; expected {names}")
+
+
+def as_array(op: str, arg: str, x: Any) -> jax.Array:
+    """``x`` as a jax array (Python scalars stay weakly typed), or a TypeError."""
+    if isinstance(x, jax.Array) or hasattr(x, "__jax_array__"):
+        return x if isinstance(x, jax.Array) else x.__jax_array__()
+    try:
+        return jax.numpy.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"{op}: {arg} of type {type(x).__name__} is not an array: {e}") from None
+
+
+def is_float(dtype: Any) -> bool:
+    return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating))
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype a reference computes in: f32 for 8- and 16-bit floats, else ``dtype``."""
+    dtype = np.dtype(dtype)
+    if is_float(dtype) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype

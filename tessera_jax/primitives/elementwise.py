@@ -1,0 +1,130 @@
+"""Elementwise operators: relu, gelu, tanh, exp, sqrt, abs, round.
+
+Each is a primitive whose JVP is ``t · f'(x)`` with ``f'`` written in ts
+operators and jax.numpy, so derivatives of any order exist. 8- and 16-bit
+inputs are computed in f32 and rounded once to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from tessera_jax.primitives._core import (
+    Operator,
+    ad,
+    as_array,
+    batching,
+    check_dtype,
+    compute_dtype,
+)
+
+_INEXACT = (jnp.floating, jnp.complexfloating)
+_FLOATING = (jnp.floating,)
+
+
+def _in_compute(f: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    def ref(x, **params):
+        return f(x.astype(compute_dtype(x.dtype)), **params).astype(x.dtype)
+
+    return ref
+
+
+def _unary(
+    name: str,
+    ref: Callable[..., jax.Array],
+    deriv: Callable[..., jax.Array] | None,
+    kinds=_FLOATING,
+) -> tuple[Operator, Callable[..., jax.Array]]:
+    """An elementwise operator; ``deriv(x, y, **params)`` is dy/dx (None: zero)."""
+    op = Operator(name, reference=_in_compute(ref), abstract_eval=lambda x, **_: x)
+
+    def jvp(primals, tangents, **params):
+        (x,), (t,) = primals, tangents
+        y = op.bind(x, **params)
+        if deriv is None or type(t) is ad.Zero:
+            return y, ad.Zero.from_primal_value(y)
+        return y, t * deriv(x, y, **params).astype(t.dtype)
+
+    ad.primitive_jvps[op.prim] = jvp
+    batching.primitive_batchers[op.prim] = lambda args, dims, **p: (op.bind(*args, **p), dims[0])
+
+    def public(x, **params):
+        x = as_array(name, "x", x)
+        check_dtype(name, "x", x, kinds)
+        return op.bind(x, **params)
+
+    public.__name__ = name
+    return op, public
+
+
+relu_op, _relu = _unary("relu", lambda x: jnp.maximum(x, 0), lambda x, y: (x > 0).astype(x.dtype))
+tanh_op, _tanh = _unary("tanh", jnp.tanh, lambda x, y: 1 - y * y, kinds=_INEXACT)
+exp_op, _exp = _unary("exp", jnp.exp, lambda x, y: y, kinds=_INEXACT)
+sqrt_op, _sqrt = _unary("sqrt", jnp.sqrt, lambda x, y: 0.5 / y, kinds=_INEXACT)
+abs_op, _abs = _unary("abs", jnp.abs, lambda x, y: jnp.sign(x))
+round_op, _round = _unary("round", jnp.round, None)
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+
+
+def _gelu_ref(x, *, approximate):
+    if approximate:
+        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1 + jax.lax.erf(x * _INV_SQRT_2))
+
+
+def _gelu_deriv(x, y, *, approximate):
+    if approximate:
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+        th = tanh(inner)
+        return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * _SQRT_2_OVER_PI * (
+            1 + 3 * 0.044715 * x**2
+        )
+    cdf = 0.5 * (1 + jax.lax.erf(x * _INV_SQRT_2))
+    pdf = exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return cdf + x * pdf
+
+
+gelu_op, _gelu = _unary("gelu", _gelu_ref, _gelu_deriv)
+
+
+def relu(x: jax.Array) -> jax.Array:
+    """``max(x, 0)`` elementwise. Derivative at 0 is 0."""
+    return _relu(x)
+
+
+def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
+    """Gaussian error linear unit: ``x·Φ(x)``; ``approximate=True`` uses the tanh form."""
+    if not isinstance(approximate, bool):
+        raise TypeError(f"gelu: approximate={approximate!r} must be a bool")
+    return _gelu(x, approximate=approximate)
+
+
+def tanh(x: jax.Array) -> jax.Array:
+    """Hyperbolic tangent elementwise."""
+    return _tanh(x)
+
+
+def exp(x: jax.Array) -> jax.Array:
+    """``e**x`` elementwise."""
+    return _exp(x)
+
+
+def sqrt(x: jax.Array) -> jax.Array:
+    """Square root elementwise (NaN for negative inputs, as IEEE)."""
+    return _sqrt(x)
+
+
+def abs(x: jax.Array) -> jax.Array:
+    """``|x|`` elementwise; derivative ``sign(x)``."""
+    return _abs(x)
+
+
+def round(x: jax.Array) -> jax.Array:
+    """Round half to even; derivative zero."""
+    return _round(x)

@@ -1,0 +1,57 @@
+"""Shared test helpers: random inputs, float64 references, per-dtype tolerances."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative tolerance of ||out - ref|| / ||ref|| against a float64 reference, by the
+# dtype the op computes in. 8-bit formats have 3 (e4m3) or 2 (e5m2) mantissa bits.
+RTOL = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 2e-6,
+    np.dtype(np.float16): 2e-3,
+    np.dtype(jnp.bfloat16): 1e-2,
+    np.dtype(jnp.float8_e4m3fn): 8e-2,
+    np.dtype(jnp.float8_e5m2): 1.5e-1,
+}
+
+_counter = itertools.count()
+
+
+def key() -> jax.Array:
+    """A fresh PRNG key for every call: tests never reuse an input."""
+    return jax.random.key(1000 + next(_counter))
+
+
+def rand(shape, dtype=jnp.float32, *, scale=1.0, k=None) -> jax.Array:
+    """Standard-normal random values (never zeros), rounded to ``dtype``."""
+    k = key() if k is None else k
+    x = jax.random.normal(k, shape, jnp.float32) * scale
+    return x.astype(dtype)
+
+
+def f64(x) -> np.ndarray:
+    """A jax array as a float64 (or complex128) numpy array for references."""
+    a = jnp.asarray(x)
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        return np.asarray(a).astype(np.complex128)
+    return np.asarray(a.astype(jnp.float32) if a.dtype.itemsize < 4 else a).astype(np.float64)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = f64(out), np.asarray(ref)
+    denom = np.linalg.norm(ref.ravel())
+    return float(np.linalg.norm((out - ref).ravel()) / (denom if denom > 0 else 1.0))
+
+
+def assert_close(out, ref, dtype=None, *, rtol=None, factor=1.0):
+    """``||out - ref|| / ||ref||`` under the tolerance of ``dtype`` (default: out's)."""
+    dtype = np.dtype(dtype if dtype is not None else jnp.asarray(out).dtype)
+    tol = (rtol if rtol is not None else RTOL.get(dtype, 1e-5)) * factor
+    assert np.all(np.isfinite(f64(out))), "output has non-finite values"
+    err = rel_err(out, ref)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({dtype})"
