@@ -50,8 +50,9 @@ def enum_config_state(name: str, values: list[str], default: str, help: str) -> 
     """A jax config option that is part of the jit cache key.
 
     Read from the environment variable ``name.upper()`` at import. Part of the
-    jit key, so changing it (``with state(value):``) retraces and relowers
-    instead of reusing a function compiled under the other setting.
+    jit key and of the trace context (the lowering cache's key), so changing it
+    (``with state(value):``) retraces and relowers instead of reusing a function
+    compiled under the other setting.
     """
     from jax._src import config as _config
 
@@ -61,6 +62,7 @@ def enum_config_state(name: str, values: list[str], default: str, help: str) -> 
         default=default,
         help=help,
         include_in_jit_key=True,
+        include_in_trace_context=True,
     )
 
 
@@ -107,3 +109,8 @@ def enable_x64(enabled: bool = True):
     if fn is None:  # pragma: no cover - older jax
         from jax.experimental import enable_x64 as fn
     return fn(enabled)
+
+
+def zero_tangent(primal: Any) -> Any:
+    """A symbolic-zero tangent for ``primal`` (``ad.Zero.from_primal_value`` in newer jax)."""
+    return ad.Zero(jax.typeof(primal).to_tangent_aval())

@@ -210,37 +210,33 @@ def _format_params(grid: np.dtype) -> tuple[int, int, float]:
     return int(fi.nmant), int(fi.minexp), float(fi.max)
 
 
-def round_to_grid(x: jax.Array, target: DType, key: jax.Array | None = None) -> jax.Array:
+def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> jax.Array:
     """Rounds ``x`` to ``target``'s grid and returns it in ``target``'s container.
 
-    Without ``key``: round to nearest even (saturating at the largest finite value
-    for formats without infinities). With ``key``: stochastic rounding, unbiased,
-    ``E[round(x)] = x`` for every ``x`` inside the format's range: with ``ulp`` the
-    spacing of the grid at ``|x|``, the result is ``floor(|x|/ulp + u)·ulp`` with
-    ``u ~ U[0, 1)``, so it rounds up with probability equal to the fraction.
+    Without ``u``: round to nearest even (saturating at the largest finite value
+    for formats without infinities). With ``u`` (uniform ``[0, 1)`` noise of
+    ``x``'s shape): stochastic rounding, unbiased, ``E[round(x)] = x`` for every
+    ``x`` inside the format's range. With ``ulp`` the grid spacing at ``|x|``, the
+    result is ``floor(|x|/ulp + u)·ulp``: it rounds away from zero with
+    probability equal to the fraction of an ulp that ``|x|`` lies above the grid
+    point below it.
     """
     grid = target.grid
     if jnp.issubdtype(grid, jnp.integer):
         info = np.iinfo(grid)
         xf = x.astype(jnp.float32)
-        if key is None:
-            r = jnp.round(xf)
-        else:
-            r = jnp.floor(xf + jax.random.uniform(key, xf.shape, jnp.float32))
+        r = jnp.round(xf) if u is None else jnp.floor(xf + u)
         return jnp.clip(r, info.min, info.max).astype(target.container)
-    if key is None and grid == target.container:
+    if u is None and grid == target.container:
         return x.astype(target.container)
     nmant, minexp, fmax = _format_params(grid)
     xf = x.astype(jnp.float32)
-    a = jnp.minimum(jnp.abs(xf), fmax)
-    _, e = jnp.frexp(a)  # a = m·2^e with m in [0.5, 1): unbiased exponent is e-1
+    a = jnp.minimum(jnp.abs(xf), np.float32(fmax))
+    _, e = jnp.frexp(a)  # a = m·2^e with m in [0.5, 1): the binade exponent is e-1
     e = jnp.maximum(e - 1, minexp)
     ulp = jnp.ldexp(jnp.ones_like(a), e - nmant)
     scaled = a / ulp  # exact: a power-of-two scaling
-    if key is None:
-        q = jnp.round(scaled)
-    else:
-        q = jnp.floor(scaled + jax.random.uniform(key, a.shape, jnp.float32))
-    r = jnp.minimum(q * ulp, fmax)
+    q = jnp.round(scaled) if u is None else jnp.floor(scaled + u)
+    r = jnp.minimum(q * ulp, np.float32(fmax))
     r = jnp.where(jnp.isnan(xf), xf, jnp.copysign(r, xf))
     return r.astype(target.container)

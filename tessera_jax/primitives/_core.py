@@ -32,6 +32,7 @@ ad = _compat.ad
 batching = _compat.batching
 mlir = _compat.mlir
 not_mapped = _compat.not_mapped
+zero_tangent = _compat.zero_tangent
 
 # Every operator, by name: rewrite passes and docs enumerate the graph vocabulary.
 OPERATORS: dict[str, Operator] = {}

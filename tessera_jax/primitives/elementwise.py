@@ -20,6 +20,7 @@ from tessera_jax.primitives._core import (
     batching,
     check_dtype,
     compute_dtype,
+    zero_tangent,
 )
 
 _INEXACT = (jnp.floating, jnp.complexfloating)
@@ -46,7 +47,7 @@ def _unary(
         (x,), (t,) = primals, tangents
         y = op.bind(x, **params)
         if deriv is None or type(t) is ad.Zero:
-            return y, ad.Zero.from_primal_value(y)
+            return y, zero_tangent(y)
         return y, t * deriv(x, y, **params).astype(t.dtype)
 
     ad.primitive_jvps[op.prim] = jvp

@@ -45,6 +45,7 @@ from tessera_jax.primitives._core import (
     is_float,
     normalize_axes,
     not_mapped,
+    zero_tangent,
 )
 
 _NUMERIC = (jnp.number,)
@@ -165,7 +166,7 @@ def _max_jvp(primals, tangents, *, axes, keepdims):
     (x,), (t,) = primals, tangents
     y = max_op.bind(x, axes=axes, keepdims=keepdims)
     if type(t) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
+        return y, zero_tangent(y)
     # Ties share the derivative equally (as jax.numpy.max does).
     hit = (x == _expand_back(y, x.shape, axes, keepdims)).astype(t.dtype)
     count = sum(hit, axis=axes, keepdims=keepdims)

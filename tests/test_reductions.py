@@ -1,0 +1,139 @@
+"""sum / max / mse: float64 references, the canonical tree bit for bit, derivatives, vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import tessera_jax as ts
+from tessera_jax.primitives.reductions import canonical_sum
+from tests._util import assert_close, f64, rand
+
+
+def numpy_canonical_tree(x: np.ndarray) -> np.ndarray:
+    """The documented tree, written independently: level-wise adjacent pairs over the last
+    axis, an odd last node passing up, in float32 arithmetic."""
+    nodes = [x[..., i].astype(np.float32) for i in range(x.shape[-1])]
+    while len(nodes) > 1:
+        nxt = [np.float32(nodes[i] + nodes[i + 1]) for i in range(0, len(nodes) - 1, 2)]
+        if len(nodes) % 2:
+            nxt.append(nodes[-1])
+        nodes = nxt
+    return nodes[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 1000])
+def test_sum_is_the_canonical_tree_bit_for_bit(n):
+    x = rand((3, n))
+    got = np.asarray(ts.sum(x, axis=1))
+    want = numpy_canonical_tree(np.asarray(x))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: ts.sum(x, 1))(x)), want)
+
+
+def test_sum_over_several_axes_flattens_them_row_major():
+    x = rand((4, 3, 5))
+    got = np.asarray(ts.sum(x, axis=(0, 2)))
+    want = numpy_canonical_tree(np.moveaxis(np.asarray(x), 1, 0).reshape(3, 20))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_subtree_of_aligned_block_composes():
+    # A block of 2**k leaves at a multiple of 2**k is a complete subtree: summing
+    # blocks first and then their partial sums on the same tree gives the same bits.
+    x = rand((64,))
+    blocks = jnp.stack([ts.sum(x[i : i + 16]) for i in range(0, 64, 16)])
+    np.testing.assert_array_equal(np.asarray(ts.sum(blocks)), np.asarray(ts.sum(x)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, True), ((1, 2), False), (-1, True)])
+def test_sum_and_max_match_float64(dtype, axis, keepdims):
+    x = rand((4, 6, 5), dtype)
+    ref = f64(x)
+    assert_close(ts.sum(x, axis, keepdims), np.sum(ref, axis=axis, keepdims=keepdims), factor=3)
+    out = ts.max(x, axis, keepdims)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(f64(out), np.max(ref, axis=axis, keepdims=keepdims))
+
+
+def test_sum_nondeterministic_uses_xla_and_agrees():
+    x = rand((100,))
+    np.testing.assert_allclose(ts.sum(x, deterministic=False), np.sum(f64(x)), rtol=1e-5)
+
+
+def test_sum_of_integers_is_exact():
+    x = jnp.arange(100, dtype=jnp.int32)
+    assert int(ts.sum(x)) == 4950
+
+
+def test_bf16_accumulates_in_f32():
+    x = jnp.full((4096,), 1.0, jnp.bfloat16) + rand((4096,), jnp.bfloat16) * 0.01
+    want = canonical_sum(x.astype(jnp.float32), (0,), False).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ts.sum(x)), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mse_matches_float64(dtype):
+    p, t = rand((8, 5), dtype), rand((8, 5), dtype)
+    assert_close(ts.mse(p, t), np.mean((f64(p) - f64(t)) ** 2))
+
+
+def test_gradients(x64):
+    x = rand((4, 5)).astype(jnp.float64)
+    y = rand((4, 5)).astype(jnp.float64)
+    check_grads(lambda x: ts.sum(x * x, axis=1), (x,), order=2)
+    check_grads(lambda x: ts.sum(x, axis=(0, 1), keepdims=True), (x,), order=2)
+    check_grads(lambda x: ts.max(x, axis=0), (x,), order=2)
+    check_grads(ts.mse, (x, y), order=2)
+
+
+def test_max_splits_gradient_between_ties():
+    g = jax.grad(lambda x: ts.max(x))(jnp.array([1.0, 3.0, 3.0]))
+    np.testing.assert_array_equal(g, [0.0, 0.5, 0.5])
+
+
+def test_vmap_grad_of_vmap():
+    x, y = rand((6, 4, 3)), rand((6, 4, 3))
+    np.testing.assert_allclose(
+        jax.vmap(lambda a: ts.sum(a, 1), in_axes=2, out_axes=1)(x), ts.sum(x, 1), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        jax.vmap(ts.mse)(x, y), np.mean((f64(x) - f64(y)) ** 2, axis=(1, 2)), rtol=1e-5
+    )
+    g1 = jax.vmap(jax.grad(ts.mse))(x, y)
+    g2 = jax.grad(lambda x: jnp.sum(jax.vmap(ts.mse)(x, y)))(x)
+    np.testing.assert_allclose(g1, g2, rtol=1e-6)
+    np.testing.assert_allclose(g1, 2 * (f64(x) - f64(y)) / 12, rtol=1e-5)
+    gm = jax.vmap(jax.grad(lambda r: ts.max(r)), in_axes=1)(x)
+    assert gm.shape == (4, 6, 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), data=st.data())
+def test_sum_hypothesis_shapes(shape, data):
+    axes = data.draw(st.sets(st.integers(0, len(shape) - 1)))
+    axis = tuple(sorted(axes)) or None
+    x = rand(tuple(shape))
+    np.testing.assert_allclose(ts.sum(x, axis), np.sum(f64(x), axis=axis), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs():
+    x = rand((3, 4))
+    with pytest.raises(ValueError, match="sum: axis=2 is out of range for an array of rank 2"):
+        ts.sum(x, 2)
+    with pytest.raises(ValueError, match=r"sum: axis=\(0, 0\) repeats an axis"):
+        ts.sum(x, (0, 0))
+    with pytest.raises(
+        ValueError, match=r"mse: pred.shape=\(3, 4\) must equal target.shape=\(4,\)"
+    ):
+        ts.mse(x, rand((4,)))
+    with pytest.raises(TypeError, match="mse: pred.dtype=float32 must equal target.dtype=bfloat16"):
+        ts.mse(x, x.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="max: cannot reduce a zero-size axis"):
+        ts.max(jnp.zeros((0, 3)), 0)
+    with pytest.raises(TypeError, match="sum: x.dtype=bool is not supported"):
+        ts.sum(jnp.ones(3, bool))
