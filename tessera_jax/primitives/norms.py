@@ -1,0 +1,304 @@
+"""Normalisations over the last axis: rmsnorm, rmsnorm_safe, layernorm.
+
+With ``D = x.shape[-1]``, ``mean`` over the last axis and ``r = 1/sqrt(· + eps)``::
+
+    rmsnorm:    y = x · r(mean(x²)) · weight
+    layernorm:  y = (x − mean(x)) · r(mean((x − mean(x))²)) · weight + bias
+
+Numerics: statistics (means, variance, ``r``) are computed in f32 for 8- and
+16-bit inputs (in the input dtype otherwise) and the output is rounded once to
+``x.dtype``. ``weight``/``bias`` may have another floating dtype than ``x`` (f32
+parameters with bf16 activations); they are applied in the compute dtype.
+
+Two primitives, ``ts_rmsnorm`` and ``ts_layernorm``: operands ``(x, [weight],
+[bias])`` with static ``eps``, ``has_weight`` (and ``has_bias``). The public
+functions take ``weight``/``bias`` of shape ``(D,)``; the primitives accept any
+shape that broadcasts against ``x`` with last dimension ``D`` (what the batching
+rules produce for a vmapped weight). ``rmsnorm`` and ``rmsnorm_safe`` share
+``ts_rmsnorm``, which guards ``mean(x²) + eps == 0`` (an all-zero row with
+``eps=0``): ``r`` is 0 there, so the row's output and gradients are 0.
+
+Adjoints: JVP rules with explicit formulas in jax.numpy (``x̂ = x·r``)::
+
+    rmsnorm:    dy = w·r·(dx − x̂·mean(x̂·dx)) + x̂·dw
+    layernorm:  dy = w·r·(dc − x̂·mean(x̂·dc)) + x̂·dw + db,   dc = dx − mean(dx)
+
+linear in the tangents (reverse mode by transposition) and differentiable
+again (derivatives of any order).
+
+Kernels: ``rmsnorm_op.add_kernel(Kernel(...))`` with
+``fn(x, [weight], *, interpret, eps, has_weight)`` (layernorm: ``…, [bias], …,
+has_bias``); ``supports`` should reject weights that are not ``(D,)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tessera_jax.primitives._core import (
+    Operator,
+    ad,
+    as_array,
+    batching,
+    check_dtype,
+    compute_dtype,
+    move_bdim_to_front,
+    not_mapped,
+)
+
+_FLOATING = (jnp.floating,)
+
+
+def _like_x(p: jax.Array, x: jax.Array, c) -> jax.Array:
+    """A weight/bias (or its tangent) in dtype ``c`` with ``x``'s rank (explicit rank promotion)."""
+    return p.astype(c).reshape((1,) * (x.ndim - p.ndim) + p.shape)
+
+
+def _mean(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=-1, keepdims=True)
+
+
+def _rsqrt_guarded(s: jax.Array) -> jax.Array:
+    """``1/sqrt(s)`` for ``s > 0``, else 0 (the inner where keeps every derivative finite)."""
+    pos = s > 0
+    return jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, s, jnp.ones_like(s))), jnp.zeros_like(s))
+
+
+def _rms_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """``(x̂, r)`` of rmsnorm for ``xc`` in the compute dtype."""
+    r = _rsqrt_guarded(_mean(xc * xc) + eps)
+    return xc * r, r
+
+
+def _ln_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """``(x̂, r)`` of layernorm for ``xc`` in the compute dtype (two-pass variance)."""
+    centred = xc - _mean(xc)
+    r = jax.lax.rsqrt(_mean(centred * centred) + eps)
+    return centred * r, r
+
+
+def _split(rest, has_weight: bool, has_bias: bool):
+    rest = list(rest)
+    w = rest.pop(0) if has_weight else None
+    b = rest.pop(0) if has_bias else None
+    return w, b
+
+
+def _nonzero(t) -> bool:
+    """Whether a tangent (None for an absent operand) is not a symbolic zero."""
+    return t is not None and type(t) is not ad.Zero
+
+
+def _total(terms: list[jax.Array], x: jax.Array, c) -> jax.Array:
+    """The sum of the JVP's tangent terms (zeros if every tangent was symbolic zero)."""
+    return sum(terms[1:], terms[0]) if terms else jnp.zeros(x.shape, c)
+
+
+def _affine(xhat, x, w, b, c):
+    y = xhat if w is None else xhat * _like_x(w, x, c)
+    return y if b is None else y + _like_x(b, x, c)
+
+
+# --- rmsnorm ------------------------------------------------------------------------------
+
+
+def rmsnorm_reference(x, *rest, eps, has_weight):
+    """The XLA lowering of ``ts_rmsnorm`` (and the test oracle of its kernels)."""
+    c = compute_dtype(x.dtype)
+    w, _ = _split(rest, has_weight, False)
+    xhat, _ = _rms_stats(x.astype(c), eps)
+    return _affine(xhat, x, w, None, c).astype(x.dtype)
+
+
+rmsnorm_op = Operator("rmsnorm", reference=rmsnorm_reference, abstract_eval=lambda x, *_, **__: x)
+
+
+def _rmsnorm_jvp(primals, tangents, *, eps, has_weight):
+    x, *rest = primals
+    tx, *trest = tangents
+    w, _ = _split(rest, has_weight, False)
+    tw, _ = _split(trest, has_weight, False)
+    y = rmsnorm_op.bind(*primals, eps=eps, has_weight=has_weight)
+    c = compute_dtype(x.dtype)
+    xhat, r = _rms_stats(x.astype(c), eps)
+    terms = []
+    if _nonzero(tx):
+        txc = tx.astype(c)
+        d = r * (txc - xhat * _mean(xhat * txc))
+        terms.append(d if w is None else d * _like_x(w, x, c))
+    if _nonzero(tw):
+        terms.append(xhat * _like_x(tw, x, c))
+    return y, _total(terms, x, c).astype(y.dtype)
+
+
+ad.primitive_jvps[rmsnorm_op.prim] = _rmsnorm_jvp
+
+
+# --- layernorm ----------------------------------------------------------------------------
+
+
+def layernorm_reference(x, *rest, eps, has_weight, has_bias):
+    """The XLA lowering of ``ts_layernorm`` (and the test oracle of its kernels)."""
+    c = compute_dtype(x.dtype)
+    w, b = _split(rest, has_weight, has_bias)
+    xhat, _ = _ln_stats(x.astype(c), eps)
+    return _affine(xhat, x, w, b, c).astype(x.dtype)
+
+
+layernorm_op = Operator(
+    "layernorm", reference=layernorm_reference, abstract_eval=lambda x, *_, **__: x
+)
+
+
+def _layernorm_jvp(primals, tangents, *, eps, has_weight, has_bias):
+    x, *rest = primals
+    tx, *trest = tangents
+    w, _ = _split(rest, has_weight, has_bias)
+    tw, tb = _split(trest, has_weight, has_bias)
+    y = layernorm_op.bind(*primals, eps=eps, has_weight=has_weight, has_bias=has_bias)
+    c = compute_dtype(x.dtype)
+    xhat, r = _ln_stats(x.astype(c), eps)
+    terms = []
+    if _nonzero(tx):
+        txc = tx.astype(c)
+        dc = txc - _mean(txc)
+        d = r * (dc - xhat * _mean(xhat * dc))
+        terms.append(d if w is None else d * _like_x(w, x, c))
+    if _nonzero(tw):
+        terms.append(xhat * _like_x(tw, x, c))
+    if _nonzero(tb):
+        terms.append(jnp.broadcast_to(_like_x(tb, x, c), x.shape))
+    return y, _total(terms, x, c).astype(y.dtype)
+
+
+ad.primitive_jvps[layernorm_op.prim] = _layernorm_jvp
+
+
+# --- batching -----------------------------------------------------------------------------
+
+
+def _norm_batcher(op: Operator):
+    """vmap over any operand: x's batch dim goes first; a batched weight/bias becomes
+    ``(N, 1, …, 1, D)``, which the primitive broadcasts against x."""
+
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+        x = move_bdim_to_front(args[0], dims[0], size)
+        rest = []
+        for p, d in zip(args[1:], dims[1:]):
+            if d is not_mapped:
+                rest.append(p)
+            else:
+                p = jnp.moveaxis(p, d, 0)
+                rest.append(p.reshape((size,) + (1,) * (x.ndim - p.ndim) + p.shape[1:]))
+        return op.bind(x, *rest, **params), 0
+
+    return rule
+
+
+batching.primitive_batchers[rmsnorm_op.prim] = _norm_batcher(rmsnorm_op)
+batching.primitive_batchers[layernorm_op.prim] = _norm_batcher(layernorm_op)
+
+
+# --- public functions ---------------------------------------------------------------------
+
+
+def _check_eps(name: str, eps, *, allow_zero: bool) -> float:
+    ok = isinstance(eps, (int, float, np.integer, np.floating)) and not isinstance(eps, bool)
+    if not ok:
+        raise TypeError(f"{name}: eps={eps!r} must be a Python float")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0 or (eps == 0 and not allow_zero):
+        need = "a finite float ≥ 0" if allow_zero else "a finite float > 0"
+        raise ValueError(f"{name}: eps={eps} must be {need}")
+    return eps
+
+
+def _check_x(name: str, x) -> jax.Array:
+    x = as_array(name, "x", x)
+    check_dtype(name, "x", x, _FLOATING)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: x must have at least one dimension, got a scalar")
+    return x
+
+
+def _check_param(name: str, arg: str, p, x: jax.Array) -> jax.Array | None:
+    if p is None:
+        return None
+    p = as_array(name, arg, p)
+    check_dtype(name, arg, p, _FLOATING)
+    if p.shape != x.shape[-1:]:
+        raise ValueError(
+            f"{name}: {arg}.shape={p.shape} must be (D,) = {x.shape[-1:]}, the last dimension "
+            f"of x.shape={x.shape}"
+        )
+    return p
+
+
+def _rms(name, x, weight, eps, allow_zero_eps):
+    x = _check_x(name, x)
+    weight = _check_param(name, "weight", weight, x)
+    eps = _check_eps(name, eps, allow_zero=allow_zero_eps)
+    operands = (x,) if weight is None else (x, weight)
+    return rmsnorm_op.bind(*operands, eps=eps, has_weight=weight is not None)
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Root-mean-square normalisation over the last axis: ``x / sqrt(mean(x²) + eps) · weight``.
+
+    Arguments:
+      x: a floating array ``(..., D)``.
+      weight: the scale, shape ``(D,)``, any floating dtype.
+      eps: a finite float > 0 added to the mean square.
+    Returns:
+      An array of ``x``'s shape and dtype. Statistics in f32 for 8-/16-bit inputs.
+    """
+    if weight is None:
+        raise TypeError("rmsnorm: weight is required (use rmsnorm_safe for no weight)")
+    return _rms("rmsnorm", x, weight, eps, False)
+
+
+def rmsnorm_safe(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """rmsnorm with an optional ``weight`` that is safe on all-zero rows for any ``eps ≥ 0``.
+
+    Statistics are always at least f32. A row whose ``mean(x²) + eps`` is 0 (an
+    all-zero row with ``eps=0``) gives zeros with zero gradients instead of NaN;
+    with ``eps > 0`` this is ``rmsnorm`` exactly (the same ``ts_rmsnorm`` primitive).
+
+    Arguments:
+      x: a floating array ``(..., D)``.
+      weight: None (no scale) or the scale, shape ``(D,)``.
+      eps: a finite float ≥ 0.
+    """
+    return _rms("rmsnorm_safe", x, weight, eps, True)
+
+
+def layernorm(
+    x: jax.Array,
+    weight: jax.Array | None,
+    bias: jax.Array | None,
+    eps: float = 1e-5,
+) -> jax.Array:
+    """Layer normalisation over the last axis: ``(x − μ) / sqrt(σ² + eps) · weight + bias``.
+
+    Arguments:
+      x: a floating array ``(..., D)``.
+      weight: the scale, shape ``(D,)``, or None for none.
+      bias: the shift, shape ``(D,)``, or None for none.
+      eps: a finite float > 0 added to the variance.
+    Returns:
+      An array of ``x``'s shape and dtype. Mean and (two-pass) variance in f32
+      for 8-/16-bit inputs.
+    """
+    x = _check_x("layernorm", x)
+    weight = _check_param("layernorm", "weight", weight, x)
+    bias = _check_param("layernorm", "bias", bias, x)
+    eps = _check_eps("layernorm", eps, allow_zero=False)
+    operands = [x] + [p for p in (weight, bias) if p is not None]
+    return layernorm_op.bind(
+        *operands, eps=eps, has_weight=weight is not None, has_bias=bias is not None
+    )
