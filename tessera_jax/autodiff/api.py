@@ -1,0 +1,474 @@
+"""The user-facing autodiff API: grad, value_and_grad, autodiff, custom_vjp/jvp, jit.
+
+Everything here is a thin layer over ``jax.grad`` / ``jax.vjp`` / ``jax.custom_vjp`` /
+``jax.jit``; Tessera operators carry their own adjoints (JVP and transpose rules
+next to each primitive), so a ``ts.grad`` backward pass is a graph of ts operators.
+
+What the layer adds:
+
+* ``wrt=("W", "b")``: select differentiated arguments by parameter name;
+* loss scaling for mixed-precision training (``loss_scale=`` or a
+  ``ts.loss_scale(s)`` in the argument annotations), with a finiteness flag;
+* ``@ts.autodiff``'s ``f.adjoint_graph(*args)``: the backward pass as a jaxpr;
+* ``ts.jit``: ``jax.jit`` plus the ``ts.Tensor[...]`` annotation checks
+  (tessera_jax/numerics/annotations.py) and the accumulation policies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tessera_jax.numerics import annotations as _ann
+from tessera_jax.numerics.context import accumulation
+from tessera_jax.numerics.dtypes import LossScale
+
+__all__ = ["autodiff", "custom_jvp", "custom_vjp", "grad", "jit", "value_and_grad"]
+
+
+# --- argument selection -----------------------------------------------------------------
+
+
+def _check_callable(api: str, f: Any) -> None:
+    if not callable(f):
+        raise TypeError(f"{api}: expected a function, got a {type(f).__name__}")
+
+
+def _fname(f: Callable) -> str:
+    return getattr(inspect.unwrap(f), "__name__", None) or type(f).__name__
+
+
+def _signature(api: str, f: Callable) -> inspect.Signature:
+    try:
+        return inspect.signature(f)  # follows __wrapped__: ts.jit, @ts.autodiff, jax.jit
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{api}: wrt= needs the parameter names of {_fname(f)}, but its signature cannot "
+            f"be read ({e}); use argnums="
+        ) from None
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _wrt_argnums(
+    api: str, f: Callable, wrt: Any, argnums: Any
+) -> tuple[int | tuple[int, ...], inspect.Signature]:
+    """``wrt`` (a name or a tuple of names) as jax ``argnums`` (an int or a tuple)."""
+    if argnums != 0:
+        raise ValueError(
+            f"{api}: pass either wrt= or argnums=, not both (got wrt={wrt!r}, argnums={argnums!r})"
+        )
+    single = isinstance(wrt, str)
+    names = (wrt,) if single else tuple(wrt)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{api}: wrt={wrt!r} must be a parameter name or a tuple of names")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{api}: wrt={wrt!r} names a parameter twice")
+    sig = _signature(api, f)
+    params = list(sig.parameters.values())
+    listing = ", ".join(p.name for p in params)
+    idx = []
+    for n in names:
+        p = sig.parameters.get(n)
+        if p is None:
+            raise ValueError(
+                f"{api}: wrt={n!r} is not a parameter of {_fname(f)}; "
+                f"its parameters are ({listing})"
+            )
+        if p.kind not in _POSITIONAL:
+            raise ValueError(
+                f"{api}: wrt={n!r} is a keyword-only or variadic parameter of {_fname(f)}; "
+                "only positional parameters can be differentiated"
+            )
+        idx.append(params.index(p))
+    return (idx[0] if single else tuple(idx)), sig
+
+
+def _as_positional(sig: inspect.Signature, argnums, args: tuple, kwargs: dict):
+    """Moves differentiated arguments passed by keyword (or left at their default) into args."""
+    top = max(argnums) if isinstance(argnums, tuple) else argnums
+    if top < len(args):
+        return args, kwargs
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.args, bound.kwargs
+
+
+def _argnum_names(f: Callable, argnums) -> list[str]:
+    """Parameter names of the differentiated positions (positions past the named ones dropped)."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    return [params[i].name for i in nums if i < len(params) and params[i].kind in _POSITIONAL]
+
+
+# --- loss scaling -----------------------------------------------------------------------
+
+
+def _as_scale(api: str, loss_scale: Any) -> Any:
+    """``loss_scale=`` as a Python float or a scalar float array (dynamic loss scaling)."""
+    if isinstance(loss_scale, LossScale):
+        return loss_scale.scale
+    if isinstance(loss_scale, (jax.Array, np.ndarray)):
+        if loss_scale.ndim != 0 or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+            raise TypeError(
+                f"{api}: loss_scale must be a scalar float array, got shape "
+                f"{loss_scale.shape} dtype {loss_scale.dtype}"
+            )
+        return loss_scale
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return LossScale(float(loss_scale)).scale  # validates: positive and finite
+    if hasattr(loss_scale, "storage"):  # a Policy or a precision policy
+        s = _ann.policy_loss_scale(loss_scale)
+        if s is None:
+            raise ValueError(f"{api}: the policy {loss_scale!r} carries no ts.loss_scale(...)")
+        return s
+    raise TypeError(
+        f"{api}: loss_scale={loss_scale!r} must be a number, ts.loss_scale(s), a policy with "
+        "ts.loss_scale, or a scalar float array"
+    )
+
+
+def _annotated_scale(api: str, f: Callable, argnums) -> float | None:
+    """The ``ts.loss_scale`` in the annotations of the differentiated parameters."""
+    s = _ann.signature_of(f)
+    if s is None:
+        return None
+    found = {}
+    for name in _argnum_names(f, argnums):
+        spec = s.params.get(name)
+        if spec is not None and spec.loss_scale is not None:
+            found[name] = spec.loss_scale
+    if len(set(found.values())) > 1:
+        raise ValueError(
+            f"{api}: the differentiated arguments of {s.name} carry different loss scales "
+            f"{found}; pass loss_scale= explicitly"
+        )
+    return next(iter(found.values()), None)
+
+
+def _at_least_f32(dtype: Any) -> np.dtype:
+    """f32 for 8/16-bit floats, else ``dtype`` (the precision loss scaling works in)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _unscale(grads: Any, scale: Any) -> tuple[Any, jax.Array]:
+    """Gradients divided by ``scale`` in (at least) f32, and whether all are finite."""
+
+    def one(g):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
+            return g  # float0 cotangents of integer arguments
+        dt = _at_least_f32(g.dtype)
+        return g.astype(dt) / jnp.asarray(scale, dt)
+
+    grads = jax.tree.map(one, grads)
+    flags = [
+        jnp.all(jnp.isfinite(g))
+        for g in jax.tree.leaves(grads)
+        if jnp.issubdtype(g.dtype, jnp.inexact)
+    ]
+    finite = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+    return grads, finite
+
+
+# --- grad / value_and_grad --------------------------------------------------------------
+
+
+def _transform(f, argnums, wrt, has_aux, loss_scale, with_value: bool):
+    api = "ts.value_and_grad" if with_value else "ts.grad"
+    _check_callable(api, f)
+    sig = None
+    if wrt is not None:
+        argnums, sig = _wrt_argnums(api, f, wrt, argnums)
+    static_scale = None if loss_scale is None else _as_scale(api, loss_scale)
+    annotated: list[Any] = []  # the annotation's scale, resolved at the first call
+
+    def scale_for_call():
+        if loss_scale is not None:
+            return static_scale
+        if not annotated:
+            annotated.append(_annotated_scale(api, f, argnums))
+        return annotated[0]
+
+    @functools.wraps(f, updated=())
+    def transformed(*args, **kwargs):
+        if sig is not None:
+            args, kwargs = _as_positional(sig, argnums, args, kwargs)
+        scale = scale_for_call()
+        if scale is None:
+            fn = jax.value_and_grad if with_value else jax.grad
+            return fn(f, argnums, has_aux=has_aux)(*args, **kwargs)
+
+        def scaled(*a, **k):
+            out = f(*a, **k)
+            loss, aux = out if has_aux else (out, None)
+            loss_arr = jnp.asarray(loss)
+            dt = _at_least_f32(loss_arr.dtype)
+            return loss_arr.astype(dt) * jnp.asarray(scale, dt), (loss, aux)
+
+        (_, (value, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
+            *args, **kwargs
+        )
+        grads, finite = _unscale(grads, scale)
+        if with_value:
+            return ((value, aux) if has_aux else value), grads, finite
+        return (grads, aux, finite) if has_aux else (grads, finite)
+
+    return transformed
+
+
+def grad(
+    f: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    wrt: str | Sequence[str] | None = None,
+    has_aux: bool = False,
+    loss_scale: Any = None,
+) -> Callable:
+    """The gradient of a scalar function, as ``jax.grad``, with names and loss scaling.
+
+    **Arguments:**
+
+    - ``f``: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``). A ``ts.jit``,
+      ``@ts.autodiff`` or ``jax.jit`` function works: names are read through ``__wrapped__``.
+    - ``argnums``: positions differentiated, an int (a bare gradient) or a tuple (a tuple).
+    - ``wrt``: instead of ``argnums``, parameter names: ``wrt="W"`` gives a bare gradient,
+      ``wrt=("W", "b")`` a tuple. The two are exclusive (leave ``argnums`` at its default).
+      The named arguments may be passed positionally, by keyword or left at their default.
+    - ``loss_scale``: a positive number, ``ts.loss_scale(s)``, a policy carrying
+      ``ts.loss_scale(s)`` or a scalar float array (dynamic loss scaling). When None, a
+      ``ts.loss_scale(s)`` in the ``ts.Tensor`` annotation of a differentiated parameter
+      is used. The loss is multiplied by ``s`` (in at least f32) before differentiating and
+      the gradients divided by ``s`` afterwards, in f32 (f64 for f64 arguments): the
+      gradients of 8/16-bit arguments come back in f32, as the master gradients of
+      mixed-precision training.
+
+    **Returns:** a function of ``f``'s arguments returning
+
+    ============================  ========================  ============================
+    loss scaling                  ``has_aux=False``         ``has_aux=True``
+    ============================  ========================  ============================
+    off                           ``grads``                 ``(grads, aux)``
+    on                            ``(grads, finite)``       ``(grads, aux, finite)``
+    ============================  ========================  ============================
+
+    ``finite`` is a bool scalar array: every gradient is finite (no overflow at this
+    scale). A training step skips the update and lowers the scale when it is False.
+    """
+    return _transform(f, argnums, wrt, has_aux, loss_scale, with_value=False)
+
+
+def value_and_grad(
+    f: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    wrt: str | Sequence[str] | None = None,
+    has_aux: bool = False,
+    loss_scale: Any = None,
+) -> Callable:
+    """The value and gradient of a scalar function; arguments as :func:`grad`.
+
+    **Returns:** a function of ``f``'s arguments returning
+
+    ============================  ============================  ===================================
+    loss scaling                  ``has_aux=False``             ``has_aux=True``
+    ============================  ============================  ===================================
+    off                           ``(value, grads)``            ``((value, aux), grads)``
+    on                            ``(value, grads, finite)``    ``((value, aux), grads, finite)``
+    ============================  ============================  ===================================
+
+    With loss scaling, ``value`` is the unscaled loss as ``f`` returned it.
+    """
+    return _transform(f, argnums, wrt, has_aux, loss_scale, with_value=True)
+
+
+# --- operator graphs --------------------------------------------------------------------
+
+
+def autodiff(f: Callable) -> Callable:
+    """Marks ``f`` as a differentiable operator graph; calling it is unchanged.
+
+    ``f.adjoint_graph(*args, **kwargs)`` returns the backward pass as a
+    ``jax.core.ClosedJaxpr``: the VJP of ``f`` with respect to every positional
+    argument (keyword arguments held fixed), applied to a cotangent of ones. Its
+    equations are the adjoints of the ts operators in ``f`` (``ts_matmul``, …),
+    with the forward residuals as constants.
+    """
+    _check_callable("ts.autodiff", f)
+
+    @functools.wraps(f)
+    def graph(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    def adjoint_graph(*args, **kwargs):
+        out, vjp_fn = jax.vjp(functools.partial(f, **kwargs), *args)
+        return jax.make_jaxpr(vjp_fn)(jax.tree.map(jnp.ones_like, out))
+
+    graph.adjoint_graph = adjoint_graph
+    graph.__tessera_autodiff__ = True
+    return graph
+
+
+def _n_positional(api: str, fun: Callable, nondiff_argnums, nondiff_argnames) -> int | None:
+    """How many differentiated positional parameters ``fun`` has (None: variadic/unknown)."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    pos = [p for i, p in enumerate(params) if p.kind in _POSITIONAL and i not in nondiff_argnums]
+    return len([p for p in pos if p.name not in nondiff_argnames])
+
+
+class _CustomRule:
+    """Shared by custom_vjp / custom_jvp: a callable wrapping the jax object."""
+
+    _jax_cls: Any = None
+
+    def __init__(self, fun: Callable, nondiff_argnums=(), nondiff_argnames=()):
+        _check_callable(self._api, fun)
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = tuple(nondiff_argnums)
+        self.nondiff_argnames = tuple(nondiff_argnames)
+        extra = {"nondiff_argnames": self.nondiff_argnames} if self.nondiff_argnames else {}
+        self._rule = self._jax_cls(fun, nondiff_argnums=self.nondiff_argnums, **extra)
+
+    def __call__(self, *args, **kwargs):
+        return self._rule(*args, **kwargs)
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"ts.{type(self).__name__}({_fname(self.fun)})"
+
+
+class custom_vjp(_CustomRule):
+    """``jax.custom_vjp`` for ts code: ``@ts.custom_vjp`` then ``f.defvjp(fwd, bwd)``.
+
+    ``fwd(*args) -> (out, residuals)``; ``bwd(residuals, ct_out)`` returns one
+    cotangent per differentiated argument, as a tuple; a function of one
+    argument may return it bare (``return grad_input``; if that argument is
+    itself a tuple, return ``(ct,)``). Also usable as
+    ``@ts.custom_vjp(nondiff_argnums=(1,))``.
+    """
+
+    _jax_cls = jax.custom_vjp
+    _api = "ts.custom_vjp"
+
+    def __new__(cls, fun=None, nondiff_argnums=(), nondiff_argnames=()):
+        if fun is None:
+            return lambda g: cls(g, nondiff_argnums, nondiff_argnames)
+        return super().__new__(cls)
+
+    def defvjp(self, fwd: Callable, bwd: Callable, **kwargs) -> None:
+        """Sets the forward (``fwd``) and backward (``bwd``) rules; as ``jax.custom_vjp.defvjp``."""
+        _check_callable("ts.custom_vjp.defvjp", fwd)
+        _check_callable("ts.custom_vjp.defvjp", bwd)
+        one_arg = (
+            _n_positional(self._api, self.fun, self.nondiff_argnums, self.nondiff_argnames) == 1
+        )
+
+        @functools.wraps(bwd)
+        def bwd_tuple(*a):
+            ct = bwd(*a)
+            return (ct,) if one_arg and not isinstance(ct, tuple) else ct
+
+        self._rule.defvjp(fwd, bwd_tuple, **kwargs)
+
+
+class custom_jvp(_CustomRule):
+    """``jax.custom_jvp`` for ts code: ``@ts.custom_jvp`` then ``@f.defjvp``.
+
+    ``jvp(primals, tangents) -> (primal_out, tangent_out)``. Also usable as
+    ``@ts.custom_jvp(nondiff_argnums=(1,))``.
+    """
+
+    _jax_cls = jax.custom_jvp
+    _api = "ts.custom_jvp"
+
+    def __new__(cls, fun=None, nondiff_argnums=(), nondiff_argnames=()):
+        if fun is None:
+            return lambda g: cls(g, nondiff_argnums, nondiff_argnames)
+        return super().__new__(cls)
+
+    def defjvp(self, jvp: Callable, **kwargs) -> Callable:
+        """Sets the JVP rule; returns it, so ``@f.defjvp`` works as a decorator."""
+        _check_callable("ts.custom_jvp.defjvp", jvp)
+        self._rule.defjvp(jvp, **kwargs)
+        return jvp
+
+    def defjvps(self, *tangent_fns: Callable | None) -> None:
+        """One ``tangent_fn(t, primal_out, *primals)`` per argument, as in jax."""
+        self._rule.defjvps(*tangent_fns)
+
+
+# --- jit --------------------------------------------------------------------------------
+
+
+def _with_regions(f: Callable) -> Callable:
+    """The distribution helper's region-privilege wrapper, when it exists and applies."""
+    try:
+        from tessera_jax.sharding import regions
+    except ImportError:
+        return f
+    return regions.wrap(f) if regions.has_regions(f) else f
+
+
+def _checked(f: Callable) -> Callable:
+    """``f`` with its ``ts.Tensor`` annotations checked and applied at trace time."""
+    resolved: list[_ann.Signature | None] = []  # resolved at the first trace (forward refs)
+
+    @functools.wraps(f)
+    def body(*args, **kwargs):
+        if not resolved:
+            resolved.append(_ann.signature_of(f))
+        s = resolved[0]
+        if s is None or s.empty:
+            return f(*args, **kwargs)
+        dims = _ann.check_arguments(s, args, kwargs)
+        acc = s.accumulate()
+        with accumulation(acc) if acc is not None else contextlib.nullcontext():
+            out = f(*args, **kwargs)
+        return _ann.finish_output(s, dims, out)
+
+    return body
+
+
+def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwargs: Any):
+    """``jax.jit`` with Tessera's trace-time annotation checks.
+
+    Usable as ``@ts.jit``, ``@ts.jit(static_argnames=...)`` or ``ts.jit(f, ...)``.
+    Keyword arguments go to ``jax.jit`` (an unknown one raises there).
+
+    At each trace, ``ts.Tensor[...]`` annotations are checked and applied (ranks,
+    named dimensions across arguments, storage dtypes, the accumulation policy, the
+    return dtype: see tessera_jax/numerics/annotations.py). Functions whose
+    parameters carry region privileges are first wrapped by
+    ``tessera_jax.sharding.regions`` when that module is present.
+
+    ``capture_graph=True`` (CUDA-graph capture in Tessera) is accepted and currently
+    equivalent to plain jit: XLA already runs one compiled executable per call.
+
+    Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
+    attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s.
+    """
+    if f is None:
+        return lambda g: jit(g, capture_graph=capture_graph, **jit_kwargs)
+    _check_callable("ts.jit", f)
+    if not isinstance(capture_graph, bool):
+        raise TypeError(f"ts.jit: capture_graph={capture_graph!r} must be a bool")
+    return jax.jit(_checked(_with_regions(f)), **jit_kwargs)
