@@ -1,0 +1,23 @@
+"""Every notebook in notebooks/ runs top to bottom (code cells executed in one namespace)."""
+
+import json
+import pathlib
+
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, capsys):
+    cells = json.loads(path.read_text())["cells"]
+    namespace: dict = {"__name__": "__notebook__"}
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        exec(compile(source, f"{path.name}[cell {i}]", "exec"), namespace)
+
+
+def test_there_is_a_notebook():
+    assert NOTEBOOKS
