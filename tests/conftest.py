@@ -1,4 +1,5 @@
-"""Test configuration: 8 virtual CPU devices, strict dtype promotion, rank promotion raises."""
+"""Test configuration: 8 virtual CPU devices, strict dtype promotion, rank promotion raises,
+highest matmul precision."""
 
 import os
 
@@ -11,6 +12,8 @@ from tessera_jax import _compat
 _compat.cpu_device_count_flag(8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Full f32 products (GPUs default to TF32) so float64-reference tolerances hold on any backend.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 

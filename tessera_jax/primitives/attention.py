@@ -21,8 +21,9 @@ accumulator; memory is ``O(Sq·block_kv)`` per (batch, head), never ``Sq×Skv``.
 The GQA group of ``Hq/Hkv`` query heads is folded into the query rows of its kv
 head, so K/V are read once per kv head. Both matmuls take their operands in the
 input dtype (the probabilities are rounded to it before ``P·V``, as FlashAttention
-kernels do) and accumulate in f32 for 8-/16-bit inputs; f32 inputs multiply at
-full f32 precision (``Precision.HIGHEST``: no TF32 on GPUs). The softmax
+kernels do) and accumulate in f32 for 8-/16-bit inputs; f32 products follow
+``jax_default_matmul_precision`` as ``jnp.dot`` does (TF32 on GPUs by default;
+``"highest"`` for full f32). The softmax
 statistics and the accumulator are f32 (f64 for f64 inputs). A last, partial kv block is
 zero-padded and masked.
 
@@ -187,15 +188,9 @@ def _block_mask(g: _Geometry, j: jax.Array, causal: bool) -> jax.Array | None:
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
-    """``a``'s last dim contracted with ``b``'s dim ``contract``, batched over (B, Hkv).
-
-    f32/f64 operands multiply at full precision (no TF32 on GPUs): the reference
-    is the oracle of the kernels and promises f32 arithmetic for f32 inputs.
-    """
+    """``a``'s last dim contracted with ``b``'s dim ``contract``, batched over (B, Hkv)."""
     dims = (((3,), (contract,)), ((0, 1), (0, 1)))
-    wide = np.dtype(a.dtype).itemsize >= 4
-    precision = jax.lax.Precision.HIGHEST if wide else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=acc)
 
 
 def _scores(g, q_rows, k_blk, j, causal, scale, acc):

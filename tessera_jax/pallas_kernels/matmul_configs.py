@@ -1,0 +1,338 @@
+"""Tile configurations of the Hopper matmul: a frozen, validated dataclass, the named candidates
+the autotuner searches, the per-shape heuristic and the hardware budget checks.
+
+A config describes one CTA (thread block) of the Mosaic GPU kernel in
+:mod:`tessera_jax.pallas_kernels.matmul_mgpu`: it computes a ``block_m × block_n``
+tile of C, stepping over K in ``block_k`` slices that a memory warpgroup streams
+into a ``num_stages``-deep ring of shared-memory buffers with TMA, while two compute
+warpgroups each own half of the tile (split along ``wg_dimension``) and issue
+``wgmma`` into f32 accumulators held in registers.
+
+Hardware limits (H100 / H200, sm_90a) the checks below enforce:
+
+* ``wgmma`` has a fixed M of 64 rows per warpgroup, N a multiple of 8 up to 256,
+  and K steps of 16 bytes × 8 = one 128-byte swizzle row (64 16-bit or 128 8-bit
+  elements), so ``block_k`` is a multiple of that and operand tiles are 128-byte
+  swizzled.
+* The accumulator of one warpgroup (``block_m × block_n / 2`` f32 values over 128
+  threads) must fit the register file next to addressing: at most 16384 values
+  (128 registers a thread; with ``setmaxnreg`` a compute thread gets 232).
+* Shared memory: 227 KiB (232448 bytes) a block: the operand ring plus the
+  epilogue staging buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# --- hardware budget (sm_90) -------------------------------------------------------------------
+SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
+SMEM_RESERVED = 1_024  # barriers and alignment padding the kernel allocates besides buffers
+WGMMA_M = 64  # rows of one wgmma instruction (per warpgroup)
+WGMMA_N_MAX = 256
+ACC_MAX_ELEMS = 16_384  # f32 accumulator values of one warpgroup (128 registers a thread)
+SWIZZLE_BYTES = 128
+NUM_COMPUTE_WGS = 2
+
+_DIMS = ("m", "n")
+
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), *FP8_DTYPES)
+
+
+def swizzle_elems(dtype: Any) -> int:
+    """Elements of ``dtype`` in one 128-byte swizzle row: the K granularity of wgmma."""
+    return SWIZZLE_BYTES // np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """One tile configuration of the Hopper matmul kernel.
+
+    Attributes:
+      block_m, block_n, block_k: the CTA tile ``(BM, BN, BK)`` (what ``tile_shape``
+        names); the two compute warpgroups split it along ``wg_dimension``.
+      num_stages: depth of the shared-memory ring (TMA loads in flight).
+      wg_dimension: ``"m"`` (each warpgroup owns ``BM/2 × BN``) or ``"n"`` (``BM × BN/2``).
+      grid_minor_dim, grid_tile_width: the persistent loop visits output tiles in a
+        planar snake of this width along this dimension (L2 reuse of A/B tiles).
+      epi_tile_m, epi_tile_n: the epilogue writes C through shared memory in
+        sub-tiles of this size (double-buffered TMA stores).
+      delay_release: keep this many wgmma groups in flight before releasing an
+        operand buffer (0 or 1).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 4
+    wg_dimension: str = "n"
+    grid_minor_dim: str = "n"
+    grid_tile_width: int = 8
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+    delay_release: int = 0
+    cluster_dimension: str | None = None
+
+    def __post_init__(self):
+        for f in (
+            "block_m",
+            "block_n",
+            "block_k",
+            "num_stages",
+            "grid_tile_width",
+            "epi_tile_m",
+            "epi_tile_n",
+        ):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"MatmulConfig: {f}={v!r} must be a positive int")
+        if self.wg_dimension not in _DIMS:
+            raise ValueError(f"MatmulConfig: wg_dimension={self.wg_dimension!r} must be 'm' or 'n'")
+        if self.grid_minor_dim not in _DIMS:
+            raise ValueError(
+                f"MatmulConfig: grid_minor_dim={self.grid_minor_dim!r} must be 'm' or 'n'"
+            )
+        if self.cluster_dimension not in (None, *_DIMS):
+            raise ValueError(
+                f"MatmulConfig: cluster_dimension={self.cluster_dimension!r} must be None, 'm' "
+                "or 'n'"
+            )
+        if self.delay_release not in (0, 1):
+            raise ValueError(f"MatmulConfig: delay_release={self.delay_release!r} must be 0 or 1")
+        if self.num_stages < 2:
+            raise ValueError(f"MatmulConfig: num_stages={self.num_stages} must be >= 2")
+        wm, wn = self.wg_tile
+        if wm % WGMMA_M:
+            raise ValueError(
+                f"MatmulConfig: a warpgroup's rows {wm} (block_m={self.block_m}, "
+                f"wg_dimension={self.wg_dimension!r}) must be a multiple of the wgmma M={WGMMA_M}"
+            )
+        if wn % 8 or wn > WGMMA_N_MAX:
+            raise ValueError(
+                f"MatmulConfig: a warpgroup's columns {wn} must be a multiple of 8 and at most "
+                f"the wgmma N limit {WGMMA_N_MAX}"
+            )
+        if wm * wn > ACC_MAX_ELEMS:
+            raise ValueError(
+                f"MatmulConfig: a warpgroup's f32 accumulator {wm}x{wn} = {wm * wn} values "
+                f"exceeds the register budget of {ACC_MAX_ELEMS} (128 registers a thread)"
+            )
+        if wm % self.epi_tile_m or wn % self.epi_tile_n:
+            raise ValueError(
+                f"MatmulConfig: epilogue tile {self.epi_tile_m}x{self.epi_tile_n} must divide "
+                f"the warpgroup tile {wm}x{wn}"
+            )
+
+    @property
+    def wg_tile(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the output tile one compute warpgroup owns."""
+        if self.wg_dimension == "m":
+            return self.block_m // NUM_COMPUTE_WGS, self.block_n
+        return self.block_m, self.block_n // NUM_COMPUTE_WGS
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if self.cluster_dimension is None else 2
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """``(rows, cols)`` of C one cluster of CTAs computes (the padding multiple)."""
+        return (
+            self.block_m * (2 if self.cluster_dimension == "m" else 1),
+            self.block_n * (2 if self.cluster_dimension == "n" else 1),
+        )
+
+    @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        return (self.block_m, self.block_n, self.block_k)
+
+    def replace(self, **changes: Any) -> MatmulConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# --- shared-memory accounting ------------------------------------------------------------------
+
+
+def _itemsize(dtype: Any) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def epilogue_smem_bytes(
+    cfg: MatmulConfig, out_dtype: Any, res_dtype: Any | None, has_vec: bool
+) -> int:
+    """Epilogue staging: two output slots per warpgroup (+ residual slots, + scale/bias rows)."""
+    epi = cfg.epi_tile_m * cfg.epi_tile_n
+    slots = min(2, math.prod(cfg.wg_tile) // epi)
+    b = NUM_COMPUTE_WGS * slots * epi * _itemsize(out_dtype)
+    if res_dtype is not None:
+        b += NUM_COMPUTE_WGS * slots * epi * _itemsize(res_dtype)
+    if has_vec:
+        b += NUM_COMPUTE_WGS * 2 * cfg.wg_tile[1] * 4
+    return b
+
+
+def stage_smem_bytes(cfg: MatmulConfig, dtype_a: Any, dtype_b: Any) -> int:
+    """Shared memory of one pipeline stage: an A tile and a B tile."""
+    return cfg.block_k * (cfg.block_m * _itemsize(dtype_a) + cfg.block_n * _itemsize(dtype_b))
+
+
+def smem_bytes(
+    cfg: MatmulConfig,
+    dtype_a: Any,
+    dtype_b: Any,
+    out_dtype: Any,
+    res_dtype: Any | None = None,
+    has_vec: bool = False,
+) -> int:
+    return (
+        cfg.num_stages * stage_smem_bytes(cfg, dtype_a, dtype_b)
+        + epilogue_smem_bytes(cfg, out_dtype, res_dtype, has_vec)
+        + SMEM_RESERVED
+    )
+
+
+def fit_stages(
+    cfg: MatmulConfig,
+    dtype_a: Any,
+    dtype_b: Any,
+    out_dtype: Any,
+    res_dtype: Any | None = None,
+    has_vec: bool = False,
+) -> MatmulConfig:
+    """``cfg`` with ``num_stages`` lowered until it fits shared memory; ValueError if 2 don't."""
+    stages = cfg.num_stages
+    while stages >= 2:
+        c = cfg.replace(num_stages=stages)
+        if smem_bytes(c, dtype_a, dtype_b, out_dtype, res_dtype, has_vec) <= SMEM_BYTES:
+            return c
+        stages -= 1
+    need = smem_bytes(cfg.replace(num_stages=2), dtype_a, dtype_b, out_dtype, res_dtype, has_vec)
+    raise ValueError(
+        f"matmul: tile_shape={cfg.tile_shape} needs {need} bytes of shared memory with 2 "
+        f"pipeline stages ({np.dtype(dtype_a).name} x {np.dtype(dtype_b).name} -> "
+        f"{np.dtype(out_dtype).name}), over the {SMEM_BYTES}-byte shared-memory limit of "
+        "an sm_90 block; use a smaller block_k or block_n"
+    )
+
+
+# --- user tile shapes --------------------------------------------------------------------------
+
+
+def config_for_tile_shape(
+    tile_shape: tuple[int, int, int], dtype_a: Any, dtype_b: Any, num_stages: int = 4
+) -> MatmulConfig:
+    """The config running a user ``tile_shape=(BM, BN, BK)``, or a ValueError naming the limit.
+
+    The warpgroup split is chosen from the shape: along M when each half keeps a
+    multiple of 64 rows, else along N.
+    """
+    if (
+        not isinstance(tile_shape, (tuple, list))
+        or len(tile_shape) != 3
+        or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tile_shape)
+    ):
+        raise ValueError(
+            f"matmul: tile_shape={tile_shape!r} must be a tuple of 3 ints (BM, BN, BK)"
+        )
+    bm, bn, bk = (int(t) for t in tile_shape)
+    if min(bm, bn, bk) <= 0:
+        raise ValueError(f"matmul: tile_shape={tile_shape} must be positive")
+    itemsize = max(_itemsize(dtype_a), _itemsize(dtype_b))
+    k_mult = SWIZZLE_BYTES // itemsize
+    if bm % WGMMA_M:
+        raise ValueError(
+            f"matmul: tile_shape BM={bm} must be a multiple of the wgmma M instruction shape "
+            f"{WGMMA_M} (sm_90 warpgroup MMA)"
+        )
+    if bk % k_mult:
+        raise ValueError(
+            f"matmul: tile_shape BK={bk} must be a multiple of {k_mult} for "
+            f"{np.dtype(dtype_a).name} operands (one {SWIZZLE_BYTES}-byte swizzled wgmma K step)"
+        )
+    if bn % 64:
+        raise ValueError(
+            f"matmul: tile_shape BN={bn} must be a multiple of 64 (the wgmma N of a "
+            f"{SWIZZLE_BYTES}-byte swizzled B tile and of the 64x64 epilogue tile)"
+        )
+    errors = []
+    for wg_dim in ("m", "n"):
+        try:
+            cfg = MatmulConfig(
+                block_m=bm, block_n=bn, block_k=bk, num_stages=num_stages, wg_dimension=wg_dim
+            )
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        return cfg
+    raise ValueError(
+        f"matmul: tile_shape={tuple(tile_shape)} cannot run on sm_90: " + "; ".join(errors)
+    )
+
+
+def validate_tile_shape(tile_shape: tuple[int, int, int], dtype_a: Any, dtype_b: Any) -> None:
+    """Raises ValueError (naming the hardware limit) unless Hopper can run ``tile_shape``.
+
+    Checks the wgmma instruction multiples, the per-warpgroup register budget of
+    the accumulator and the shared-memory budget of a 2-stage pipeline with the
+    smallest epilogue (the kernel lowers stages further only to fit its epilogue).
+    """
+    da, db = np.dtype(dtype_a), np.dtype(dtype_b)
+    if da != db:
+        if not (da in FP8_DTYPES and db in FP8_DTYPES):
+            return  # not a kernel case: the reference runs it and ignores tile_shape
+        da = db = np.dtype("bfloat16")  # mixed fp8 runs on bf16 copies
+    elif da not in KERNEL_DTYPES:
+        return
+    cfg = config_for_tile_shape(tile_shape, da, db, num_stages=2)
+    fit_stages(cfg, da, db, da)
+
+
+# --- named candidates and the heuristic --------------------------------------------------------
+
+CANDIDATES: dict[str, MatmulConfig] = {
+    # 128x256 CTA, two 128x128 warpgroups: the large-square workhorse (bf16/f16).
+    "bf16_128x256x64_s4": MatmulConfig(128, 256, 64, 4, "n", "n", 8),
+    "bf16_256x128x64_s4": MatmulConfig(256, 128, 64, 4, "m", "n", 8),
+    "bf16_128x256x64_s4_dr1": MatmulConfig(128, 256, 64, 4, "n", "n", 8, delay_release=1),
+    "bf16_128x256x64_s4_w16": MatmulConfig(128, 256, 64, 4, "n", "m", 16),
+    "bf16_128x256x64_s4_wgm": MatmulConfig(128, 256, 64, 4, "m", "n", 8),
+    # 2-CTA clusters: the pair shares (TMA-multicasts) its common B (cluster "m") or A tile,
+    # a third less L2 -> SM traffic.
+    "bf16_128x256x64_s4_cm": MatmulConfig(128, 256, 64, 4, "n", "n", 8, cluster_dimension="m"),
+    "bf16_128x256x64_s4_cn": MatmulConfig(128, 256, 64, 4, "n", "n", 8, cluster_dimension="n"),
+    "bf16_128x256x64_s4_dr1_cm": MatmulConfig(
+        128, 256, 64, 4, "n", "n", 8, delay_release=1, cluster_dimension="m"
+    ),
+    "bf16_128x128x64_s6": MatmulConfig(128, 128, 64, 6, "m", "n", 8),
+    # Small M (decode-like): a 64-row CTA, warpgroups split N.
+    "bf16_64x256x64_s6": MatmulConfig(64, 256, 64, 6, "n", "n", 4),
+    # 8-bit operands: K steps of 128 (one 128-byte swizzle row).
+    "fp8_128x256x128_s4": MatmulConfig(128, 256, 128, 4, "n", "n", 8),
+    "fp8_256x128x128_s4": MatmulConfig(256, 128, 128, 4, "m", "n", 8),
+    "fp8_128x256x128_s4_dr1": MatmulConfig(128, 256, 128, 4, "n", "n", 8, delay_release=1),
+    "fp8_128x256x128_s4_cm": MatmulConfig(128, 256, 128, 4, "n", "n", 8, cluster_dimension="m"),
+    # 64x32 epilogue sub-tiles: half the staging memory, so an f32 output keeps 4 stages.
+    "fp8_128x256x128_s4_e32": MatmulConfig(128, 256, 128, 4, "n", "n", 8, epi_tile_n=32),
+}
+
+
+def default_config(m: int, n: int, k: int, dtype_a: Any, dtype_b: Any) -> MatmulConfig:
+    """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)``."""
+    eight_bit = max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1
+    if eight_bit:
+        return CANDIDATES["fp8_128x256x128_s4"]
+    if m <= 64:
+        return CANDIDATES["bf16_64x256x64_s6"]
+    return CANDIDATES["bf16_128x256x64_s4"]
+
+
+def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
+    """The named candidates valid for these operand dtypes (the autotuner's search space)."""
+    prefix = "fp8_" if max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1 else "bf16_"
+    return {k: v for k, v in CANDIDATES.items() if k.startswith(prefix)}

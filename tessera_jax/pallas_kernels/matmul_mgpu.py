@@ -1,0 +1,593 @@
+"""Hopper (sm_90a) matmul in Pallas Mosaic GPU: TMA, wgmma, a warp-specialised multi-stage
+pipeline over a persistent grid, and a fused epilogue.
+
+Structure of one CTA (see :mod:`.matmul_configs` for the tile parameters):
+
+* three warpgroups: one *memory* warpgroup streams ``(BM, BK)`` A tiles and
+  ``(BK, BN)`` B tiles with TMA into a ``num_stages``-deep ring of 128-byte-swizzled
+  shared-memory buffers; two *compute* warpgroups each own half of the C tile and
+  issue ``wgmma`` into f32 accumulators in registers (``emit_pipeline_warp_specialized``);
+* a persistent loop: ``min(#SMs, #tiles)`` CTAs walk the (batch, M-tile, N-tile)
+  space in a planar snake, so consecutive tiles share A rows / B columns in L2
+  (optionally in 2-CTA clusters that TMA-multicast their shared operand tile);
+* the epilogue runs on the registers of the accumulator: ``scale · acc + bias``,
+  the activation, ``+ residual`` (staged into shared memory with TMA), the cast to
+  ``out_dtype``, and a double-buffered TMA store — one pass over C.
+
+Transposed operands cost no copy: a ``(K, M)`` A or an ``(N, K)`` B is loaded as
+stored and handed to wgmma through a transposed view of its shared-memory tile
+(the instruction's transpose bits, 16-bit types). 8-bit wgmma only reads K-major
+tiles, so fp8 operands are brought to ``A (M, K)`` / ``B (N, K)`` (an XLA transpose,
+as cuBLASLt's fp8 path does too); mixed e4m3 × e5m2 is computed on bf16 copies
+(exact: both formats embed in bf16) since wgmma needs one element type.
+
+Ragged M, N, K are zero-padded to tile multiples (K padding must be zeros; M/N
+padding is cut off the result). Batched operands run in the same persistent loop;
+a batch of A against one shared B folds into M.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import matmul_configs as mc
+from tessera_jax.pallas_kernels.matmul_configs import MatmulConfig, validate_tile_shape
+
+__all__ = ["MatmulConfig", "matmul", "prefer", "supports", "validate_tile_shape"]
+
+_F16 = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
+_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
+_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
+
+# CTAs of the persistent grid in interpret mode: each simulated warpgroup is a CPU
+# thread, so a small grid keeps CPU tests fast while still exercising the loop.
+INTERPRET_NUM_SMS = 2
+
+
+def _num_sms() -> int:
+    try:
+        return int(jax.devices()[0].core_count)
+    except Exception:  # pragma: no cover - backends without core_count
+        return 132
+
+
+def _erf(x: jax.Array) -> jax.Array:
+    """erf from exp and a rational term (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7).
+
+    Mosaic GPU's warpgroup lowering has no layout rule for ``math.erf`` (jax 0.10);
+    exp, abs and division lower everywhere.
+    """
+    ax = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * ax)
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
+    y = 1.0 - poly * jnp.exp(-(ax * ax))
+    return jnp.where(x < 0.0, -y, y)
+
+
+def _activation(x: jax.Array, activation: str | None) -> jax.Array:
+    if activation is None:
+        return x
+    if activation == "relu":
+        return jnp.maximum(x, 0.0)
+    if activation == "gelu":
+        return 0.5 * x * (1.0 + _erf(x * _INV_SQRT_2))
+    if activation == "gelu_tanh":
+        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+    raise ValueError(f"matmul: unknown activation {activation!r}")
+
+
+# --- the kernel --------------------------------------------------------------------------------
+
+
+def _build_kernel(
+    *,
+    cfg: MatmulConfig,
+    batch: int,
+    a_batched: bool,
+    b_batched: bool,
+    m: int,
+    n: int,
+    k: int,
+    dtype: np.dtype,
+    out_dtype: np.dtype,
+    res_dtype: np.dtype | None,
+    transpose_a: bool,
+    transpose_b: bool,
+    has_scale: bool,
+    has_bias: bool,
+    activation: str | None,
+    num_sms: int,
+    interpret: bool,
+):
+    """The ``plgpu.kernel`` computing one padded, 3-D-batched problem."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bm, bn, bk = cfg.tile_shape
+    wm, wn = cfg.wg_tile
+    cs = cfg.cluster_size
+    cm, cn = cfg.cluster_tile
+    m_iters, n_iters, k_iters = m // cm, n // cn, k // bk
+    tiles_per_batch = m_iters * n_iters
+    num_tiles = batch * tiles_per_batch
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    num_out_slots = min(2, (wm * wn) // (epi_m * epi_n))
+    has_vec = has_scale or has_bias
+    has_res = res_dtype is not None
+    minor_dim = 0 if cfg.grid_minor_dim == "m" else 1
+    dr = cfg.delay_release
+
+    def swz(dt, minor_elems):
+        bits = np.dtype(dt).itemsize * 8
+        s = plgpu.find_swizzle(minor_elems * bits)
+        return (plgpu.TilingTransform((8, s * 8 // bits)), plgpu.SwizzleTransform(s))
+
+    # Operand tiles as stored: A (BM, BK) or, transposed, (BK, BM); B (BK, BN) or (BN, BK).
+    a_block = (bk, bm) if transpose_a else (bm, bk)
+    b_block = (bn, bk) if transpose_b else (bk, bn)
+    a_tf = swz(dtype, a_block[1])
+    b_tf = swz(dtype, b_block[1])
+    out_tf = swz(out_dtype, epi_n)
+    res_tf = swz(res_dtype, epi_n) if has_res else None
+    a_index = (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk))
+    b_index = (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0))
+
+    def kernel(a_gmem, b_gmem, *rest):
+        rest = list(rest)
+        vec_gmem = rest.pop(0) if has_vec else None
+        res_gmem = rest.pop(0) if has_res else None
+        out_gmem, out_smem = rest[0], rest[1]
+        scr = rest[2:]
+        res_smem = scr.pop(0) if has_res else None
+        vec_smem = scr.pop(0) if has_vec else None
+        epi_barrier = scr.pop(0) if (has_res or has_vec) else None
+
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec(
+                        a_block,
+                        a_index,
+                        transforms=a_tf,
+                        memory_space=plgpu.SMEM,
+                        delay_release=dr,
+                        collective_axes=("cluster",) if cfg.cluster_dimension == "n" else (),
+                    ),
+                    plgpu.BlockSpec(
+                        b_block,
+                        b_index,
+                        transforms=b_tf,
+                        memory_space=plgpu.SMEM,
+                        delay_release=dr,
+                        collective_axes=("cluster",) if cfg.cluster_dimension == "m" else (),
+                    ),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=mc.NUM_COMPUTE_WGS,
+                max_concurrent_steps=cfg.num_stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # the bodies don't change the allocations
+        a0 = a_gmem.at[0]
+        b0 = b_gmem.at[0]
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a0, b0),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs):
+            wg_idx = lax.axis_index("wg")
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+            def _tile_loop(loop_info):
+                (lin,) = loop_info.index
+                if batch > 1:
+                    b_idx = lin // tiles_per_batch
+                    lin = lin % tiles_per_batch
+                else:
+                    b_idx = 0
+                m_idx, n_idx = plgpu.planar_snake(
+                    lin, (m_iters, n_iters), minor_dim, cfg.grid_tile_width
+                )
+                if cfg.cluster_dimension == "m":
+                    m_idx = m_idx * 2 + lax.axis_index("cluster")
+                elif cfg.cluster_dimension == "n":
+                    n_idx = n_idx * 2 + lax.axis_index("cluster")
+                cta_m = pl.ds(m_idx * bm, bm)
+                cta_n = pl.ds(n_idx * bn, bn)
+                if cfg.wg_dimension == "m":
+                    wg_m, wg_n = pl.ds(wg_idx * wm, wm), slice(None)
+                else:
+                    wg_m, wg_n = slice(None), pl.ds(wg_idx * wn, wn)
+                a_b = a_gmem.at[b_idx if a_batched else 0]
+                b_b = b_gmem.at[b_idx if b_batched else 0]
+                a_tile = a_b.at[:, cta_m] if transpose_a else a_b.at[cta_m, :]
+                b_tile = b_b.at[cta_n, :] if transpose_b else b_b.at[:, cta_n]
+                out_wg = out_gmem.at[b_idx].at[cta_m, cta_n].at[wg_m, wg_n]
+                res_wg = res_gmem.at[b_idx].at[cta_m, cta_n].at[wg_m, wg_n] if has_res else None
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        if has_vec:
+                            # scale/bias rows of this warpgroup's columns: issued before the
+                            # main loop so the copy hides behind it.
+                            plgpu.copy_gmem_to_smem(
+                                vec_gmem.at[:, cta_n].at[:, wg_n],
+                                vec_smem.at[wg_idx],
+                                epi_barrier.at[wg_idx * (1 + num_out_slots)],
+                            )
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        if has_vec:
+                            plgpu.barrier_wait(epi_barrier.at[wg_idx * (1 + num_out_slots)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for ei in range(wm // epi_m):
+                            for ej in range(wn // epi_n):
+                                esl_m = slice(ei * epi_m, (ei + 1) * epi_m)
+                                esl_n = slice(ej * epi_n, (ej + 1) * epi_n)
+                                slot = (ei * (wn // epi_n) + ej) % 2
+                                bar = (
+                                    epi_barrier.at[wg_idx * (1 + num_out_slots) + 1 + slot]
+                                    if has_res
+                                    else None
+                                )
+                                if has_res:
+                                    plgpu.copy_gmem_to_smem(
+                                        res_wg.at[esl_m, esl_n], res_smem.at[wg_idx, slot], bar
+                                    )
+                                v = acc[esl_m, esl_n]
+                                if has_scale:
+                                    srow = vec_smem[wg_idx, 0, esl_n]
+                                    v = v * lax.broadcast_in_dim(srow, (epi_m, epi_n), (1,))
+                                if has_bias:
+                                    brow = vec_smem[wg_idx, 1, esl_n]
+                                    v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
+                                v = _activation(v, activation)
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                if has_res:
+                                    plgpu.barrier_wait(bar)
+                                    v = v + res_smem[wg_idx, slot].astype(jnp.float32)
+                                out_smem[wg_idx, slot] = v.astype(out_dtype)
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg_idx, slot], out_wg.at[esl_m, esl_n]
+                                )
+
+                def mma_body(_, a_smem, b_smem, acc_ref):
+                    if transpose_a:
+                        a_op = a_smem.at[:, wg_m].transpose((1, 0))
+                    else:
+                        a_op = a_smem.at[wg_m]
+                    if transpose_b:
+                        b_op = b_smem.at[wg_n].transpose((1, 0))
+                    else:
+                        b_op = b_smem.at[:, wg_n]
+                    plgpu.wgmma(acc_ref, a_op, b_op)
+                    plgpu.wgmma_wait(dr)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(a_tile, b_tile, allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = [
+        plgpu.SMEM((mc.NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_tf)
+    ]
+    if has_res:
+        scratch.append(
+            plgpu.SMEM(
+                (mc.NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), res_dtype, transforms=res_tf
+            )
+        )
+    if has_vec:
+        scratch.append(plgpu.SMEM((mc.NUM_COMPUTE_WGS, 2, wn), jnp.float32))
+    if has_res or has_vec:
+        scratch.append(plgpu.Barrier(num_barriers=mc.NUM_COMPUTE_WGS * (1 + num_out_slots)))
+
+    grid = max(1, min(num_sms // cs, num_tiles))
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
+        scratch_types=scratch,
+        grid=(grid,),
+        grid_names=("sm",),
+        cluster=(cs,),
+        cluster_names=("cluster",),
+        num_threads=mc.NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+# --- the wrapper (Kernel calling convention of primitives/_core.py) ----------------------------
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _run_interpret(call, operands):
+    """Runs ``call`` in the Mosaic GPU interpreter behind an opaque host callback.
+
+    The interpreter threads its simulated memory operations through *ordered* io
+    callbacks; a primitive's lowering (``Operator._lower``) has no effect tokens to
+    give them. So the interpreted kernel runs as its own computation inside a
+    ``pure_callback`` (same values, no effects outside), one at a time: the
+    interpreter's simulated device state is process-global. The interpreter
+    parameters (race detection) in force when this is traced are the ones used.
+    """
+    params = _compat.gpu_interpret_current_params()
+    out_aval = jax.eval_shape(call, *operands)
+    jitted = jax.jit(call)
+
+    def host(*xs):
+        with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params):
+            return np.asarray(jitted(*xs))
+
+    return jax.pure_callback(host, out_aval, *operands)
+
+
+def _pad_to(x: jax.Array, axis: int, mult: int) -> jax.Array:
+    size = x.shape[axis]
+    extra = (-size) % mult
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _to3d(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+    lead = x.shape[:-2]
+    return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1, *x.shape[-2:])), lead
+
+
+def _problem(a_shape, b_shape, transpose_a, transpose_b):
+    m = a_shape[-1] if transpose_a else a_shape[-2]
+    k = a_shape[-2] if transpose_a else a_shape[-1]
+    n = b_shape[-2] if transpose_b else b_shape[-1]
+    return m, n, k
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *extras: jax.Array,
+    interpret: bool = False,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    out_dtype: Any = None,
+    accumulate_dtype: Any = jnp.float32,
+    tile_shape: tuple[int, int, int] | None = None,
+    activation: str | None = None,
+    has_bias: bool = False,
+    has_residual: bool = False,
+    has_scale: bool = False,
+    config: MatmulConfig | None = None,
+    num_sms: int | None = None,
+) -> jax.Array:
+    """``cast(act(scale · op(a) @ op(b) + bias) + residual, out_dtype)`` on Hopper.
+
+    The ``ts_matmul`` contract (``.notes/MATMUL_CONTRACT.md``): ``extras`` are
+    ``bias (N,)``, ``residual`` (output shape) and ``scale ()`` f32, each present only
+    if its flag is set. ``config`` overrides the tile heuristic (benchmarks, autotuning);
+    ``tile_shape`` from the user is turned into a config (ValueError if sm_90 cannot run it).
+    """
+    del accumulate_dtype  # f32 for every dtype this kernel supports
+    extras = list(extras)
+    bias = extras.pop(0) if has_bias else None
+    residual = extras.pop(0) if has_residual else None
+    scale = extras.pop(0) if has_scale else None
+    out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
+    m, n, k = _problem(a.shape, b.shape, transpose_a, transpose_b)
+
+    dt_a, dt_b = np.dtype(a.dtype), np.dtype(b.dtype)
+    if dt_a != dt_b:
+        if dt_a in _F8 and dt_b in _F8:  # mixed fp8: wgmma needs one element type
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        else:
+            raise ValueError(f"matmul_mgpu: unsupported operand dtypes {dt_a} x {dt_b}")
+    dtype = np.dtype(a.dtype)
+    if dtype.itemsize == 1:  # 8-bit wgmma reads K-major tiles only: A (M, K), B (N, K)
+        if transpose_a:
+            a, transpose_a = jnp.swapaxes(a, -1, -2), False
+        if not transpose_b:
+            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+
+    # Batch: one shared B against a batch of untransposed A folds into M.
+    lead = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if a.ndim > 2 and b.ndim == 2 and not transpose_a:
+        a = a.reshape((-1, a.shape[-1]))
+        m_fold = a.shape[0]
+    else:
+        m_fold = None
+    a3, _ = _to3d(a)
+    b3, _ = _to3d(b)
+    batch = max(a3.shape[0], b3.shape[0])
+    mm = m_fold if m_fold is not None else m
+
+    if config is None:
+        if tile_shape is not None:
+            config = mc.config_for_tile_shape(tuple(tile_shape), dtype, dtype)
+        else:
+            config = mc.default_config(mm, n, k, dtype, dtype)
+    res_dtype = np.dtype(residual.dtype) if residual is not None else None
+    config = mc.fit_stages(config, dtype, dtype, out_dtype, res_dtype, has_bias or has_scale)
+    if interpret and config.cluster_dimension is not None:
+        # The interpreter has no cluster-collective (multicast) allocations: same tiles, no pair.
+        config = config.replace(cluster_dimension=None)
+    bk = config.block_k
+    cm, cn = config.cluster_tile
+
+    # Zero-pad to whole tiles (K padding must be zeros; M/N padding is sliced off).
+    a3 = _pad_to(_pad_to(a3, 2 if transpose_a else 1, cm), 1 if transpose_a else 2, bk)
+    b3 = _pad_to(_pad_to(b3, 1 if transpose_b else 2, cn), 2 if transpose_b else 1, bk)
+    mp, np_, kp = (-(-mm // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
+
+    operands = [a3, b3]
+    if has_bias or has_scale:
+        sv = (
+            jnp.broadcast_to(scale.astype(jnp.float32), (n,))
+            if has_scale
+            else jnp.ones((n,), jnp.float32)
+        )
+        bv = bias.astype(jnp.float32) if has_bias else jnp.zeros((n,), jnp.float32)
+        operands.append(_pad_to(jnp.stack([sv, bv]), 1, cn))
+    if residual is not None:
+        r3 = residual.reshape((batch if m_fold is None else 1, mm, n))
+        operands.append(_pad_to(_pad_to(r3, 1, cm), 2, cn))
+
+    if num_sms is None:
+        num_sms = INTERPRET_NUM_SMS if interpret else _num_sms()
+    call = _build_kernel(
+        cfg=config,
+        batch=batch if m_fold is None else 1,
+        a_batched=a3.shape[0] > 1,
+        b_batched=b3.shape[0] > 1,
+        m=mp,
+        n=np_,
+        k=kp,
+        dtype=dtype,
+        out_dtype=out_dtype,
+        res_dtype=res_dtype,
+        transpose_a=transpose_a,
+        transpose_b=transpose_b,
+        has_scale=has_scale,
+        has_bias=has_bias,
+        activation=activation,
+        num_sms=num_sms,
+        interpret=interpret,
+    )
+    out = _run_interpret(call, operands) if interpret else call(*operands)
+    out = out[:, :mm, :n]
+    if m_fold is not None:
+        return out.reshape((*lead, m, n))
+    return out.reshape((*lead, m, n)) if lead else out[0]
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+
+def _aval_dtype(x) -> np.dtype:
+    return np.dtype(x.dtype)
+
+
+def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | None) -> str | None:
+    """None if this kernel can run the case, else why not."""
+    a, b = avals_in[0], avals_in[1]
+    da, db = _aval_dtype(a), _aval_dtype(b)
+    if not ((da in _F16 and da == db) or (da in _F8 and db in _F8)):
+        return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
+    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
+        return "accumulate_dtype other than float32"
+    if params.get("activation") not in _ACTIVATIONS:
+        return f"activation {params.get('activation')!r}"
+    if a.ndim < 2 or b.ndim < 2:
+        return "operands of rank < 2"
+    if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
+        return "batch dims differ"
+    if params.get("has_residual"):
+        rdt = _aval_dtype(avals_in[2 + bool(params.get("has_bias"))])
+        if not jnp.issubdtype(rdt, jnp.floating):
+            return f"residual dtype {rdt}"
+    out_dtype = np.dtype(params.get("out_dtype") or da)
+    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
+        return f"out_dtype {out_dtype}"
+    if platform == "cuda" and not _is_sm90():
+        return "not a Hopper (sm_90) GPU"
+    if platform not in (None, "cuda") and platform != "cpu":
+        return f"platform {platform}"
+    if params.get("tile_shape") is not None:
+        try:
+            validate_tile_shape(tuple(params["tile_shape"]), da, db)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _is_sm90() -> bool:
+    try:
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except Exception:
+        return False
+    return cc is not None and str(cc).split(".")[0] == "9"
+
+
+def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+    """Whether the kernel is expected to beat XLA/cuBLAS here (``auto`` mode on cuda).
+
+    Decided from the measurements in ``benchmarks/NOTES-matmul.md``: only classes of
+    cases where the kernel measured at least as fast as XLA in the same process.
+    Everything else goes to XLA, so ``ts.op.matmul`` is never slower than ``jnp.dot``.
+    """
+    return _prefer_rule(avals_in, params)
+
+
+# Dispatch thresholds, from the interleaved H100 measurements in benchmarks/NOTES-matmul.md:
+# * fp8 (one format for both operands): the kernel ran 1.39-1.44x XLA's cuBLASLt fp8 dot at
+#   8192^3 and 1.8x at 4096^3 -> preferred from 1024 on each of M, N, K.
+# * 16-bit with a fused epilogue (bias / activation / residual / scale): 1.03-1.07x XLA's
+#   cuBLASLt-fused expression at 8192^3 -> preferred from 4096.
+# * plain 16-bit products: within +-1.5% of cuBLAS at 4096^3 and 8192^3 (parity, not a win),
+#   0.82-0.89x at K=1024 and 0.79x at M=16 -> XLA.
+# * mixed e4m3 x e5m2 (computed on bf16 copies): 0.52x -> XLA.
+# Only shapes that need no padding (whole tiles) and no batch loop (unmeasured) qualify.
+PREFER_MIN_FP8 = 1024
+PREFER_MIN_EPILOGUE = 4096
+# Plain 16-bit products: None = XLA. 4096 would route them to the kernel (a tie with cuBLAS,
+# 0.987-1.02x jnp.dot measured), worth it only while the XLA path is slower than jnp.dot.
+PREFER_PLAIN_MIN: int | None = None
+
+
+def _prefer_rule(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+    a, b = avals_in[0], avals_in[1]
+    da, db = _aval_dtype(a), _aval_dtype(b)
+    if da != db:  # mixed fp8 runs on bf16 copies; XLA keeps it on the fp8 path
+        return False
+    if a.ndim > 2 and b.ndim > 2:
+        return False  # batched x batched: the batch loop is unmeasured
+    m, n, k = _problem(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
+    if a.ndim > 2 and not params["transpose_a"]:
+        m *= int(np.prod(a.shape[:-2]))  # a batch of A against a shared B folds into M
+    elif a.ndim > 2 or b.ndim > 2:
+        return False
+    if da in _F8:
+        lo = PREFER_MIN_FP8
+    elif (
+        params.get("has_bias")
+        or params.get("has_residual")
+        or params.get("has_scale")
+        or params.get("activation") is not None
+    ):
+        lo = PREFER_MIN_EPILOGUE
+    elif PREFER_PLAIN_MIN is not None:
+        lo = PREFER_PLAIN_MIN
+    else:
+        return False
+    if min(m, n, k) < lo:
+        return False
+    cfg = (
+        mc.config_for_tile_shape(tuple(params["tile_shape"]), da, db)
+        if params.get("tile_shape") is not None
+        else mc.default_config(m, n, k, da, db)
+    )
+    cm, cn = cfg.cluster_tile
+    return m % cm == 0 and n % cn == 0 and k % cfg.block_k == 0

@@ -1,0 +1,242 @@
+"""Portable matmul: a plain ``pl.pallas_call`` with BlockSpecs, for GPUs without Hopper
+features (and for ``interpret=True`` anywhere).
+
+Each program computes one ``(BM, BN)`` tile of one batch element: its BlockSpecs
+bring a ``(BM, K)`` row panel of A and a ``(K, BN)`` column panel of B (as stored,
+transposed or not), a loop walks K in ``BK`` slices into an f32 accumulator, and the
+same fused epilogue as the Hopper kernel (scale, bias, activation, residual, cast)
+runs before the single store. On a GPU this lowers through Pallas' Triton backend
+(deprecated in jax 0.11 and used here only as this fallback); block sizes are powers
+of two, and ragged M/N/K are zero-padded to whole tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["PortableConfig", "matmul", "prefer", "supports"]
+
+_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+class PortableConfig:
+    """Block sizes ``(BM, BN, BK)``, each a power of two >= 16 (Triton's block rule)."""
+
+    __slots__ = ("block_k", "block_m", "block_n")
+
+    def __init__(self, block_m: int = 64, block_n: int = 64, block_k: int = 32):
+        for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PortableConfig: {name}={v} must be a power of two >= 16")
+        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+
+    def __repr__(self) -> str:
+        return f"PortableConfig({self.block_m}, {self.block_n}, {self.block_k})"
+
+    @classmethod
+    def from_tile_shape(cls, tile_shape) -> PortableConfig:
+        """A user tile rounded down to powers of two (the fallback accepts any valid tile)."""
+        bm, bn, bk = (max(16, _pow2_floor(t)) for t in tile_shape)
+        return cls(bm, bn, bk)
+
+
+def _activation(x, activation):
+    if activation is None:
+        return x
+    if activation == "relu":
+        return jnp.maximum(x, 0.0)
+    if activation == "gelu":
+        return 0.5 * x * (1.0 + lax.erf(x * float(1 / np.sqrt(2.0))))
+    c = float(np.sqrt(2.0 / np.pi))
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x * x * x)))
+
+
+def _kernel(
+    *refs,
+    k_steps,
+    bk,
+    transpose_a,
+    transpose_b,
+    has_vec,
+    has_scale,
+    has_bias,
+    has_res,
+    activation,
+    out_dtype,
+    precision,
+):
+    refs = list(refs)
+    a_ref, b_ref = refs.pop(0), refs.pop(0)
+    vec_ref = refs.pop(0) if has_vec else None
+    res_ref = refs.pop(0) if has_res else None
+    (o_ref,) = refs
+    bm, bn = o_ref.shape
+
+    def body(i, acc):
+        ks = pl_ds(i * bk, bk)
+        a = a_ref[ks, :] if transpose_a else a_ref[:, ks]
+        b = b_ref[:, ks] if transpose_b else b_ref[ks, :]
+        dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
+        return acc + lax.dot_general(
+            a, b, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+
+    acc = lax.fori_loop(0, k_steps, body, jnp.zeros((bm, bn), jnp.float32))
+    if has_scale:
+        acc = acc * vec_ref[0:1, :]
+    if has_bias:
+        acc = acc + vec_ref[1:2, :]
+    acc = _activation(acc, activation)
+    if has_res:
+        acc = acc + res_ref[...].astype(jnp.float32)
+    o_ref[...] = acc.astype(out_dtype)
+
+
+def pl_ds(start, size):
+    from jax.experimental import pallas as pl
+
+    return pl.ds(start, size)
+
+
+def _pad_to(x, axis, mult):
+    extra = (-x.shape[axis]) % mult
+    if not extra:
+        return x
+    w = [(0, 0)] * x.ndim
+    w[axis] = (0, extra)
+    return jnp.pad(x, w)
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *extras: jax.Array,
+    interpret: bool = False,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    out_dtype: Any = None,
+    accumulate_dtype: Any = jnp.float32,
+    tile_shape: tuple[int, int, int] | None = None,
+    activation: str | None = None,
+    has_bias: bool = False,
+    has_residual: bool = False,
+    has_scale: bool = False,
+    config: PortableConfig | None = None,
+) -> jax.Array:
+    """``cast(act(scale · op(a) @ op(b) + bias) + residual, out_dtype)`` with BlockSpecs."""
+    from jax.experimental import pallas as pl
+
+    del accumulate_dtype
+    extras = list(extras)
+    bias = extras.pop(0) if has_bias else None
+    residual = extras.pop(0) if has_residual else None
+    scale = extras.pop(0) if has_scale else None
+    out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    k = a.shape[-2] if transpose_a else a.shape[-1]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    lead = tuple(jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if config is None:
+        config = (
+            PortableConfig.from_tile_shape(tile_shape)
+            if tile_shape is not None
+            else PortableConfig()
+        )
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a3 = a.reshape((-1, *a.shape[-2:]))
+    b3 = b.reshape((-1, *b.shape[-2:]))
+    batch = max(a3.shape[0], b3.shape[0])
+    a3 = _pad_to(_pad_to(a3, 2 if transpose_a else 1, bm), 1 if transpose_a else 2, bk)
+    b3 = _pad_to(_pad_to(b3, 1 if transpose_b else 2, bn), 2 if transpose_b else 1, bk)
+    mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // bk) * bk
+    a_batched, b_batched = a3.shape[0] > 1, b3.shape[0] > 1
+
+    def a_map(bi, i, j):
+        return (bi if a_batched else 0, 0, i) if transpose_a else (bi if a_batched else 0, i, 0)
+
+    def b_map(bi, i, j):
+        return (bi if b_batched else 0, j, 0) if transpose_b else (bi if b_batched else 0, 0, j)
+
+    in_specs = [
+        pl.BlockSpec((None, kp, bm) if transpose_a else (None, bm, kp), a_map),
+        pl.BlockSpec((None, bn, kp) if transpose_b else (None, kp, bn), b_map),
+    ]
+    operands = [a3, b3]
+    has_vec = has_bias or has_scale
+    if has_vec:
+        sv = (
+            jnp.broadcast_to(scale.astype(jnp.float32), (n,))
+            if has_scale
+            else jnp.ones((n,), jnp.float32)
+        )
+        bv = bias.astype(jnp.float32) if has_bias else jnp.zeros((n,), jnp.float32)
+        operands.append(_pad_to(jnp.stack([sv, bv]), 1, bn))
+        in_specs.append(pl.BlockSpec((2, bn), lambda bi, i, j: (0, j)))
+    if has_residual:
+        r3 = residual.reshape((batch, m, n))
+        operands.append(_pad_to(_pad_to(r3, 1, bm), 2, bn))
+        in_specs.append(pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j)))
+    precision = lax.Precision.HIGHEST if np.dtype(a.dtype).itemsize == 4 else None
+    kern = functools.partial(
+        _kernel,
+        k_steps=kp // bk,
+        bk=bk,
+        transpose_a=transpose_a,
+        transpose_b=transpose_b,
+        has_vec=has_vec,
+        has_scale=has_scale,
+        has_bias=has_bias,
+        has_res=has_residual,
+        activation=activation,
+        out_dtype=out_dtype,
+        precision=precision,
+    )
+    out = pl.pallas_call(
+        kern,
+        grid=(batch, mp // bm, np_ // bn),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, mp, np_), out_dtype),
+        interpret=interpret,
+    )(*operands)
+    out = out[:, :m, :n]
+    return out.reshape((*lead, m, n)) if lead else out[0]
+
+
+def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | None) -> str | None:
+    a, b = avals_in[0], avals_in[1]
+    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
+    if da != db or da not in _FLOATS:
+        return f"operand dtypes {da} x {db} (the portable kernel takes f16/bf16/f32 pairs)"
+    if params.get("activation") not in _ACTIVATIONS:
+        return f"activation {params.get('activation')!r}"
+    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
+        return "accumulate_dtype other than float32"
+    out_dtype = np.dtype(params.get("out_dtype") or da)
+    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
+        return f"out_dtype {out_dtype}"
+    if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
+        return "batch dims differ"
+    if params.get("has_residual"):
+        rdt = np.dtype(avals_in[2 + bool(params.get("has_bias"))].dtype)
+        if not jnp.issubdtype(rdt, jnp.floating):
+            return f"residual dtype {rdt}"
+    return None
+
+
+def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+    """Never in ``auto``: cuBLAS beats this fallback; it runs under ``pallas``/``interpret``."""
+    del avals_in, params
+    return False

@@ -1,0 +1,625 @@
+"""ts.matmul / ts.op.linear / ts.op.fused_mlp: float64 references for every dtype, adjoints
+(2nd order for the plain product), vmap/jit compositions, the jaxpr, every bad input."""
+
+# ts.Tensor["M", "K", ...] names dimensions with strings, which ruff reads as forward
+# references (F821 undefined name), as with jaxtyping.
+# ruff: noqa: F821
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.special
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import tessera_jax as ts
+from tessera_jax.numerics.context import accumulation
+from tessera_jax.primitives.matmul import matmul_op, matmul_reference
+from tests._util import f64, rand, rel_err
+
+F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def eps(dtype) -> float:
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return 0.0
+    return float(jnp.finfo(dtype).eps)
+
+
+def tol(out_dtype, acc_dtype, k: int) -> float:
+    """Norm-wise relative error bound against a float64 product of the (already rounded)
+    inputs: one rounding to the output plus an accumulation error growing like sqrt(K)."""
+    return eps(out_dtype) + 2 * eps(acc_dtype) * np.sqrt(max(k, 1))
+
+
+def assert_matmul_close(out, ref, out_dtype, acc_dtype, k, factor=1.0):
+    if jnp.issubdtype(np.dtype(out_dtype), jnp.integer):
+        np.testing.assert_array_equal(np.asarray(out).astype(np.int64), ref.astype(np.int64))
+        return
+    assert np.all(np.isfinite(f64(out)))
+    err, bound = rel_err(out, ref), tol(out_dtype, acc_dtype, k) * factor
+    assert err <= bound, f"relative error {err:.3e} > {bound:.3e} ({out_dtype}, K={k})"
+
+
+def operand(shape, dtype):
+    if np.dtype(dtype) == np.int8:
+        return jax.random.randint(jax.random.key(len(shape) + sum(shape)), shape, -127, 128).astype(
+            jnp.int8
+        )
+    return rand(shape, dtype)
+
+
+def ref_matmul(a, b):
+    """float64 (int64 for integers) product of the stored values, with numpy's batching."""
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return np.matmul(np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64))
+    return np.matmul(f64(a), f64(b))
+
+
+# dtype pair -> (default output, accumulate)
+DTYPES = {
+    "float16": (jnp.float16, jnp.float16, jnp.float16, jnp.float32),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.float32),
+    "float32": (jnp.float32, jnp.float32, jnp.float32, jnp.float32),
+    "e4m3": (F8E4, F8E4, jnp.float32, jnp.float32),
+    "e5m2": (F8E5, F8E5, jnp.float32, jnp.float32),
+    "e4m3xe5m2": (F8E4, F8E5, jnp.float32, jnp.float32),
+    "e5m2xe4m3": (F8E5, F8E4, jnp.float32, jnp.float32),
+    "int8": (jnp.int8, jnp.int8, jnp.int32, jnp.int32),
+}
+SHAPES = [(1, 1, 1), (17, 33, 9), (64, 128, 32), (200, 136, 96)]
+
+
+@pytest.mark.parametrize("mkn", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_values_and_dtypes_match_float64(name, mkn):
+    da, db, out_dt, acc_dt = DTYPES[name]
+    m, k, n = mkn
+    a, b = operand((m, k), da), operand((k, n), db)
+    out = ts.matmul(a, b)
+    assert out.shape == (m, n) and out.dtype == np.dtype(out_dt)
+    assert_matmul_close(out, ref_matmul(a, b), out_dt, acc_dt, k)
+    assert_matmul_close(jax.jit(ts.matmul)(a, b), ref_matmul(a, b), out_dt, acc_dt, k)
+    eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
+    assert eqn.params["accumulate_dtype"] == np.dtype(acc_dt)
+
+
+@pytest.mark.parametrize("mkn", [(4, 2, 4), (4, 6, 4), (8, 13, 8), (17, 33, 9), (3, 63, 3)])
+def test_int8_contraction_sizes_off_multiples_of_4(mkn):
+    # XLA's GPU Triton GEMM fusion returned twice the product for these (see _dot); the
+    # reference zero-pads K. On the CPU this runs the padding path.
+    m, k, n = mkn
+    a, b = operand((m, k), jnp.int8), operand((k, n), jnp.int8)
+    f = jax.jit(lambda a, b: (ts.matmul(a, b), ts.matmul(jnp.stack([a, a]), b)[1]))
+    for out in f(a, b):
+        np.testing.assert_array_equal(np.asarray(out), ref_matmul(a, b))
+
+
+def test_float64(x64):
+    a, b = rand((200, 136), jnp.float64), rand((136, 96), jnp.float64)
+    out = ts.matmul(a, b)
+    assert out.dtype == jnp.float64
+    assert_matmul_close(out, ref_matmul(a, b), jnp.float64, jnp.float64, 136)
+    eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
+    assert eqn.params["accumulate_dtype"] == np.float64
+
+
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((3, 20, 24), (3, 24, 16)),  # batched
+        ((2, 3, 20, 24), (2, 3, 24, 16)),  # two batch dims
+        ((2, 3, 20, 24), (24, 16)),  # shared B
+        ((20, 24), (2, 3, 24, 16)),  # shared A
+        ((4, 1, 24), (4, 24, 1)),  # degenerate rows / columns
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_batched_and_shared_operands(sa, sb, dtype):
+    a, b = rand(sa, dtype), rand(sb, dtype)
+    out = ts.matmul(a, b)
+    ref = ref_matmul(a, b)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert_matmul_close(out, ref, dtype, jnp.float32, sa[-1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, F8E4])
+def test_transposed_inputs_are_just_arrays(dtype):
+    a, b = rand((24, 20), dtype), rand((16, 24), dtype)  # stored transposed
+    out_dt = jnp.float32 if dtype == F8E4 else dtype
+    ref = ref_matmul(a.T, b.T)
+    for x, y, r in [(a.T, b.T, ref), (a.T, b[:, :].T, ref)]:
+        assert_matmul_close(ts.matmul(x, y), r, out_dt, jnp.float32, 24)
+    batched = rand((3, 24, 20), dtype)
+    assert_matmul_close(
+        ts.matmul(jnp.swapaxes(batched, -1, -2), b.T),
+        ref_matmul(jnp.swapaxes(batched, -1, -2), b.T),
+        out_dt,
+        jnp.float32,
+        24,
+    )
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("layout", ["2d", "batched", "shared_a", "shared_b"])
+def test_primitive_transpose_flags(ta, tb, layout):
+    """The flags are dimension numbers of the reference; the adjoints rely on them."""
+    m, k, n, lead = 7, 11, 5, (2, 3)
+    la = () if layout in ("2d", "shared_a") else lead
+    lb = () if layout in ("2d", "shared_b") else lead
+    a = rand((*la, *((k, m) if ta else (m, k))))
+    b = rand((*lb, *((n, k) if tb else (k, n))))
+    params = dict(
+        transpose_a=ta,
+        transpose_b=tb,
+        out_dtype=np.dtype(np.float32),
+        accumulate_dtype=np.dtype(np.float32),
+        tile_shape=None,
+        activation=None,
+        has_bias=False,
+        has_residual=False,
+        has_scale=False,
+    )
+    out = matmul_op.bind(a, b, **params)
+    sw = lambda x, t: np.swapaxes(x, -1, -2) if t else x
+    ref = np.matmul(sw(f64(a), ta), sw(f64(b), tb))
+    assert out.shape == ref.shape
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, k)
+    np.testing.assert_allclose(
+        np.asarray(matmul_reference(a, b, **params)), np.asarray(out), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_out_dtype():
+    a, b = rand((16, 32), jnp.bfloat16), rand((32, 8), jnp.bfloat16)
+    out = ts.matmul(a, b, out_dtype=ts.f32)
+    assert out.dtype == jnp.float32
+    assert_matmul_close(out, ref_matmul(a, b), jnp.float32, jnp.float32, 32)
+    a8, b8 = rand((16, 32), F8E4), rand((32, 8), F8E5)
+    assert ts.matmul(a8, b8, out_dtype="bfloat16").dtype == jnp.bfloat16
+    i8 = operand((16, 32), jnp.int8), operand((32, 8), jnp.int8)
+    out = ts.matmul(*i8, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), ref_matmul(*i8).astype(np.float32))
+
+
+def test_accumulation_context_sets_the_accumulate_dtype():
+    a, b = rand((8, 16), jnp.float16), rand((16, 4), jnp.float16)
+    with accumulation(ts.f16):
+        eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
+    assert eqn.params["accumulate_dtype"] == np.float16
+    with accumulation(ts.f16):  # never narrower than the inputs
+        eqn = jax.make_jaxpr(ts.matmul)(rand((8, 16)), rand((16, 4))).jaxpr.eqns[0]
+    assert eqn.params["accumulate_dtype"] == np.float32
+
+
+def test_seed_mixed_precision_gemm_under_ts_jit():
+    """Seed 003: FP8 inputs, FP32 accumulation and output."""
+
+    @ts.jit
+    def mixed_precision_gemm(
+        A: ts.Tensor["M", "K", ts.fp8_e4m3 @ ts.accum(ts.f32)],
+        B: ts.Tensor["K", "N", ts.fp8_e4m3 @ ts.accum(ts.f32)],
+    ) -> ts.Tensor["M", "N", ts.f32]:
+        return ts.gemm(A, B)
+
+    a, b = rand((32, 64), F8E4), rand((64, 16), F8E4)
+    out = mixed_precision_gemm(a, b)
+    assert out.dtype == jnp.float32
+    assert_matmul_close(out, ref_matmul(a, b), jnp.float32, jnp.float32, 64)
+
+
+# --- tile_shape ---------------------------------------------------------------------------
+
+
+def test_tile_shape_is_a_primitive_param():
+    a, b = rand((128, 64)), rand((64, 128))
+    for fn in (ts.matmul, ts.gemm, ts.op.matmul, ts.op.gemm):
+        jaxpr = jax.make_jaxpr(lambda a, b, fn=fn: fn(a, b, tile_shape=(128, 128, 64)))(a, b)
+        (eqn,) = jaxpr.jaxpr.eqns
+        assert eqn.primitive.name == "ts_matmul"
+        assert eqn.params["tile_shape"] == (128, 128, 64)
+    out = ts.op.matmul(a, b, tile_shape=[64, 64, 32])
+    assert_matmul_close(out, ref_matmul(a, b), jnp.float32, jnp.float32, 64)
+
+
+@pytest.mark.parametrize(
+    "tile,what",
+    [
+        ((128, 128), "must be 3 ints"),
+        ((128, 128, 64, 1), "must be 3 ints"),
+        ("128", "must be 3 ints"),
+        ((128.0, 128, 64), "must be 3 ints"),
+        ((True, 128, 64), "must be 3 ints"),
+        ((100, 128, 64), "BM=100"),
+        ((128, 0, 64), "BN=0"),
+        ((128, 128, -16), "BK=-16"),
+        ((128, 128, 8), "BK=8"),
+    ],
+)
+def test_bad_tile_shape(tile, what):
+    with pytest.raises(ValueError, match=re.escape(what)) as e:
+        ts.matmul(rand((32, 32)), rand((32, 32)), tile_shape=tile)
+    assert "tile_shape" in str(e.value)
+
+
+# --- bad inputs ---------------------------------------------------------------------------
+
+
+def test_contraction_mismatch_message():
+    with pytest.raises(
+        ValueError, match=re.escape("matmul: A.shape[-1]=5 must equal B.shape[-2]=6")
+    ):
+        ts.matmul(rand((4, 5)), rand((6, 3)))
+    with pytest.raises(
+        ValueError, match=re.escape("linear: x.shape[-1]=5 must equal w.shape[-2]=6")
+    ):
+        ts.op.linear(rand((4, 5)), rand((6, 3)))
+
+
+def test_one_dimensional_operands_are_refused():
+    with pytest.raises(ValueError, match=r"matmul: A.shape=\(5,\) has rank 1.*x\[None, :\]"):
+        ts.matmul(rand((5,)), rand((5, 3)))
+    with pytest.raises(ValueError, match=r"B.shape=\(5,\) has rank 1"):
+        ts.matmul(rand((3, 5)), rand((5,)))
+    with pytest.raises(ValueError, match="has rank 0"):
+        ts.matmul(jnp.float32(2.0), rand((5, 3)))
+
+
+@pytest.mark.parametrize(
+    "sa,sb", [((2, 4, 5), (3, 5, 6)), ((2, 3, 4, 5), (3, 5, 6)), ((1, 4, 5), (3, 5, 6))]
+)
+def test_batch_dims_never_broadcast(sa, sb):
+    msg = f"A.shape={sa} and B.shape={sb} differ"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        ts.matmul(rand(sa), rand(sb))
+
+
+@pytest.mark.parametrize(
+    "da,db",
+    [
+        (jnp.float32, jnp.bfloat16),
+        (jnp.float16, jnp.bfloat16),
+        (jnp.int8, jnp.float32),
+        (F8E4, jnp.bfloat16),
+    ],
+)
+def test_dtype_mismatch_names_both(da, db):
+    msg = f"A.dtype={np.dtype(da)} and B.dtype={np.dtype(db)} must be the same"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        ts.matmul(operand((4, 5), da), operand((5, 3), db))
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.int32, jnp.bool_, jnp.uint8])
+def test_unsupported_dtypes(dtype):
+    a = jnp.ones((4, 5), dtype)
+    with pytest.raises(TypeError, match=re.escape(f"A.dtype={np.dtype(dtype)} is not supported")):
+        ts.matmul(a, a.T)
+
+
+def test_bad_out_dtype():
+    with pytest.raises(TypeError, match="out_dtype=int32 must be a float dtype"):
+        ts.matmul(rand((4, 5)), rand((5, 3)), out_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ts.matmul(rand((4, 5)), rand((5, 3)), out_dtype="no-such-type")
+
+
+def test_linear_bad_inputs():
+    x, w = rand((4, 5)), rand((5, 3))
+    with pytest.raises(ValueError, match=re.escape("linear: b.shape=(4,) must be (N,)=(3,)")):
+        ts.op.linear(x, w, rand((4,)))
+    with pytest.raises(TypeError, match="linear: b.dtype=int32 must be a float dtype"):
+        ts.op.linear(x, w, jnp.ones((3,), jnp.int32))
+    with pytest.raises(ValueError, match=re.escape("residual.shape=(4, 4) must equal the output")):
+        ts.op.linear(x, w, residual=rand((4, 4)))
+    with pytest.raises(ValueError, match="activation='swish' must be one of"):
+        ts.op.linear(x, w, activation="swish")
+    with pytest.raises(ValueError, match="fused_mlp: activation='swish'"):
+        ts.op.fused_mlp(x, w, rand((3,)), rand((3, 2)), rand((2,)), activation="swish")
+    with pytest.raises(TypeError, match="x of type str is not an array"):
+        ts.op.linear("x", w)
+
+
+# --- linear / fused_mlp values ------------------------------------------------------------
+
+
+def np_act(z, activation):
+    if activation is None:
+        return z
+    if activation == "relu":
+        return np.maximum(z, 0)
+    if activation == "gelu":
+        return 0.5 * z * (1 + scipy.special.erf(z / np.sqrt(2)))
+    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("xshape", [(200, 136), (2, 9, 136), (136,)])
+def test_linear_values(activation, dtype, xshape):
+    x, w = rand(xshape, dtype), rand((136, 96), dtype, scale=0.1)
+    b, r = rand((96,), jnp.float32), rand((*xshape[:-1], 96), dtype)
+    out = ts.op.linear(x, w, b, activation=activation, residual=r)
+    assert out.shape == (*xshape[:-1], 96) and out.dtype == dtype
+    ref = np_act(np.matmul(f64(x), f64(w)) + f64(b), activation) + f64(r)
+    assert_matmul_close(out, ref, dtype, jnp.float32, 136, factor=2)
+    jaxpr = jax.make_jaxpr(lambda *a: ts.op.linear(*a, activation=activation, residual=r))(x, w, b)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("ts_")]
+    assert eqn.primitive.name == "ts_matmul"
+    assert eqn.params["has_bias"] and eqn.params["has_residual"]
+    assert eqn.params["activation"] == activation
+
+
+def test_linear_with_batched_weights_and_int8():
+    x, w = rand((3, 5, 8)), rand((3, 8, 4))
+    assert_matmul_close(ts.op.linear(x, w), ref_matmul(x, w), jnp.float32, jnp.float32, 8)
+    xi, wi = operand((6, 8), jnp.int8), operand((8, 4), jnp.int8)
+    out = ts.op.linear(xi, wi, jnp.full((4,), 0.5, jnp.float32), activation="relu")
+    assert out.dtype == jnp.float32  # int8 with a float epilogue
+    np.testing.assert_array_equal(np.asarray(out), np.maximum(ref_matmul(xi, wi) + 0.5, 0))
+    assert ts.op.linear(xi, wi).dtype == jnp.int32
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", None])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_mlp_values(activation, dtype):
+    X, W1, b1 = rand((40, 64), dtype), rand((64, 96), dtype, scale=0.2), rand((96,), dtype)
+    W2, b2 = rand((96, 24), dtype, scale=0.2), rand((24,), dtype)
+    out = ts.op.fused_mlp(X, W1, b1, W2, b2, activation=activation)
+    h = np_act(np.matmul(f64(X), f64(W1)) + f64(b1), activation)
+    h = f64(jnp.asarray(h).astype(dtype))  # the hidden layer is stored in the input dtype
+    ref = np.matmul(h, f64(W2)) + f64(b2)
+    assert out.dtype == dtype
+    assert_matmul_close(out, ref, dtype, jnp.float32, 96, factor=2)
+    eqns = jax.make_jaxpr(ts.op.fused_mlp)(X, W1, b1, W2, b2).jaxpr.eqns
+    assert [e.primitive.name for e in eqns] == ["ts_matmul", "ts_matmul"]
+
+
+# --- adjoints -----------------------------------------------------------------------------
+
+
+GRAD_LAYOUTS = [
+    ((5, 7), (7, 4)),
+    ((3, 5, 7), (3, 7, 4)),
+    ((2, 3, 5, 7), (7, 4)),  # shared B: its gradient sums over the batch
+    ((5, 7), (3, 7, 4)),  # shared A
+]
+
+
+@pytest.mark.parametrize("sa,sb", GRAD_LAYOUTS)
+def test_check_grads_order_2(x64, sa, sb):
+    a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
+    check_grads(ts.matmul, (a, b), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("sa,sb", GRAD_LAYOUTS)
+def test_check_grads_order_2_transposed_inputs(x64, sa, sb):
+    a = rand((*sa[:-2], sa[-1], sa[-2]), jnp.float64)
+    b = rand((*sb[:-2], sb[-1], sb[-2]), jnp.float64)
+    f = lambda a, b: ts.matmul(jnp.swapaxes(a, -1, -2), jnp.swapaxes(b, -1, -2))
+    check_grads(f, (a, b), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("layout", ["2d", "batched", "shared_a", "shared_b"])
+def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
+    m, k, n, lead = 4, 6, 3, (2,)
+    la = () if layout in ("2d", "shared_a") else lead
+    lb = () if layout in ("2d", "shared_b") else lead
+    a = rand((*la, *((k, m) if ta else (m, k))), jnp.float64)
+    b = rand((*lb, *((n, k) if tb else (k, n))), jnp.float64)
+    s = jnp.asarray(1.5, jnp.float64)
+
+    def f(a, b, s):
+        return matmul_op.bind(
+            a,
+            b,
+            s,
+            transpose_a=ta,
+            transpose_b=tb,
+            out_dtype=np.dtype(np.float64),
+            accumulate_dtype=np.dtype(np.float64),
+            tile_shape=None,
+            activation=None,
+            has_bias=False,
+            has_residual=False,
+            has_scale=True,
+        )
+
+    check_grads(f, (a, b, s), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("xshape", [(6, 5), (2, 3, 5), (5,)])
+def test_check_grads_linear(x64, activation, xshape):
+    x, w = rand(xshape, jnp.float64), rand((5, 4), jnp.float64)
+    b, r = rand((4,), jnp.float64), rand((*xshape[:-1], 4), jnp.float64)
+    f = lambda x, w, b, r: ts.op.linear(x, w, b, activation=activation, residual=r)
+    check_grads(f, (x, w, b, r), order=1, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+def test_check_grads_fused_mlp(x64, activation):
+    args = [rand(s, jnp.float64) for s in [(6, 5), (5, 8), (8,), (8, 3), (3,)]]
+    f = lambda *a: ts.op.fused_mlp(*a, activation=activation)
+    check_grads(f, args, order=1, modes=("fwd", "rev"))
+
+
+def test_second_order_linear_without_kinks(x64):
+    args = [rand(s, jnp.float64) for s in [(6, 5), (5, 4), (4,)]]
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
+    check_grads(f, args, order=2, modes=("fwd", "rev"))
+
+
+def test_gradients_are_ts_matmuls_with_transpose_flags():
+    x, w = rand((4, 6, 8)), rand((8, 5))
+    loss = lambda x, w: jnp.sum(ts.matmul(x, w) ** 2)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert names.count("ts_matmul") == 3
+    assert not {"dot_general", "transpose"} & set(names)
+    flags = {
+        (e.params["transpose_a"], e.params["transpose_b"])
+        for e in jaxpr.jaxpr.eqns
+        if e.primitive.name == "ts_matmul"
+    }
+    assert flags == {(False, False), (False, True), (True, False)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_low_precision_gradients_match_float64(dtype):
+    x, w = rand((3, 40, 64), dtype), rand((64, 32), dtype)
+    ct = rand((3, 40, 32), dtype)
+    _, vjp = jax.vjp(ts.matmul, x, w)
+    dx, dw = vjp(ct)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert_matmul_close(dx, np.matmul(f64(ct), f64(w).T), dtype, jnp.float32, 32)
+    ref_dw = np.einsum("bmk,bmn->kn", f64(x), f64(ct))
+    assert_matmul_close(dw, ref_dw, dtype, jnp.float32, 120)
+
+
+def test_gradient_with_f32_output_of_bf16_inputs():
+    x, w = rand((16, 32), jnp.bfloat16), rand((32, 8), jnp.bfloat16)
+    g = jax.grad(lambda x, w: jnp.sum(ts.matmul(x, w, out_dtype=jnp.float32)), (0, 1))(x, w)
+    assert g[0].dtype == jnp.bfloat16 and g[1].dtype == jnp.bfloat16
+    assert_matmul_close(g[0], np.ones((16, 8)) @ f64(w).T, jnp.bfloat16, jnp.float32, 8)
+
+
+def test_int8_is_not_differentiable_but_traces():
+    xi, wi = operand((6, 8), jnp.int8), operand((8, 4), jnp.int8)
+    zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (xi, wi))
+    y, t = jax.jvp(ts.matmul, (xi, wi), zeros)
+    assert y.dtype == jnp.int32 and t.dtype == jax.dtypes.float0
+
+
+# --- vmap / jit compositions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sa,sb,in_axes",
+    [
+        ((6, 5, 7), (7, 4), (0, None)),
+        ((5, 6, 7), (7, 4), (1, None)),
+        ((5, 7, 6), (7, 4), (2, None)),
+        ((5, 7), (7, 4, 6), (None, -1)),
+        ((6, 5, 7), (6, 7, 4), (0, 0)),
+        ((5, 7, 6), (6, 7, 4), (-1, 0)),
+        ((6, 3, 5, 7), (3, 7, 4), (0, None)),  # batched b broadcast over the mapped axis
+        ((6, 5, 7), (3, 7, 4), (0, None)),  # mapped a is 2-D per example, b batched
+        ((3, 5, 7), (6, 7, 4), (None, 0)),
+    ],
+)
+def test_vmap_any_in_axes(sa, sb, in_axes):
+    a, b = rand(sa), rand(sb)
+    out = jax.vmap(ts.matmul, in_axes=in_axes)(a, b)
+    size = sa[in_axes[0]] if in_axes[0] is not None else sb[in_axes[1]]
+    slices = []
+    for i in range(size):
+        ai = a if in_axes[0] is None else np.take(np.asarray(a), i, axis=in_axes[0])
+        bi = b if in_axes[1] is None else np.take(np.asarray(b), i, axis=in_axes[1])
+        slices.append(ref_matmul(jnp.asarray(ai), jnp.asarray(bi)))
+    ref = np.stack(slices)
+    assert out.shape == ref.shape
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, 7)
+    jaxpr = jax.make_jaxpr(jax.vmap(ts.matmul, in_axes=in_axes))(a, b)
+    assert "ts_matmul" in str(jaxpr)
+
+
+@pytest.mark.parametrize("mapped", ["x", "w", "b", "r", "all"])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_vmap_linear_any_operand(mapped, activation):
+    v = 3
+    x, w, b, r = rand((5, 8)), rand((8, 4)), rand((4,)), rand((5, 4))
+    args = {"x": x, "w": w, "b": b, "r": r}
+    axes = {}
+    for name, val in args.items():
+        if mapped in (name, "all"):
+            args[name] = rand((v, *val.shape))
+            axes[name] = 0
+        else:
+            axes[name] = None
+    f = lambda x, w, b, r: ts.op.linear(x, w, b, activation=activation, residual=r)
+    out = jax.vmap(f, in_axes=tuple(axes[n] for n in "xwbr"))(*(args[n] for n in "xwbr"))
+    pick = lambda n, i: args[n][i] if axes[n] == 0 else args[n]
+    ref = np.stack(
+        [
+            np_act(np.matmul(f64(pick("x", i)), f64(pick("w", i))) + f64(pick("b", i)), activation)
+            + f64(pick("r", i))
+            for i in range(v)
+        ]
+    )
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, 8, factor=2)
+
+
+def test_vmap_of_grad_and_grad_of_vmap():
+    xs, w = rand((4, 6, 8)), rand((8, 5))
+    loss = lambda x, w: jnp.sum(jnp.tanh(ts.op.linear(x, w, activation="gelu")))
+    ref_loss = lambda x, w: jnp.sum(jnp.tanh(jax.nn.gelu(x @ w, approximate=False)))
+    per_ex = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(xs, w)
+    with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPU
+        per_ex_ref = jax.vmap(jax.grad(ref_loss, argnums=1), in_axes=(0, None))(xs, w)
+    np.testing.assert_allclose(per_ex, per_ex_ref, rtol=2e-5, atol=2e-5)
+    total = jax.grad(lambda w: jnp.sum(jax.vmap(loss, in_axes=(0, None))(xs, w)))(w)
+    np.testing.assert_allclose(total, per_ex_ref.sum(0), rtol=2e-5, atol=2e-5)
+    jit_total = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(loss, in_axes=(0, None))(xs, w))))(w)
+    np.testing.assert_allclose(jit_total, total, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_of_hessian_vector_product(x64):
+    a, b = rand((3, 4, 5), jnp.float64), rand((5, 2), jnp.float64)
+    f = lambda a, b: jnp.sum(jnp.sin(ts.matmul(a, b)))
+    hvp = lambda a, b, t: jax.jvp(jax.grad(f, argnums=1), (a, b), (jnp.zeros_like(a), t))[1]
+    t = rand((3, 5, 2), jnp.float64)
+    out = jax.vmap(hvp, in_axes=(0, None, 0))(a, b, t)
+    fr = lambda a, b: jnp.sum(jnp.sin(a @ b))
+    hvpr = lambda a, b, t: jax.jvp(jax.grad(fr, argnums=1), (a, b), (jnp.zeros_like(a), t))[1]
+    np.testing.assert_allclose(out, jax.vmap(hvpr, in_axes=(0, None, 0))(a, b, t), rtol=1e-12)
+
+
+def test_jit_and_eager_agree_bit_for_bit():
+    a, b = rand((3, 33, 17), jnp.bfloat16), rand((17, 9), jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(ts.matmul(a, b).astype(jnp.float32)),
+        np.asarray(jax.jit(ts.matmul)(a, b).astype(jnp.float32)),
+    )
+
+
+def test_jaxpr_shows_one_ts_matmul_per_call():
+    a, b = rand((4, 5)), rand((5, 3))
+    for fn in (ts.matmul, ts.gemm, ts.op.matmul, ts.op.gemm, ts.op.linear):
+        jaxpr = jax.make_jaxpr(fn)(a, b)
+        assert [e.primitive.name for e in jaxpr.jaxpr.eqns] == ["ts_matmul"]
+    assert "matmul" in ts.op.OPERATORS
+
+
+# --- hypothesis ---------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 40),
+    n=st.integers(1, 40),
+    lead=st.sampled_from([(), (2,), (2, 3)]),
+    shared=st.sampled_from(["none", "a", "b"]),
+    ta=st.booleans(),
+    tb=st.booleans(),
+)
+def test_hypothesis_shapes(m, k, n, lead, shared, ta, tb):
+    la = () if shared == "a" else lead
+    lb = () if shared == "b" else lead
+    a = rand((*la, k, m) if ta else (*la, m, k))
+    b = rand((*lb, n, k) if tb else (*lb, k, n))
+    a_ = jnp.swapaxes(a, -1, -2) if ta else a
+    b_ = jnp.swapaxes(b, -1, -2) if tb else b
+    out = ts.matmul(a_, b_)
+    ref = ref_matmul(a_, b_)
+    assert out.shape == ref.shape == (*lead, m, n)
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, k)

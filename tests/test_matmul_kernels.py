@@ -1,0 +1,388 @@
+"""The matmul kernels on the CPU: the Hopper Mosaic GPU kernel in Mosaic GPU interpret mode,
+the portable BlockSpec kernel in Pallas interpret mode, gradients through the kernel path,
+tile configs and the hardware checks. References are float64 numpy.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import rand
+
+import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import matmul_configs as mc
+from tessera_jax.pallas_kernels import matmul_mgpu as mg
+from tessera_jax.pallas_kernels import matmul_portable as mp
+from tessera_jax.primitives.matmul import matmul_op
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+# ||out - ref|| / ||ref|| against float64 on the same (rounded) inputs: the kernels
+# accumulate in f32, so the error is the output rounding (bf16 ~2e-3, f16 ~3e-4, f32 ~1e-7).
+TOL = {np.dtype(BF16): 1e-2, np.dtype(F16): 2e-3, np.dtype(F32): 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """The interpreter can deadlock when a simulated thread raises: fail loudly instead."""
+    faulthandler.dump_traceback_later(600, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(F32), np.float64)
+
+
+def _gelu(x, approximate):
+    if approximate:
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    from math import erf
+
+    return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+def reference(
+    a,
+    b,
+    *extras,
+    transpose_a=False,
+    transpose_b=False,
+    activation=None,
+    has_bias=False,
+    has_residual=False,
+    has_scale=False,
+    **_,
+):
+    """The ts_matmul contract in float64."""
+    extras = list(extras)
+    bias = extras.pop(0) if has_bias else None
+    res = extras.pop(0) if has_residual else None
+    scale = extras.pop(0) if has_scale else None
+    a, b = f64(a), f64(b)
+    if transpose_a:
+        a = np.swapaxes(a, -1, -2)
+    if transpose_b:
+        b = np.swapaxes(b, -1, -2)
+    z = a @ b
+    if scale is not None:
+        z = z * float(scale)
+    if bias is not None:
+        z = z + f64(bias)
+    if activation == "relu":
+        z = np.maximum(z, 0)
+    elif activation in ("gelu", "gelu_tanh"):
+        z = _gelu(z, activation == "gelu_tanh")
+    if res is not None:
+        z = z + f64(res)
+    return z
+
+
+def check(out, ref, out_dtype, factor=1.0):
+    out = np.asarray(jnp.asarray(out).astype(F32), np.float64)
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out))
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err <= TOL[np.dtype(out_dtype)] * factor, f"relative error {err:.3e}"
+
+
+def run_mgpu(*args, detect_races=False, **params):
+    params.setdefault("out_dtype", np.dtype(params.pop("out", BF16)))
+    with _compat.gpu_interpret_mode(detect_races=detect_races):
+        out = jax.jit(lambda *xs: mg.matmul(*xs, interpret=True, **params))(*args)
+        return jax.block_until_ready(out)
+
+
+# --- the Hopper kernel in Mosaic GPU interpret mode ---------------------------------------
+
+
+def test_mgpu_256x256x128_no_races():
+    a, b = rand((256, 128), BF16), rand((128, 256), BF16)
+    out = run_mgpu(a, b, detect_races=True)
+    assert _compat.races_detected() is False
+    assert out.dtype == BF16
+    check(out, reference(a, b), BF16)
+
+
+def test_mgpu_ragged_200x136x96():
+    # M, N, K not multiples of any tile: zero-padded K, M/N cut off the result.
+    a, b = rand((200, 96), F16), rand((96, 136), F16)
+    out = run_mgpu(a, b, out=F32)
+    check(out, reference(a, b), F32, factor=100)  # f16 inputs, f32 out: f32 accumulation
+
+
+@pytest.mark.parametrize(
+    "ta,tb,shape",
+    [(True, True, (200, 136, 96)), (False, True, (256, 256, 128))],
+    ids=["tA-tB-ragged", "tB"],
+)
+def test_mgpu_transposed_operands(ta, tb, shape):
+    m, n, k = shape
+    a = rand((k, m) if ta else (m, k), BF16)
+    b = rand((n, k) if tb else (k, n), BF16)
+    out = run_mgpu(a, b, transpose_a=ta, transpose_b=tb, out=F32)
+    check(out, reference(a, b, transpose_a=ta, transpose_b=tb), F32, factor=100)
+
+
+def test_mgpu_transposed_a():
+    a, b = rand((128, 256), F16), rand((128, 256), F16)
+    out = run_mgpu(a, b, transpose_a=True, out=F16)
+    check(out, reference(a, b, transpose_a=True), F16)
+
+
+@pytest.mark.parametrize("activation", ["gelu"])  # gelu_tanh: same epilogue path, GPU-benchmarked
+def test_mgpu_bias_activation(activation):
+    a, b, bias = rand((256, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
+    out = run_mgpu(a, b, bias, has_bias=True, activation=activation)
+    check(out, reference(a, b, bias, has_bias=True, activation=activation), BF16)
+
+
+def test_mgpu_scale_relu_residual_f32():
+    a, b = rand((200, 128), BF16), rand((128, 136), BF16)
+    res, scale = rand((200, 136), F32), jnp.float32(0.25)
+    p = dict(has_residual=True, has_scale=True, activation="relu")
+    out = run_mgpu(a, b, res, scale, out=F32, **p)
+    check(out, reference(a, b, res, scale, **p), F32, factor=100)
+
+
+def test_mgpu_fp8_e4m3_scaled():
+    a, b = rand((256, 128), E4M3), rand((128, 256), E4M3)
+    out = run_mgpu(a, b, jnp.float32(0.5), has_scale=True, out=F32)
+    check(out, reference(a, b, jnp.float32(0.5), has_scale=True), F32)
+
+
+def test_mgpu_fp8_mixed_e4m3_e5m2():
+    a, b = rand((128, 192), E4M3), rand((192, 256), E5M2)
+    out = run_mgpu(a, b, out=BF16)
+    check(out, reference(a, b), BF16)
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((2, 128, 128), (2, 128, 256)), ((3, 40, 128), (128, 256))],
+    ids=["batched", "shared-b-folds-into-m"],
+)
+def test_mgpu_batched(a_shape, b_shape):
+    a, b = rand(a_shape, BF16), rand(b_shape, BF16)
+    out = run_mgpu(a, b)
+    assert out.shape == (*a_shape[:-1], b_shape[-1])
+    check(out, reference(a, b), BF16)
+
+
+def test_mgpu_user_tile_shape():
+    # (64, 128, 64): warpgroups split N (64 rows each would be 32 < the wgmma M of 64 along M).
+    cfg = mc.config_for_tile_shape((64, 128, 64), BF16, BF16)
+    assert cfg.wg_dimension == "n" and cfg.wg_tile == (64, 64)
+    a, b = rand((128, 128), BF16), rand((128, 256), BF16)
+    out = run_mgpu(a, b, tile_shape=(64, 128, 64))
+    check(out, reference(a, b), BF16)
+
+
+# --- the portable kernel in Pallas interpret mode -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ta,tb,dtype,shape",
+    [
+        (False, False, BF16, (200, 136, 96)),
+        (True, True, F16, (96, 72, 40)),
+        (False, True, F32, (64, 80, 48)),
+    ],
+)
+def test_portable(ta, tb, dtype, shape):
+    m, n, k = shape
+    a = rand((k, m) if ta else (m, k), dtype)
+    b = rand((n, k) if tb else (k, n), dtype)
+    out = jax.jit(
+        lambda a, b: mp.matmul(a, b, interpret=True, transpose_a=ta, transpose_b=tb, out_dtype=F32)
+    )(a, b)
+    check(out, reference(a, b, transpose_a=ta, transpose_b=tb), F32, factor=10)
+
+
+def test_portable_epilogue_batched():
+    a, b = rand((2, 100, 64), F32), rand((2, 64, 80), F32)
+    bias, res, scale = rand((80,), F32), rand((2, 100, 80), F32), jnp.float32(0.5)
+    p = dict(has_bias=True, has_residual=True, has_scale=True, activation="gelu")
+    out = jax.jit(lambda *x: mp.matmul(*x, interpret=True, out_dtype=F32, **p))(
+        a, b, bias, res, scale
+    )
+    check(out, reference(a, b, bias, res, scale, **p), F32)
+
+
+def test_portable_config_rounds_user_tiles():
+    assert (
+        mp.PortableConfig.from_tile_shape((192, 96, 48)).__repr__() == "PortableConfig(128, 64, 32)"
+    )
+    with pytest.raises(ValueError, match="power of two"):
+        mp.PortableConfig(48, 64, 32)
+
+
+# --- the kernel path of ts.op.matmul (TESSERA_KERNELS=interpret) --------------------------
+
+
+def test_interpret_mode_selects_kernels():
+    avals = [jax.core.ShapedArray((256, 128), BF16), jax.core.ShapedArray((128, 256), BF16)]
+    params = dict(
+        transpose_a=False,
+        transpose_b=False,
+        out_dtype=np.dtype(BF16),
+        accumulate_dtype=np.dtype(F32),
+        tile_shape=None,
+        activation=None,
+        has_bias=False,
+        has_residual=False,
+        has_scale=False,
+    )
+    with ts.kernel_mode("interpret"):
+        assert matmul_op.select("cpu", avals, params)[0] == "mosaic_gpu"
+        f32 = [jax.core.ShapedArray(a.shape, F32) for a in avals]
+        p32 = dict(params, out_dtype=np.dtype(F32))
+        assert matmul_op.select("cpu", f32, p32)[0] == "pallas_portable"
+    with ts.kernel_mode("auto"):
+        assert matmul_op.select("cpu", avals, params)[0] == "reference"
+
+
+def test_grad_through_kernels():
+    # linear with bias + gelu: forward, the recomputed pre-activation and the transposed
+    # products of the backward pass all run the Mosaic GPU kernel in the interpreter.
+    x, w, b = rand((128, 64), BF16), rand((64, 128), BF16, scale=0.125), rand((128,), BF16)
+
+    def loss(x, w, b):
+        y = ts.op.linear(x, w, b, activation="gelu")
+        return jnp.sum(y.astype(F32) ** 2)
+
+    with ts.kernel_mode("interpret"):
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)
+    with ts.kernel_mode("xla"):
+        want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype
+        check(g, f64(r), BF16, factor=2)
+
+
+# --- configs and the hardware checks ------------------------------------------------------
+
+
+def test_config_is_frozen_and_validated():
+    cfg = mc.MatmulConfig()
+    with pytest.raises(dataclasses_frozen_error()):
+        cfg.block_m = 64
+    with pytest.raises(ValueError, match="register budget"):
+        mc.MatmulConfig(block_m=256, block_n=256, wg_dimension="n")
+    with pytest.raises(ValueError, match="wgmma M"):
+        mc.MatmulConfig(block_m=64, block_n=256, wg_dimension="m")
+    with pytest.raises(ValueError, match="num_stages"):
+        mc.MatmulConfig(num_stages=1)
+    with pytest.raises(ValueError, match="cluster_dimension"):
+        mc.MatmulConfig(cluster_dimension="k")
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("name", sorted(mc.CANDIDATES))
+def test_candidates_fit_the_hardware(name):
+    cfg = mc.CANDIDATES[name]
+    dt = E4M3 if name.startswith("fp8") else BF16
+    fitted = mc.fit_stages(cfg, dt, dt, F32 if dt == E4M3 else BF16)
+    assert fitted.num_stages >= 3
+    assert mc.smem_bytes(fitted, dt, dt, BF16) <= mc.SMEM_BYTES
+    assert cfg.block_k % mc.swizzle_elems(dt) == 0
+    assert math.prod(cfg.wg_tile) <= mc.ACC_MAX_ELEMS
+
+
+def test_default_config_and_candidates():
+    assert mc.default_config(4096, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
+    assert mc.default_config(8192, 8192, 8192, E4M3, E4M3).block_k == 128
+    assert all(k.startswith("fp8_") for k in mc.candidates_for(E4M3, E5M2))
+
+
+@pytest.mark.parametrize(
+    "tile,dtype,match",
+    [
+        ((128, 256, 512), BF16, "shared-memory limit"),
+        ((256, 128, 512), E4M3, "shared-memory limit"),
+        ((128, 512, 128), BF16, "register budget"),
+        ((96, 128, 64), BF16, "multiple of the wgmma M"),
+        ((128, 128, 32), BF16, "multiple of 64"),
+        ((128, 128, 64), E4M3, "multiple of 128"),
+        ((128, 96, 64), BF16, "BN=96 must be a multiple of 64"),
+        ((256, 256, 64), BF16, "register budget"),
+    ],
+)
+def test_validate_tile_shape_names_the_limit(tile, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        mg.validate_tile_shape(tile, np.dtype(dtype), np.dtype(dtype))
+
+
+def test_validate_tile_shape_accepts_and_ignores():
+    mg.validate_tile_shape((128, 256, 64), np.dtype(BF16), np.dtype(BF16))
+    mg.validate_tile_shape((128, 256, 128), np.dtype(E4M3), np.dtype(E5M2))
+    # Not a kernel case (f32): the reference runs it and tile_shape is not checked here.
+    mg.validate_tile_shape((48, 48, 48), np.dtype(F32), np.dtype(F32))
+
+
+def test_public_matmul_rejects_bad_tile_before_compiling():
+    a, b = rand((256, 128), BF16), rand((128, 256), BF16)
+    with pytest.raises(ValueError, match="shared-memory limit"):
+        ts.op.matmul(a, b, tile_shape=(128, 256, 512))
+    with pytest.raises(ValueError, match="wgmma M"):
+        jax.jit(lambda a, b: ts.op.matmul(a, b, tile_shape=(96, 128, 64)))(a, b)
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+
+def _avals(*shapes_dtypes):
+    return [jax.core.ShapedArray(s, d) for s, d in shapes_dtypes]
+
+
+def _params(**kw):
+    p = dict(
+        transpose_a=False,
+        transpose_b=False,
+        out_dtype=np.dtype(BF16),
+        accumulate_dtype=np.dtype(F32),
+        tile_shape=None,
+        activation=None,
+        has_bias=False,
+        has_residual=False,
+        has_scale=False,
+    )
+    p.update(kw)
+    return p
+
+
+def test_supports():
+    p = _params()
+    assert mg.supports(_avals(((64, 64), BF16), ((64, 64), BF16)), p, "cpu") is None
+    assert "dtypes" in mg.supports(_avals(((64, 64), F32), ((64, 64), F32)), p, "cpu")
+    assert "dtypes" in mg.supports(_avals(((64, 64), BF16), ((64, 64), F16)), p, "cpu")
+    assert mg.supports(_avals(((64, 64), E4M3), ((64, 64), E5M2)), p, "cpu") is None
+    assert "dtypes" in mp.supports(_avals(((64, 64), E4M3), ((64, 64), E4M3)), p, "cpu")
+    assert mp.supports(_avals(((64, 64), F32), ((64, 64), F32)), p, "cpu") is None
+
+
+def test_prefer_follows_the_measurements():
+    big = _avals(((8192, 8192), BF16), ((8192, 8192), BF16))
+    assert not mg.prefer(big, _params())  # plain bf16: parity with cuBLAS -> XLA
+    assert mg.prefer(big + _avals(((8192,), BF16)), _params(has_bias=True, activation="gelu"))
+    f8 = _avals(((4096, 4096), E4M3), ((4096, 4096), E4M3))
+    assert mg.prefer(f8, _params(out_dtype=np.dtype(F32)))
+    mixed = _avals(((4096, 4096), E4M3), ((4096, 4096), E5M2))
+    assert not mg.prefer(mixed, _params(out_dtype=np.dtype(F32)))
+    skinny = _avals(((16, 8192), E4M3), ((8192, 8192), E4M3))
+    assert not mg.prefer(skinny, _params(out_dtype=np.dtype(F32)))
+    ragged = _avals(((4000, 4096), E4M3), ((4096, 4096), E4M3))
+    assert not mg.prefer(ragged, _params(out_dtype=np.dtype(F32)))
+    assert not mp.prefer(big, _params())
