@@ -9,6 +9,13 @@ from tessera_jax import op as op
 from tessera_jax._config import get_kernel_mode as get_kernel_mode
 from tessera_jax._config import kernel_mode as kernel_mode
 from tessera_jax._config import set_kernel_mode as set_kernel_mode
+from tessera_jax.autodiff import autodiff as autodiff
+from tessera_jax.autodiff import custom_jvp as custom_jvp
+from tessera_jax.autodiff import custom_vjp as custom_vjp
+from tessera_jax.autodiff import grad as grad
+from tessera_jax.autodiff import jit as jit
+from tessera_jax.autodiff import value_and_grad as value_and_grad
+from tessera_jax.numerics.annotations import Tensor as Tensor
 from tessera_jax.numerics.dtypes import DType as DType
 from tessera_jax.numerics.dtypes import Policy as Policy
 from tessera_jax.numerics.dtypes import accum as accum
@@ -24,16 +31,42 @@ from tessera_jax.numerics.dtypes import int8 as int8
 from tessera_jax.numerics.dtypes import int32 as int32
 from tessera_jax.numerics.dtypes import loss_scale as loss_scale
 from tessera_jax.numerics.dtypes import stochastic_round as stochastic_round
+from tessera_jax.numerics.policy import QuantizedTensor as QuantizedTensor
+from tessera_jax.numerics.policy import dequantize as dequantize
+from tessera_jax.numerics.policy import precision_policy as precision_policy
+from tessera_jax.numerics.policy import quantize as quantize
 from tessera_jax.op import abs as abs
+from tessera_jax.op import all_gather as all_gather
+from tessera_jax.op import all_reduce as all_reduce
+from tessera_jax.op import cast as cast
 from tessera_jax.op import exp as exp
+from tessera_jax.op import fft as fft
+from tessera_jax.op import flash_attention as flash_attention
 from tessera_jax.op import gelu as gelu
+from tessera_jax.op import gemm as gemm
+from tessera_jax.op import ifft as ifft
+from tessera_jax.op import layernorm as layernorm
+from tessera_jax.op import log_softmax as log_softmax
+from tessera_jax.op import matmul as matmul
 from tessera_jax.op import max as max
 from tessera_jax.op import mse as mse
 from tessera_jax.op import relu as relu
+from tessera_jax.op import rmsnorm as rmsnorm
+from tessera_jax.op import rmsnorm_safe as rmsnorm_safe
 from tessera_jax.op import round as round
+from tessera_jax.op import softmax as softmax
 from tessera_jax.op import sqrt as sqrt
 from tessera_jax.op import sum as sum
 from tessera_jax.op import tanh as tanh
+from tessera_jax.sharding import array as array
+from tessera_jax.sharding import dist as dist
+from tessera_jax.sharding import domain as domain
+from tessera_jax.sharding.launch import index_launch as index_launch
+from tessera_jax.sharding.regions import Region as Region
+from tessera_jax.sharding.regions import read as read
+from tessera_jax.sharding.regions import reduce_sum as reduce_sum
+from tessera_jax.sharding.regions import write as write
+from tessera_jax.sharding.spec import ShardSpec as ShardSpec
 
 fp6 = fp6_e3m2
 pi = _math.pi

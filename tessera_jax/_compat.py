@@ -24,6 +24,7 @@ __all__ = [
     "batching",
     "custom_partitioning",
     "enum_config_state",
+    "gpu_interpret_forced",
     "gpu_interpret_mode",
     "gpu_interpret_params",
     "mlir",
@@ -78,8 +79,116 @@ def gpu_interpret_mode(detect_races: bool = False):
     """Runs every Mosaic GPU kernel traced inside in the CPU interpreter."""
     from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
 
+    _patch_gpu_interpreter_wgmma()
     with force_gpu_interpret_mode(gpu_interpret_params(detect_races)):
         yield
+
+
+def _patch_gpu_interpreter_wgmma() -> None:
+    """Teaches the Mosaic GPU interpreter's ``wgmma`` transposed shared-memory operands.
+
+    jax 0.10's interpreter reads wgmma operands through indexing transforms only, so
+    ``wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))`` (the compiled kernel's copy-free
+    transposed operand: the instruction's transpose bit) fails there. This wraps the
+    interpreter callback: operands with a trailing ``TransposeTransform`` are read
+    through their indexers and transposed in numpy; everything else goes to jax's
+    own callback unchanged. Idempotent; a no-op where the interpreter handles them.
+    """
+    try:
+        from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+        from jax._src.state.types import TransposeTransform
+    except ImportError:  # pragma: no cover - interpreter layout changed
+        return
+    orig = gc.wgmma
+    if getattr(orig, "_tessera_patched", False):
+        return
+    import inspect
+
+    try:  # jax 0.11 reads every operand through transposes itself (and changed this API)
+        if "TransposeTransform" in inspect.getsource(gc) or "mesh_location" in inspect.getsource(
+            orig
+        ):
+            return
+    except (OSError, TypeError):  # pragma: no cover
+        return
+
+    def split(transforms):
+        idx, perm = [], None
+        for t in gc._remove_noop_transforms(tuple(transforms)):
+            if isinstance(t, TransposeTransform):
+                p = tuple(t.permutation)
+                perm = p if perm is None else tuple(perm[i] for i in p)
+            elif perm is not None:
+                raise NotImplementedError("indexing after a transpose in an interpreted wgmma")
+            else:
+                idx.append(t)
+        return tuple(idx), perm
+
+    def wgmma(**kw):
+        a_idx, a_perm = split(kw["a_transforms"])
+        b_idx, b_perm = split(kw["b_transforms"])
+        if a_perm is None and b_perm is None:
+            return orig(**kw)
+        device_id, thread_id = int(kw["device_id"]), int(kw["thread_id"])
+        coords = tuple(int(x) for x in kw["grid_point_coords"])
+        shared_memory = gc._get_shared_memory()
+        gtid = shared_memory.get_global_thread_id(device_id, thread_id)
+        info = interpret_utils.GPULoggingInfo(
+            device_id=device_id,
+            grid_point_coords=coords,
+            thread_id=thread_id,
+            source_info=kw.get("source_info"),
+        )
+
+        def read(key, transforms, perm):
+            rng = interpret_utils.to_range(jax.tree.map(int, transforms))
+            key = gc.HostAllocationKey.from_array(key)
+            x, _, _ = shared_memory.get_buffer_content(key, rng, gtid, logging_info=info)
+            return x if perm is None else x.transpose(perm)
+
+        a = read(kw["a_allocation_key_as_array"], a_idx, a_perm)
+        b = read(kw["b_allocation_key_as_array"], b_idx, b_perm)
+        acc_key = gc.HostAllocationKey.from_array(kw["acc_allocation_key_as_array"])
+        acc_range = interpret_utils.to_range(
+            jax.tree.map(int, gc._remove_noop_transforms(tuple(kw["acc_transforms"])))
+        )
+        acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, gtid, logging_info=info)
+        import numpy as np
+
+        res = acc + np.matmul(a, b, dtype=kw["acc_dtype"])
+        shared_memory.store_buffer_content(acc_key, acc_range, res, gtid, logging_info=info)
+        return kw["token"]
+
+    wgmma._tessera_patched = True
+    gc.wgmma = wgmma
+
+
+def gpu_interpret_current_params() -> Any:
+    """The interpreter parameters a ``gpu_interpret_mode`` context has in force, else defaults."""
+    from jax._src import config as _config
+
+    state = getattr(_config, "pallas_tpu_interpret_mode_context_manager", None)
+    value = None if state is None else state.value
+    return value if value is not None else gpu_interpret_params()
+
+
+@contextlib.contextmanager
+def gpu_interpret_mode_with(params: Any):
+    """``gpu_interpret_mode`` with given ``InterpretGPUParams`` (see gpu_interpret_params)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
+
+    _patch_gpu_interpreter_wgmma()
+    with force_gpu_interpret_mode(params):
+        yield
+
+
+def gpu_interpret_forced() -> bool:
+    """Whether a ``gpu_interpret_mode`` context (or global setting) is already in force."""
+    from jax._src import config as _config
+
+    state = getattr(_config, "pallas_tpu_interpret_mode_context_manager", None)
+    return state is not None and state.value is not None
 
 
 def races_detected() -> bool | None:
@@ -114,3 +223,151 @@ def enable_x64(enabled: bool = True):
 def zero_tangent(primal: Any) -> Any:
     """A symbolic-zero tangent for ``primal`` (``ad.Zero.from_primal_value`` in newer jax)."""
     return ad.Zero(jax.typeof(primal).to_tangent_aval())
+
+
+# --- distribution (tessera_jax.sharding, primitives/collectives.py) ----------------------
+
+
+def make_mesh(devices: Any, axis_names: tuple[str, ...]) -> jax.sharding.Mesh:
+    """A ``jax.sharding.Mesh`` with Auto axes over an ndarray of devices.
+
+    ``jax.make_mesh`` defaults to Explicit axes from jax 0.10 on (sharding in types),
+    under which ``shard_map`` wants inputs already placed as ``in_specs`` say; Tessera
+    meshes use Auto axes everywhere.
+    """
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None:  # pragma: no cover - older jax
+        return jax.sharding.Mesh(devices, axis_names)
+    return jax.sharding.Mesh(devices, axis_names, axis_types=(axis_type.Auto,) * len(axis_names))
+
+
+def axis_is_bound(name: Any) -> bool:
+    """Whether mesh axis ``name`` is bound here (inside ``shard_map`` over it)."""
+    try:
+        jax.lax.axis_size(name)
+    except (NameError, KeyError, ValueError):
+        return False
+    return True
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes a traced value varies over inside ``shard_map`` (its vma)."""
+    return varying_axes_of_aval(jax.typeof(x))
+
+
+def varying_axes_of_aval(aval: Any) -> frozenset:
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))  # older / newer spelling
+
+
+def pvary(x: Any, axes: tuple[str, ...]) -> Any:
+    """Marks an invariant value as varying over ``axes`` (a no-op on the data)."""
+    axes = tuple(a for a in axes if a not in varying_axes(x))
+    if not axes or not vma_checking():  # no vma typing here: nothing to mark
+        return x
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pragma: no cover - jax without pcast
+
+
+def all_gather_invariant(x: Any, axes: tuple[str, ...], *, axis: int, tiled: bool = True) -> Any:
+    """``all_gather`` whose result is typed invariant over ``axes`` (its transpose slices).
+
+    Outside vma typing (``check_vma=False``, custom_partitioning bodies) the plain
+    ``all_gather``: there is no type to state.
+    """
+    if not vma_checking():
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=tiled)
+    fn = getattr(jax.lax, "all_gather_invariant", None)
+    if fn is None:
+        from jax._src.lax.parallel import all_gather_invariant as fn
+    return fn(x, axes, axis=axis, tiled=tiled)
+
+
+def _strip_vma(aval: Any) -> Any:
+    mat = getattr(aval, "mat", None)
+    if mat is not None and getattr(mat, "varying", None):
+        return aval.update(manual_axis_type=mat.update(varying=frozenset()))
+    if getattr(aval, "vma", None):  # pragma: no cover - other spelling
+        return aval.update(vma=frozenset())
+    return aval
+
+
+@contextlib.contextmanager
+def lowering_without_vma(ctx: Any):
+    """``ctx`` with vma-free avals, and vma checks off, to trace an implementation
+    inside a lowering rule.
+
+    Inside ``shard_map`` the avals of a lowering carry the axes they vary over; an
+    implementation traced from them (a ``pallas_call``'s ``out_shape``, a loop
+    carry) would then have to state vma itself. The lowered MLIR types are the same
+    either way, so implementations are traced vma-free.
+    """
+    ctx = ctx.replace(
+        avals_in=[_strip_vma(a) for a in ctx.avals_in],
+        avals_out=[_strip_vma(a) for a in ctx.avals_out],
+    )
+    state = _check_vma_state()
+    with state(False) if state is not None else contextlib.nullcontext():
+        yield ctx
+
+
+def lowering_is_partitioned(ctx: Any) -> bool:
+    """Whether a lowering runs under XLA's SPMD partitioner over several devices
+    (jit with shardings), as opposed to one device or a fully manual ``shard_map``."""
+    from jax._src import sharding_impls
+
+    ac = ctx.module_context.axis_context
+    if isinstance(ac, sharding_impls.ShardingContext):
+        return ac.num_devices > 1
+    return False
+
+
+def require_devices_during_lowering(prim: Any) -> None:
+    """Lowering ``prim`` needs the device assignment (it may emit custom_partitioning)."""
+    from jax._src import dispatch
+
+    dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
+def _check_vma_state() -> Any:
+    from jax._src import config as _config
+
+    return getattr(_config, "_check_vma", None)
+
+
+def vma_checking() -> bool:
+    """Whether values are being typed by the mesh axes they vary over (inside a
+    ``shard_map`` with ``check_vma=True``)."""
+    state = _check_vma_state()
+    return bool(state is not None and state.value)
+
+
+def match_vma(args: Any) -> list[Any]:
+    """Operands marked varying over the union of their varying axes, as jax does for
+    its own primitives, so that a primitive's operands agree inside ``shard_map``."""
+    vmas = [varying_axes(a) for a in args]
+    union = frozenset().union(*vmas)
+    if not union:
+        return list(args)
+    return [pvary(a, tuple(union - v)) if union - v else a for a, v in zip(args, vmas)]
+
+
+def with_varying(aval: Any, vma: frozenset, like: Any) -> Any:
+    """``aval`` typed as varying over ``vma`` (the output type of a primitive whose
+    operands vary over ``vma``); ``like`` is an operand aval carrying the mesh."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        if mat.varying == vma:
+            return aval
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is None or mesh.empty:  # a fresh ShapedArray: take the operands' mesh
+            spec = jax.sharding.PartitionSpec()
+            aval = aval.update(sharding=jax.sharding.NamedSharding(like.sharding.mesh, spec))
+        return aval.update(manual_axis_type=aval.mat.update(varying=vma))
+    if hasattr(aval, "vma"):  # pragma: no cover - other spelling
+        return aval.update(vma=vma)
+    return aval

@@ -1,6 +1,14 @@
 """``ts.op``: every Tessera operator (each a JAX primitive named ``ts_<name>``)."""
 
 from tessera_jax.primitives._core import OPERATORS as OPERATORS
+from tessera_jax.primitives.attention import FlashAttentionConfig as FlashAttentionConfig
+from tessera_jax.primitives.attention import flash_attention as flash_attention
+from tessera_jax.primitives.cast import cast as cast
+from tessera_jax.primitives.collectives import all_gather as all_gather
+from tessera_jax.primitives.collectives import all_reduce as all_reduce
+from tessera_jax.primitives.collectives import all_to_all as all_to_all
+from tessera_jax.primitives.collectives import reduce_scatter as reduce_scatter
+from tessera_jax.primitives.collectives import scatter as scatter
 from tessera_jax.primitives.elementwise import abs as abs
 from tessera_jax.primitives.elementwise import exp as exp
 from tessera_jax.primitives.elementwise import gelu as gelu
@@ -8,6 +16,17 @@ from tessera_jax.primitives.elementwise import relu as relu
 from tessera_jax.primitives.elementwise import round as round
 from tessera_jax.primitives.elementwise import sqrt as sqrt
 from tessera_jax.primitives.elementwise import tanh as tanh
+from tessera_jax.primitives.fft import fft as fft
+from tessera_jax.primitives.fft import ifft as ifft
+from tessera_jax.primitives.matmul import fused_mlp as fused_mlp
+from tessera_jax.primitives.matmul import gemm as gemm
+from tessera_jax.primitives.matmul import linear as linear
+from tessera_jax.primitives.matmul import matmul as matmul
+from tessera_jax.primitives.norms import layernorm as layernorm
+from tessera_jax.primitives.norms import rmsnorm as rmsnorm
+from tessera_jax.primitives.norms import rmsnorm_safe as rmsnorm_safe
 from tessera_jax.primitives.reductions import max as max
 from tessera_jax.primitives.reductions import mse as mse
 from tessera_jax.primitives.reductions import sum as sum
+from tessera_jax.primitives.softmax import log_softmax as log_softmax
+from tessera_jax.primitives.softmax import softmax as softmax

@@ -37,6 +37,12 @@ zero_tangent = _compat.zero_tangent
 # Every operator, by name: rewrite passes and docs enumerate the graph vocabulary.
 OPERATORS: dict[str, Operator] = {}
 
+# Sharding rules, by operator name (registered by tessera_jax/sharding/rules.py). Under
+# XLA's SPMD partitioner (jit over several devices), ``rule(op, impl_name, fn, platform,
+# avals_in, params)`` returns what to lower instead of ``fn`` (a custom_partitioning
+# wrapper running ``fn`` on local shards), or None to lower ``fn`` as it is.
+SHARDING_RULES: dict[str, Callable[..., Any]] = {}
+
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
@@ -81,7 +87,7 @@ class Operator:
         self.prim = _compat.Primitive(f"ts_{name}")
         self.prim.multiple_results = multiple_results
         self.prim.def_impl(functools.partial(_compat.apply_primitive, self.prim))
-        self.prim.def_abstract_eval(abstract_eval)
+        self.prim.def_abstract_eval(functools.partial(_abstract_eval_vma, abstract_eval))
         mlir.register_lowering(self.prim, self._lower)
         OPERATORS[name] = self
 
@@ -89,6 +95,8 @@ class Operator:
         return f"Operator({self.name!r})"
 
     def bind(self, *args: Any, **params: Any) -> Any:
+        if _compat.vma_checking():  # inside shard_map: operands agree on their varying axes
+            args = _compat.match_vma(args)
         return self.prim.bind(*args, **params)
 
     def add_kernel(self, kernel: Kernel) -> Kernel:
@@ -120,9 +128,31 @@ class Operator:
     def _lower(self, ctx, *args, **params):
         platforms = tuple(ctx.module_context.platforms)
         platform = platforms[0] if len(platforms) == 1 else None
-        _, fn = self.select(platform, ctx.avals_in, params)
-        lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
-        return lowered(ctx, *args, **params)
+        impl, fn = self.select(platform, ctx.avals_in, params)
+        rule = SHARDING_RULES.get(self.name)
+        if rule is not None and _compat.lowering_is_partitioned(ctx):
+            fn = rule(self, impl, fn, platform, ctx.avals_in, params) or fn
+        # Implementations are traced vma-free (a kernel inside shard_map need not know
+        # which mesh axes its operands vary over).
+        with _compat.lowering_without_vma(ctx) as ctx:
+            lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
+            return lowered(ctx, *args, **params)
+
+
+def _abstract_eval_vma(abstract_eval: Callable[..., Any], *avals: Any, **params: Any) -> Any:
+    """The operator's abstract eval, its outputs typed as varying over the mesh axes
+    its operands vary over (inside shard_map; a no-op elsewhere)."""
+    out = abstract_eval(*avals, **params)
+    if not _compat.vma_checking():
+        return out
+    vmas = [_compat.varying_axes_of_aval(a) for a in avals]
+    vma = frozenset().union(*vmas)
+    if not vma:
+        return out
+    like = next(a for a, v in zip(avals, vmas) if v)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_compat.with_varying(o, vma, like) for o in out)
+    return _compat.with_varying(out, vma, like)
 
 
 # --- helpers shared by operator modules -------------------------------------------------

@@ -51,8 +51,24 @@ from tessera_jax.primitives._core import (
 _NUMERIC = (jnp.number,)
 
 
+def _leaves(x: jax.Array) -> jax.Array:
+    """``x`` as leaves that no multiply can be contracted into.
+
+    XLA (CPU and GPU) lets LLVM contract a multiply that produces a leaf into the
+    first-level add (an FMA, rounded once instead of twice) whenever the producer
+    fuses into the tree, and whether it fuses depends on the program around the sum
+    (one device vs a sharded mesh). A select between the leaf and NaN (taken only
+    for a NaN leaf) stands between any multiply and the adds, so every level adds
+    rounded values, in every program.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))
+
+
 def pairwise_tree_sum(x: jax.Array) -> jax.Array:
     """Sums the last axis of ``x`` on the canonical pairwise tree (module docstring)."""
+    x = _leaves(x)
     while x.shape[-1] > 1:
         n = x.shape[-1]
         pairs = x[..., : n - n % 2 : 2] + x[..., 1 : n - n % 2 : 2]

@@ -1,0 +1,193 @@
+"""Deterministic all-reduce (``ts.op.all_reduce``) against ``lax.psum`` (NCCL).
+
+One command, all local devices, f32 messages of 1, 64 and 512 MiB per rank::
+
+    python benchmarks/allreduce.py            # GPU machine (nvidia-h200-x2 / -x4)
+    python benchmarks/allreduce.py --smoke    # CPU, tiny sizes, 8 virtual devices
+
+For each size it times, in the same process, the canonical-tree all-reduce
+(``binary_tree``: all_to_all, local pairwise tree, all_gather; ``ring``: the
+all_to_all as n-1 ppermute rounds; and at the smallest size ``gather``:
+all_gather + local tree, the latency path "auto" takes for small messages)
+against ``lax.psum``; median of repeats of back-to-back calls after warm-up.
+Bus bandwidth = 2(n-1)/n · bytes per rank / time.
+
+It checks, before timing: the deterministic result is bitwise identical across
+3 runs and on every rank, and equal to the canonical tree of the same data
+computed on one device (``tree_over_ranks`` of the stacked ranks); it records
+whether ``psum`` happened to give the same bits. Records go to
+``$OUT/allreduce-<device>.json`` if ``$OUT`` is set, else
+``benchmarks/results/allreduce-<device>.json``; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MIB = 1 << 20
+
+
+def _bus_bandwidth(n: int, nbytes: int, ms: float) -> float:
+    """GB/s on the bus: an all-reduce moves 2(n-1)/n of the message per rank."""
+    return 2 * (n - 1) / n * nbytes / (ms * 1e-3) / 1e9
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on 8 CPU devices")
+    p.add_argument("--sizes-mib", type=float, nargs="*", help="per-rank sizes in MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--algos", nargs="*", default=["binary_tree", "ring"])
+    return p.parse_args()
+
+
+def main() -> int:
+    args = _parse()
+    import jax
+
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+        from tessera_jax import _compat
+
+        _compat.cpu_device_count_flag(8)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tessera_jax import _compat
+    from tessera_jax.primitives.collectives import tree_all_reduce, tree_over_ranks
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = _compat.make_mesh(np.array(devices), ("x",))
+    kind = devices[0].device_kind if devices[0].platform != "cpu" else "cpu"
+    device = f"{kind.lower().replace(' ', '-')}-x{n}"
+    if args.sizes_mib:
+        sizes = [int(s * MIB) for s in args.sizes_mib]
+    elif args.smoke:
+        sizes = [4 << 10, 64 << 10, 1 * MIB]
+    else:
+        sizes = [1 * MIB, 64 * MIB, 512 * MIB]
+    repeats, iters = (2, 3) if args.smoke else (args.repeats, args.iters)
+
+    def label(nbytes: int) -> str:
+        return f"{nbytes // MIB}MiB" if nbytes % MIB == 0 else f"{nbytes >> 10}KiB"
+
+    def spmd(body):
+        f = _compat.shard_map(
+            lambda v: body(v[0]), mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=True
+        )
+        return jax.jit(f)
+
+    def timed(fn, x) -> float:
+        for _ in range(3):
+            fn(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                y = fn(x)
+            y.block_until_ready()
+            times.append((time.perf_counter() - t0) / iters * 1e3)
+        return statistics.median(times)
+
+    def digests(y) -> list[str]:
+        return [
+            hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest() for s in y.addressable_shards
+        ]
+
+    psum = spmd(lambda v: jax.lax.psum(v, "x"))
+    records, rows = [], []
+    for nbytes in sizes:
+        m = nbytes // 4
+        x = jax.jit(
+            lambda k, m=m: jax.random.normal(k, (n, m), jnp.float32),
+            out_shardings=NamedSharding(mesh, P("x")),
+        )(jax.random.key(nbytes))
+        # The canonical tree of the same data on one device.
+        ref = jax.jit(tree_over_ranks)(jax.device_put(x, devices[0]))
+        ref_digest = hashlib.sha256(np.asarray(ref).tobytes()).hexdigest()
+        del ref
+        y_psum = psum(x)
+        psum_same = set(digests(y_psum)) == {ref_digest}
+        del y_psum
+        t_psum = timed(psum, x)
+        algos = list(args.algos) + (["gather"] if nbytes == sizes[0] else [])
+        for algo in algos:
+            ours = spmd(lambda v, a=algo: tree_all_reduce(v, ("x",), "sum", a))
+            runs = [digests(ours(x)) for _ in range(3)]
+            per_rank = all(len(set(r)) == 1 for r in runs)
+            across = len({r[0] for r in runs}) == 1
+            canonical = runs[0][0] == ref_digest
+            t = timed(ours, x)
+            bus = functools.partial(_bus_bandwidth, n, nbytes)
+            rec = {
+                "suite": "allreduce",
+                "case": f"f32-{label(nbytes)}-x{n}-{algo}",
+                "device": device,
+                "jax": jax.__version__,
+                "impl": f"ts.op.all_reduce(deterministic=True, algo={algo!r})",
+                "baseline": "lax.psum",
+                "n_devices": n,
+                "bytes_per_rank": nbytes,
+                "ms": round(t, 4),
+                "baseline_ms": round(t_psum, 4),
+                "ratio": round(t_psum / t, 4),
+                "busbw_gbs": round(bus(t), 2),
+                "baseline_busbw_gbs": round(bus(t_psum), 2),
+                "bitwise_equal_3_runs": across,
+                "bitwise_equal_all_ranks": per_rank,
+                "equals_1device_canonical_tree": canonical,
+                "psum_equals_canonical_tree": psum_same,
+            }
+            records.append(rec)
+            rows.append(rec)
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"allreduce-{device}.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+    print(f"\nwrote {path}")
+    head = (
+        f"{'case':<28}{'ours ms':>10}{'psum ms':>10}{'ratio':>8}{'bus GB/s':>10}{'psum':>8}  bits"
+    )
+    print(head)
+    for r in rows:
+        bits = (
+            "ok"
+            if (
+                r["bitwise_equal_3_runs"]
+                and r["bitwise_equal_all_ranks"]
+                and r["equals_1device_canonical_tree"]
+            )
+            else "MISMATCH"
+        )
+        print(
+            f"{r['case']:<28}{r['ms']:>10.3f}{r['baseline_ms']:>10.3f}{r['ratio']:>8.3f}"
+            f"{r['busbw_gbs']:>10.1f}{r['baseline_busbw_gbs']:>8.1f}  {bits}"
+        )
+    ok = all(
+        r["bitwise_equal_3_runs"]
+        and r["bitwise_equal_all_ranks"]
+        and r["equals_1device_canonical_tree"]
+        for r in rows
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Meshes: named axes over devices (``ts.dist.Mesh`` / ``ts.dist.mesh``).
+
+A Tessera mesh is a thin wrapper around a ``jax.sharding.Mesh`` with Auto axes
+(``.jax_mesh``). Devices are given as indices into ``jax.devices()``, as jax
+devices, or as strings ``"cuda:3"`` / ``"gpu:3"`` / ``"cpu:3"`` (platform and
+index within that platform). ``with mesh:`` makes it the current mesh, which
+``ts.dist.tensor``, ``ts.array.from_domain``, the collectives' global view and
+``ts.index_launch`` use when no mesh is passed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tessera_jax import _compat
+
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
+
+_current: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
+    "tessera_mesh", default=()
+)
+
+
+def _device(spec: Any, index: int) -> Any:
+    """One device from an int, a jax device or a ``"platform:i"`` string."""
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        devs = jax.devices()
+        if not 0 <= spec < len(devs):
+            raise ValueError(
+                f"Mesh: devices[{index}]={spec} is out of range; this process has "
+                f"{len(devs)} {devs[0].platform} devices"
+            )
+        return devs[int(spec)]
+    if isinstance(spec, str):
+        platform, _, idx = spec.partition(":")
+        kind = _PLATFORM_ALIASES.get(platform.lower())
+        if kind is None or not idx.isdigit():
+            raise ValueError(
+                f"Mesh: devices[{index}]={spec!r} must look like 'cuda:3', 'gpu:3' or 'cpu:3'"
+            )
+        try:
+            devs = jax.devices(kind)
+        except RuntimeError:
+            devs = []
+        if not devs:
+            have = f"{len(jax.devices())} {jax.devices()[0].platform}"
+            raise ValueError(
+                f"Mesh: devices[{index}]={spec!r}: no {kind} devices here (have {have})"
+            )
+        if int(idx) >= len(devs):
+            raise ValueError(
+                f"Mesh: devices[{index}]={spec!r} is out of range; there are "
+                f"{len(devs)} {kind} devices"
+            )
+        return devs[int(idx)]
+    if hasattr(spec, "platform") and hasattr(spec, "id"):
+        return spec
+    raise TypeError(
+        f"Mesh: devices[{index}]={spec!r} must be an int, a jax device or a 'cuda:i' string"
+    )
+
+
+class Mesh:
+    """Devices arranged along named axes: ``ts.dist.Mesh(axes=["dp"], devices=range(8))``.
+
+    Arguments:
+      axes: axis names, e.g. ``("dp", "tp", "pp")``.
+      devices: device indices, jax devices or ``"cuda:i"`` strings (default: all).
+      shape: the size of each axis; its product must equal the device count.
+        Without it a mesh of one axis takes all devices; with several axes it is
+        required.
+    """
+
+    def __init__(
+        self,
+        axes: Sequence[str] | str,
+        devices: Iterable[Any] | None = None,
+        shape: Sequence[int] | None = None,
+    ):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if not axes or not all(isinstance(a, str) and a for a in axes):
+            raise ValueError(f"Mesh: axes={axes!r} must be a non-empty sequence of names")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"Mesh: axes={axes!r} repeats a name")
+        devs = list(jax.devices() if devices is None else devices)
+        devs = [_device(d, i) for i, d in enumerate(devs)]
+        if len({(d.platform, d.id) for d in devs}) != len(devs):
+            raise ValueError(f"Mesh: devices={devices!r} names a device twice")
+        if shape is None:
+            if len(axes) != 1:
+                raise ValueError(
+                    f"Mesh: axes={axes} has {len(axes)} axes; pass shape=(...) saying how "
+                    f"the {len(devs)} devices split over them"
+                )
+            shape = (len(devs),)
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != len(axes):
+            raise ValueError(f"Mesh: shape={shape} must have one size per axis in axes={axes}")
+        if math.prod(shape) != len(devs):
+            raise ValueError(
+                f"Mesh: shape={shape} holds {math.prod(shape)} devices but "
+                f"{len(devs)} devices were given"
+            )
+        self.axes: tuple[str, ...] = axes
+        self.shape: tuple[int, ...] = shape
+        self.jax_mesh: jax.sharding.Mesh = _compat.make_mesh(
+            np.array(devs, dtype=object).reshape(shape), axes
+        )
+
+    @classmethod
+    def from_jax(cls, mesh: jax.sharding.Mesh) -> Mesh:
+        """Wraps an existing ``jax.sharding.Mesh``."""
+        self = cls.__new__(cls)
+        self.axes = tuple(mesh.axis_names)
+        self.shape = tuple(mesh.devices.shape)
+        self.jax_mesh = mesh
+        return self
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self.jax_mesh.devices
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_size(self, axis: str | Sequence[str]) -> int:
+        """The number of devices along ``axis`` (a name or a tuple of names)."""
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        for a in names:
+            if a not in self.axes:
+                raise ValueError(f"mesh axis {a!r} is not one of this mesh's axes {self.axes}")
+        return math.prod(self.shape[self.axes.index(a)] for a in names)
+
+    def __enter__(self) -> Mesh:
+        self._token = _current.set((*_current.get(), self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.reset(self._token)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Mesh) and self.jax_mesh == other.jax_mesh
+
+    def __hash__(self) -> int:
+        return hash(self.jax_mesh)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+        return f"ts.dist.Mesh({axes}; {self.devices.flat[0].platform})"
+
+
+def mesh(
+    devices: Iterable[Any] | None = None,
+    axes: Sequence[str] | str = ("dp",),
+    shape: Sequence[int] | None = None,
+) -> Mesh:
+    """``ts.dist.mesh(devices=[...], axes=("dp",), shape=(4,))``: the seeds' spelling."""
+    return Mesh(axes=axes, devices=devices, shape=shape)
+
+
+def current_mesh() -> Mesh | None:
+    """The innermost ``with mesh:`` mesh, or None."""
+    stack = _current.get()
+    return stack[-1] if stack else None
+
+
+def as_mesh(m: Any) -> Mesh:
+    if isinstance(m, Mesh):
+        return m
+    if isinstance(m, jax.sharding.Mesh):
+        return Mesh.from_jax(m)
+    raise TypeError(f"{m!r} is not a ts.dist.Mesh or a jax.sharding.Mesh")
+
+
+def resolve_mesh(op: str, mesh: Any = None, *candidates: Any) -> Mesh:
+    """``mesh``, else the mesh of the first DistTensor among ``candidates``, else the
+    current ``with mesh:``; a ValueError naming ``op`` when there is none."""
+    if mesh is not None:
+        return as_mesh(mesh)
+    for c in candidates:
+        m = getattr(c, "mesh", None)
+        if isinstance(m, Mesh):
+            return m
+    m = current_mesh()
+    if m is None:
+        raise ValueError(
+            f"{op}: no mesh; pass mesh=..., a ts.dist.tensor, or call inside "
+            "`with ts.dist.Mesh(...):`"
+        )
+    return m

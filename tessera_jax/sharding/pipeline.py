@@ -1,0 +1,345 @@
+"""Pipeline parallelism over a mesh axis: ``ts.dist.pipeline`` (seeds 001, 004).
+
+``pipe = ts.dist.pipeline(layer, microbatches=4, schedule="gpipe", mesh=mesh, axis="pp")``
+places consecutive layers on the devices of ``axis`` (stage s on the s-th
+device) and streams microbatches through them; activations move between stages
+with ``ppermute``.
+
+Stages
+------
+* one callable ``layer(params, x) -> y`` with ``params`` stacked along a leading
+  dim of L layers (L a multiple of the stage count S): stage s applies layers
+  ``s·L/S … (s+1)·L/S - 1`` in order; the stacked params are partitioned over
+  ``axis``, so each device holds only its layers;
+* a list of L callables ``[f0, f1, …]`` with a list of L param pytrees: stage s
+  applies its L/S functions; these params are replicated on every stage.
+
+Every stage maps activations of one shape to the same shape (the buffer that
+``ppermute`` passes along). Microbatch m is rows ``m·B/M … (m+1)·B/M - 1`` of x.
+
+Schedules
+---------
+``"gpipe"``: ``M + S - 1`` ticks; at tick t stage s runs the forward of
+microbatch ``t - s``. Without ``loss``, ``pipe(params, x)`` returns the outputs
+(differentiable: JAX's reverse of the tick loop is GPipe's backward, all
+microbatches' backwards after the forwards). With ``loss`` it returns the loss.
+
+``"1f1b"`` (needs ``loss``): ``pipe(params, x, targets)`` returns the loss; under
+``jax.grad`` its forward pass runs the interleaved schedule: ``M + 2S - 2``
+ticks, at tick t stage s runs the forward of microbatch ``t - s`` and the
+backward of microbatch ``t - 2S + 2 + s`` (the last stage's backward starts the
+tick its forward ends), gradients flowing back by ``ppermute``. A stage keeps at
+most ``2(S - s) - 1`` microbatch inputs (ring buffer of ``2S - 1``; the
+backward recomputes the stage forward from its saved input), instead of all M
+as GPipe does: memory bounded by the stage count, not the microbatch count.
+
+``loss(y_m, targets_m) -> scalar`` is applied per microbatch; the pipeline loss
+is their mean (the full-batch mean when ``loss`` is a mean over rows). The
+gradients equal those of the unpipelined model (``pipe.sequential``) up to the
+order in which per-microbatch gradients are added (microbatch order).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tessera_jax import _compat
+from tessera_jax.sharding.mesh import Mesh, resolve_mesh
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _neg_zero_like(x: jax.Array) -> jax.Array:
+    # -0.0 is the identity of float addition for every value (+0.0 + -0.0 == +0.0), so a
+    # psum in which one stage holds the value and the others -0.0 is exact in any order.
+    return jnp.full_like(x, -0.0) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x)
+
+
+def _from_stage(x: jax.Array, stage: jax.Array, s: int, axis: str) -> jax.Array:
+    """The value of ``x`` on stage ``s``, on every stage (exact)."""
+    return lax.psum(jnp.where(stage == s, x, _neg_zero_like(x)), axis)
+
+
+class Pipeline:
+    """A pipelined model (module docstring). Call it, or use ``.sequential`` as the
+    unpipelined reference."""
+
+    def __init__(
+        self,
+        stages: Callable[..., Any] | Sequence[Callable[..., Any]],
+        microbatches: int,
+        schedule: str = "gpipe",
+        *,
+        mesh: Mesh | None = None,
+        axis: str = "pp",
+        loss: Callable[[Any, Any], Any] | None = None,
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline: schedule={schedule!r} must be one of {SCHEDULES}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"pipeline: microbatches={microbatches!r} must be a positive int")
+        if schedule == "1f1b" and loss is None:
+            raise ValueError("pipeline: schedule='1f1b' interleaves backward passes; pass loss=")
+        self.stacked = callable(stages)
+        if not self.stacked:
+            stages = list(stages)
+            if not stages or not all(callable(f) for f in stages):
+                raise TypeError("pipeline: stages must be a callable or a list of callables")
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.mesh = mesh
+        self.axis = axis
+        self.loss = loss
+
+    # --- the unpipelined model --------------------------------------------------------------
+
+    def sequential(self, params: Any, x: jax.Array) -> jax.Array:
+        """Every layer in order on the whole batch: the model without the pipeline."""
+        if self.stacked:
+            return lax.scan(lambda h, p: (self.stages(p, h), None), x, params)[0]
+        for f, p in zip(self.stages, params):
+            x = f(p, x)
+        return x
+
+    def sequential_loss(self, params: Any, x: jax.Array, targets: Any) -> jax.Array:
+        """The loss of the unpipelined model, averaged over the same microbatches."""
+        ys = _split(self.sequential(params, x), self.microbatches)
+        ts = jax.tree.map(lambda t: _split(t, self.microbatches), targets)
+        losses = jax.vmap(self.loss)(ys, ts)
+        return jnp.mean(losses)
+
+    # --- the pipeline ----------------------------------------------------------------------
+
+    def _setup(self, params: Any, x: jax.Array):
+        m = resolve_mesh("pipeline", self.mesh)
+        if self.axis not in m.axes:
+            raise ValueError(f"pipeline: axis {self.axis!r} is not an axis of the mesh {m.axes}")
+        n = m.axis_size(self.axis)
+        n_layers = jax.tree.leaves(params)[0].shape[0] if self.stacked else len(self.stages)
+        if not self.stacked and len(params) != n_layers:
+            raise ValueError(f"pipeline: {n_layers} stage functions but {len(params)} params")
+        if n_layers % n:
+            raise ValueError(
+                f"pipeline: {n_layers} layers cannot be split evenly over the {n} devices "
+                f"of axis {self.axis!r}"
+            )
+        if x.shape[0] % self.microbatches:
+            raise ValueError(
+                f"pipeline: batch size {x.shape[0]} is not a multiple of "
+                f"microbatches={self.microbatches}"
+            )
+        mb = jax.ShapeDtypeStruct((x.shape[0] // self.microbatches, *x.shape[1:]), x.dtype)
+        if self.stacked:
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+            layers = [(self.stages, one)]
+        else:
+            layers = list(zip(self.stages, params))
+        for i, (f, p) in enumerate(layers):
+            out = jax.eval_shape(f, p, mb)
+            if (getattr(out, "shape", None), getattr(out, "dtype", None)) != (mb.shape, mb.dtype):
+                raise ValueError(
+                    f"pipeline: layer {i} maps {mb.shape} {mb.dtype} to "
+                    f"{getattr(out, 'shape', out)} {getattr(out, 'dtype', '')}; every stage must "
+                    "keep the activation shape and dtype"
+                )
+        return m, n, n_layers // n
+
+    def _stage_fn(self, per: int) -> Callable[..., Any]:
+        """``apply(local_params, h, stage)``: this stage's ``per`` layers in order."""
+        if self.stacked:
+            return lambda p, h, stage: lax.scan(lambda c, q: (self.stages(q, c), None), h, p)[0]
+        fns = self.stages
+
+        def branch(s):
+            def run(p, h):
+                for i in range(s * per, (s + 1) * per):
+                    h = fns[i](p[i], h)
+                return h
+
+            return run
+
+        n_stages = len(fns) // per
+        branches = [branch(s) for s in range(n_stages)]
+        axis = self.axis
+
+        def apply(p, h, stage):
+            # Operands are marked varying first: with invariant operands and a varying
+            # index, jax 0.10's transpose of lax.switch inside shard_map sends every
+            # branch's parameter cotangent to branch 0.
+            p, h = jax.tree.map(lambda a: _compat.pvary(a, (axis,)), (p, h))
+            return lax.switch(stage, branches, p, h)
+
+        return apply
+
+    def _param_spec(self):
+        return P(self.axis) if self.stacked else P()
+
+    def __call__(self, params: Any, x: jax.Array, targets: Any = None) -> Any:
+        x = jnp.asarray(x)
+        if self.loss is None:
+            if targets is not None:
+                raise ValueError("pipeline: targets given but no loss=")
+            return self._forward(params, x, None)
+        if targets is None:
+            raise ValueError(
+                "pipeline: this pipeline has a loss: call it as pipe(params, x, targets)"
+            )
+        if self.schedule == "gpipe":
+            return self._forward(params, x, targets)
+        return _one_f_one_b(self, params, x, targets)
+
+    def _forward(self, params: Any, x: jax.Array, targets: Any) -> Any:
+        """GPipe: the forward tick loop (its reverse under jax.grad is GPipe's backward)."""
+        m, n, per = self._setup(params, x)
+        M, axis, apply = self.microbatches, self.axis, self._stage_fn(per)
+        loss_fn = self.loss
+
+        def body(p, xs, ts):
+            stage = lax.axis_index(axis)
+            state = _compat.pvary(jnp.zeros_like(xs[0]), (axis,))
+            outs = _compat.pvary(jnp.zeros_like(xs), (axis,))
+
+            def tick(carry, t):
+                state, outs = carry
+                inp = jnp.where(stage == 0, xs[jnp.minimum(t, M - 1)], state)
+                y = apply(p, inp, stage)
+                done = t - (n - 1)
+                write = (stage == n - 1) & (done >= 0)
+                outs = jnp.where(write, outs.at[jnp.maximum(done, 0)].set(y), outs)
+                state = lax.ppermute(y, axis, [(i, i + 1) for i in range(n - 1)])
+                return (state, outs), None
+
+            (_, outs), _ = lax.scan(tick, (state, outs), jnp.arange(M + n - 1))
+            outs = _from_stage(outs, stage, n - 1, axis)
+            if ts is None:
+                return outs
+            return jnp.mean(jax.vmap(loss_fn)(outs, ts))
+
+        xs = _split(x, M)
+        ts = None if targets is None else jax.tree.map(lambda t: _split(t, M), targets)
+        fn = _compat.shard_map(
+            body,
+            mesh=m.jax_mesh,
+            in_specs=(self._param_spec(), P(), P()),
+            out_specs=P(),
+            check_vma=True,
+        )
+        out = fn(params, xs, ts)
+        return out if targets is not None else out.reshape(x.shape[0], *out.shape[2:])
+
+    def _one_f_one_b(self, params: Any, x: jax.Array, targets: Any):
+        """The interleaved schedule: (loss, d loss / d params, d loss / d x)."""
+        m, n, per = self._setup(params, x)
+        M, axis, apply, loss_fn = self.microbatches, self.axis, self._stage_fn(per), self.loss
+        K = min(M, 2 * n - 1)  # stash slots (module docstring)
+        stacked = self.stacked
+        inv_m = 1.0 / M
+
+        def body(p, xs, ts):
+            stage = lax.axis_index(axis)
+            zero_act = _compat.pvary(jnp.zeros_like(xs[0]), (axis,))
+            carry0 = dict(
+                act=zero_act,
+                grad=zero_act,
+                stash=_compat.pvary(jnp.zeros((K, *xs.shape[1:]), xs.dtype), (axis,)),
+                gp=jax.tree.map(lambda a: _compat.pvary(jnp.zeros_like(a), (axis,)), p),
+                dx=_compat.pvary(jnp.zeros_like(xs), (axis,)),
+                loss=_compat.pvary(jnp.zeros((), jnp.float32), (axis,)),
+            )
+
+            def tick(c, t):
+                f = t - stage  # forward microbatch
+                b = t - (2 * n - 2) + stage  # backward microbatch
+                f_ok = (f >= 0) & (f < M)
+                b_ok = (b >= 0) & (b < M)
+                fi, bi = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
+                # forward
+                inp = jnp.where(stage == 0, xs[fi], c["act"])
+                y = apply(p, inp, stage)
+                stash = jnp.where(f_ok, c["stash"].at[fi % K].set(inp), c["stash"])
+                # the last stage: loss and its gradient for microbatch f (== b there)
+                t_f = jax.tree.map(lambda a: a[fi], ts)
+                lval, dy = jax.value_and_grad(lambda yy: loss_fn(yy, t_f))(y)
+                last = stage == n - 1
+                loss = c["loss"] + jnp.where(last & f_ok, lval.astype(jnp.float32), 0.0)
+                g_in = jnp.where(last, dy * jnp.asarray(inv_m, dy.dtype), c["grad"])
+                # backward of microbatch b from its saved input (the forward recomputed)
+                saved = stash[bi % K]
+                _, vjp = jax.vjp(lambda q, h: apply(q, h, stage), p, saved)
+                dp, dh = vjp(g_in)
+                gp = jax.tree.map(
+                    lambda a, d: a + jnp.where(b_ok, d, jnp.zeros_like(d)), c["gp"], dp
+                )
+                dx = jnp.where(b_ok & (stage == 0), c["dx"].at[bi].set(dh), c["dx"])
+                act = lax.ppermute(y, axis, [(i, i + 1) for i in range(n - 1)])
+                grad = lax.ppermute(dh, axis, [(i + 1, i) for i in range(n - 1)])
+                return dict(act=act, grad=grad, stash=stash, gp=gp, dx=dx, loss=loss), None
+
+            c, _ = lax.scan(tick, carry0, jnp.arange(M + 2 * n - 2))
+            loss = _from_stage(c["loss"], stage, n - 1, axis) * inv_m
+            dx = _from_stage(c["dx"], stage, 0, axis)
+            gp = c["gp"]
+            if not stacked:  # replicated params: layer i's gradient lives on stage i // per
+                gp = [
+                    jax.tree.map(lambda g, s=i // per: _from_stage(g, stage, s, axis), g)
+                    for i, g in enumerate(gp)
+                ]
+            return loss, gp, dx
+
+        xs = _split(x, M)
+        ts = jax.tree.map(lambda t: _split(t, M), targets)
+        spec = self._param_spec()
+        fn = _compat.shard_map(
+            body,
+            mesh=m.jax_mesh,
+            in_specs=(spec, P(), P()),
+            out_specs=(P(), spec, P()),
+            check_vma=True,
+        )
+        loss, gp, dx = fn(params, xs, ts)
+        return loss, (gp if stacked else type(params)(gp)), dx.reshape(x.shape)
+
+
+def _split(x: jax.Array, m: int) -> jax.Array:
+    return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _one_f_one_b(pipe: Pipeline, params, x, targets):
+    return pipe._forward(params, x, targets)
+
+
+def _ofob_fwd(pipe, params, x, targets):
+    loss, gp, dx = pipe._one_f_one_b(params, x, targets)
+    return loss, (gp, dx)
+
+
+def _ofob_bwd(pipe, res, ct):
+    gp, dx = res
+    scale = lambda g: (g * ct.astype(g.dtype)).astype(g.dtype)
+    return jax.tree.map(scale, gp), scale(dx), None
+
+
+_one_f_one_b.defvjp(_ofob_fwd, _ofob_bwd)
+
+
+def pipeline(
+    stages: Callable[..., Any] | Sequence[Callable[..., Any]],
+    microbatches: int,
+    schedule: str = "gpipe",
+    *,
+    mesh: Mesh | None = None,
+    axis: str = "pp",
+    loss: Callable[[Any, Any], Any] | None = None,
+) -> Pipeline:
+    """``ts.dist.pipeline(stages, microbatches=M, schedule="gpipe"|"1f1b", ...)``
+    (module docstring)."""
+    return Pipeline(stages, microbatches, schedule, mesh=mesh, axis=axis, loss=loss)

@@ -1,0 +1,514 @@
+"""Sharding rules: how each ts operator runs on sharded operands under ``jax.jit``.
+
+A Pallas kernel (``pallas_call``) is opaque to XLA's SPMD partitioner, which by
+default replicates it: every device all-gathers the operands and computes the
+whole result. Each rule here describes an operator's dims as factors, in the
+einsum-like notation of Shardy (``"b s d -> b s d"``), and the operator's
+lowering wraps its implementation in ``jax.experimental.custom_partitioning``
+with that ``sharding_rule`` and a ``partition`` callback that runs the
+implementation on local shards:
+
+* pass-through factors (batch, heads, rows, matmul's M and N) keep the operands'
+  sharding, so a batch-sharded op computes its shard without communication;
+* ``replicated`` factors (the softmax/normalised axis, attention's sequence and
+  head_dim) are gathered first if sharded (only that dim is gathered);
+* ``reduction`` factors (matmul's K) that are sharded run as local partial
+  results combined by the deterministic all-reduce (``primitives/collectives.py``),
+  with the matmul epilogue applied after the combination.
+
+Operators whose lowering is the XLA reference are partitioned by XLA itself
+(the reference is plain jax.numpy) and get no wrapper, with two exceptions:
+``sum(deterministic=True)`` and ``mse`` of floats always take their rule, which
+makes a sum over a sharded axis mesh-size invariant by construction (below).
+
+The rules are registered by operator name in ``primitives._core.SHARDING_RULES``;
+``Operator._lower`` consults them only when lowering under the partitioner (jit
+over several devices), not inside ``shard_map`` or on one device.
+
+Mesh-size invariance of ``sum``
+-------------------------------
+``ts.op.sum`` adds on the canonical tree over the flattened reduced index space
+``0 … N-1`` (``primitives/reductions.py``): level ``l`` node ``i`` is the sum of
+leaves ``[i·2^l, (i+1)·2^l)`` (the last one partial), computed as the tree of that
+block. Let the reduced dims be sharded so that each device holds, for every
+prefix of the unsharded leading reduced dims, a contiguous run of ``R`` leaves
+starting at a multiple of ``R`` (``R`` = the local block of the last sharded
+reduced dim times the sizes of the reduced dims after it). With ``L = v2(R)``
+(the largest power of two dividing ``R``), each device's run is ``R/2^L`` whole,
+aligned level-``L`` subtrees. The rule:
+
+1. locally, the first ``L`` levels: ``R/2^L`` subtree sums per run (explicit
+   pairwise adds, f32 for 8-/16-bit inputs);
+2. across devices, the level-``L`` nodes of all devices, in global order, summed
+   on the same canonical tree (levels ``L+1 …``): when one mesh-axis group
+   shards the reduced dims and the output has at least ``n`` elements, by
+   ``all_to_all`` (each device receives all nodes of ``1/n`` of the outputs),
+   the local tree, and ``all_gather``; otherwise by ``all_gather`` of the nodes
+   and the tree on every device.
+
+Every add has the same operands in the same order as on one device, so the bits
+equal the unsharded ``ts.op.sum`` for any mesh size. (The tree's leaves pass a
+select that keeps XLA from contracting a producing multiply into the first-level
+adds: such FMAs would depend on fusion decisions, which differ between meshes;
+see ``reductions._leaves``.) Cost: the local levels read
+the input once; the cross-device step moves ``c = R/2^L`` values per output
+element and device: ``c = 1`` when the local block is a power of two (the
+bandwidth of an all-reduce of the output, ``2(n-1)/n`` of it), up to the whole
+local block when ``R`` is odd (then the rule all-gathers the block's leaves: an
+odd local block cannot be reduced locally without changing the bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    CompoundFactor,
+    SdyShardingRule,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tessera_jax import _compat
+from tessera_jax._config import get_kernel_mode, kernel_mode
+from tessera_jax.primitives import _core
+from tessera_jax.primitives import collectives as _coll
+from tessera_jax.primitives.reductions import canonical_sum, pairwise_tree_sum
+from tessera_jax.sharding.spec import entry_axes
+
+Dim = str | tuple[str, ...]  # a factor, or a compound (major, …, minor) of factors
+
+
+@dataclasses.dataclass(frozen=True)
+class Factors:
+    """An operator's dims as Shardy factors.
+
+    Attributes:
+      operands: per operand, per dim: a factor name or a compound (major…minor).
+      results: likewise per result.
+      sizes: every factor's size.
+      replicated: factors that must not be sharded (gathered first if they are).
+      reduction: factors absent from the results whose sharding leaves partial
+        results to combine (see ``Rule.combine``).
+    """
+
+    operands: tuple[tuple[Dim, ...], ...]
+    results: tuple[tuple[Dim, ...], ...]
+    sizes: dict[str, int]
+    replicated: tuple[str, ...] = ()
+    reduction: tuple[str, ...] = ()
+
+    def sdy_rule(self) -> SdyShardingRule:
+        def mapping(dims):
+            return ArrayMapping(*(CompoundFactor(*d) if isinstance(d, tuple) else d for d in dims))
+
+        whole = {d for m in self.operands + self.results for d in m if isinstance(d, str)}
+        compound_only = {
+            f: self.sizes[f]
+            for m in self.operands + self.results
+            for d in m
+            if isinstance(d, tuple)
+            for f in d
+            if f not in whole
+        }
+        order = {}  # Shardy wants special factors in the order factors first appear
+        for m in self.operands + self.results:
+            for d in m:
+                for f in d if isinstance(d, tuple) else (d,):
+                    order.setdefault(f, len(order))
+        return SdyShardingRule(
+            tuple(map(mapping, self.operands)),
+            tuple(map(mapping, self.results)),
+            reduction_factors=tuple(sorted(set(self.reduction), key=order.__getitem__)),
+            need_replication_factors=tuple(sorted(set(self.replicated), key=order.__getitem__)),
+            **compound_only,
+        )
+
+
+def _major(d: Dim) -> str:
+    return d[0] if isinstance(d, tuple) else d
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _mesh_size(mesh: Any, axes: Sequence[str]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _spec_of(sharding: Any, ndim: int) -> tuple[Any, ...]:
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return spec + (None,) * (ndim - len(spec))
+
+
+def assign_factors(mesh: Any, factors: Factors, shardings: Sequence[Any]) -> dict[str, tuple]:
+    """Mesh axes per factor, taken from the operands' shardings in operand order.
+
+    A factor keeps the first sharding seen for it, unless it must be replicated,
+    its size is not divisible, or an axis is already taken by another factor.
+    """
+    assign: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for mapping, sharding in zip(factors.operands, shardings):
+        for d, entry in zip(mapping, _spec_of(sharding, len(mapping))):
+            f, axes = _major(d), entry_axes(entry)
+            if not axes or f in assign or f in factors.replicated or used & set(axes):
+                continue
+            if factors.sizes[f] % _mesh_size(mesh, axes):
+                continue
+            assign[f] = axes
+            used.update(axes)
+    return assign
+
+
+def _sharding(mesh: Any, mapping: tuple[Dim, ...], assign: dict[str, tuple]) -> NamedSharding:
+    return NamedSharding(mesh, P(*(_entry(assign.get(_major(d), ())) for d in mapping)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A sharding rule: ``factors(avals_in, params) -> Factors | None`` (None: no rule
+    for this case), ``combine(outs, axes, local_avals, params) -> outs`` for sharded
+    reduction factors (default: not allowed — they are gathered), and whether it
+    applies to the XLA reference lowering too (``always``) or only to kernels."""
+
+    factors: Callable[[Sequence[Any], dict[str, Any]], Factors | None]
+    combine: Callable[..., Any] | None = None
+    always: bool = False
+    local: Callable[..., Any] | None = None  # replaces "impl then combine" when given
+
+
+def _local_impl(op: Any, platform: str | None, mode: str, params: dict[str, Any]):
+    """The implementation to run on local shards: selected again for the local shapes."""
+
+    def run(*xs, **override):
+        p = {**params, **override}
+        with kernel_mode(mode):
+            _, fn = op.select(platform, [jax.typeof(x) for x in xs], p)
+        return fn(*xs, **p)
+
+    return run
+
+
+def _wrap(rule: Rule, op: Any, impl: str, fn: Any, platform: str | None, avals_in, params):
+    if not rule.always and impl == "reference":
+        return None
+    factors = rule.factors(avals_in, params)
+    if factors is None:
+        return None
+    mode = get_kernel_mode()
+    multiple = op.prim.multiple_results
+    local_impl = _local_impl(op, platform, mode, params)
+
+    def shardings(mesh, arg_shapes):
+        if rule.combine is None and rule.local is None:
+            # Unsharded reduction factors only: treat them as replicated.
+            f = dataclasses.replace(factors, replicated=(*factors.replicated, *factors.reduction))
+        else:
+            f = factors
+        assign = assign_factors(mesh, f, [a.sharding for a in arg_shapes])
+        args = tuple(_sharding(mesh, m, assign) for m in factors.operands)
+        outs = tuple(_sharding(mesh, m, assign) for m in factors.results)
+        red = tuple(a for r in factors.reduction for a in assign.get(r, ()))
+        return assign, args, outs, red
+
+    def partition(mesh, arg_shapes, result_shape):
+        assign, args, outs, red = shardings(mesh, arg_shapes)
+
+        def lower_fn(*xs):
+            if rule.local is not None:
+                return rule.local(local_impl, xs, assign, factors, params)
+            out = local_impl(*xs)
+            if red:
+                out = rule.combine(out, red, [jax.typeof(x) for x in xs], params)
+            return out
+
+        return mesh, lower_fn, outs if multiple else outs[0], args
+
+    def infer(mesh, arg_shapes, result_shape):  # the GSPMD (non-Shardy) partitioner
+        _, _, outs, _ = shardings(mesh, arg_shapes)
+        return outs if multiple else outs[0]
+
+    wrapped = _compat.custom_partitioning(lambda *xs: fn(*xs, **params))
+    wrapped.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=factors.sdy_rule(),
+    )
+    return lambda *xs, **_: wrapped(*xs)
+
+
+def register(name: str, rule: Rule) -> None:
+    """Installs ``rule`` for the operator ``name`` (it may be defined later)."""
+    _core.SHARDING_RULES[name] = functools.partial(_apply, rule)
+    op = _core.OPERATORS.get(name)
+    if op is not None:
+        _compat.require_devices_during_lowering(op.prim)
+
+
+def _apply(rule: Rule, op, impl, fn, platform, avals_in, params):
+    return _wrap(rule, op, impl, fn, platform, avals_in, params)
+
+
+def install() -> None:
+    """(Re)registers every rule; call after new operators are defined."""
+    for name, rule in RULES.items():
+        register(name, rule)
+
+
+# --- factor helpers ----------------------------------------------------------------------
+
+
+def _names(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def _sizes(names: Sequence[Dim], shape: Sequence[int]) -> dict[str, int]:
+    return {d: s for d, s in zip(names, shape) if isinstance(d, str)}
+
+
+def elementwise_factors(avals_in, params) -> Factors:
+    """Every dim passes through (elementwise ops, casts; operands of one shape)."""
+    x = avals_in[0]
+    dims = _names("d", x.ndim)
+    return Factors((dims,) * len(avals_in), (dims,), _sizes(dims, x.shape))
+
+
+def _last_axis_factors(axis_of: Callable[[dict[str, Any], int], int]):
+    """x (and weight/bias over the normalised axis); that axis replicated."""
+
+    def factors(avals_in, params):
+        x = avals_in[0]
+        ax = axis_of(params, x.ndim)
+        dims = _names("d", x.ndim)
+        extra = tuple((dims[ax],) for _ in avals_in[1:])
+        return Factors((dims, *extra), (dims,), _sizes(dims, x.shape), replicated=(dims[ax],))
+
+    return factors
+
+
+axis_factors = _last_axis_factors(lambda p, nd: p["axis"] % nd)  # softmax, fft
+norm_factors = _last_axis_factors(lambda p, nd: nd - 1)
+
+
+def reduction_factors(avals_in, params) -> Factors:
+    """``sum``/``max`` over ``axes``: kept dims pass through, reduced dims are reductions."""
+    x = avals_in[0]
+    axes, keepdims = params["axes"], params["keepdims"]
+    dims = _names("d", x.ndim)
+    out = tuple(
+        (f"k{a}" if a in axes else d) for a, d in enumerate(dims) if keepdims or a not in axes
+    )
+    return Factors((dims,), (out,), _sizes(dims, x.shape), reduction=tuple(dims[a] for a in axes))
+
+
+def attention_fwd_factors(avals_in, params) -> Factors | None:
+    """q (b s h d), k/v (b t hk d) -> out (b s h d), lse (b h s): batch and heads pass."""
+    q, k = avals_in[0], avals_in[1]
+    b, s, hq, d = q.shape
+    t, hk = k.shape[1], k.shape[2]
+    qh = "h" if hq == hk else ("h", "g")
+    sizes = {"b": b, "s": s, "h": hk, "d": d, "t": t}
+    if hq != hk:
+        sizes["g"] = hq // hk
+    q_m, kv_m = ("b", "s", qh, "d"), ("b", "t", "h", "d")
+    return Factors((q_m, kv_m, kv_m), (q_m, ("b", qh, "s")), sizes, replicated=("s", "t", "d"))
+
+
+def attention_bwd_factors(avals_in, params) -> Factors | None:
+    """(q, k, v, out, lse, dout) -> (dq, dk, dv), batch and heads pass."""
+    f = attention_fwd_factors(avals_in[:3], params)
+    q_m, kv_m, _ = f.operands
+    lse_m = f.results[1]
+    return dataclasses.replace(
+        f, operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m), results=(q_m, kv_m, kv_m)
+    )
+
+
+# --- sum: the mesh-size-invariant tree (module docstring) -------------------------------
+
+
+def _v2(n: int) -> int:
+    """The largest power of two dividing n (n > 0)."""
+    return n & -n
+
+
+def _sum_local(local_impl, xs, assign, factors, params):
+    """``sum`` on local shards: local levels, then the top of the canonical tree."""
+    (x,) = xs
+    axes, keepdims = params["axes"], params["keepdims"]
+    red_dims = factors.operands[0]
+    sharded = [a for a in axes if assign.get(red_dims[a])]
+    if not sharded:
+        return local_impl(x)
+    kept = [a for a in range(x.ndim) if a not in axes]
+    acc = _core.compute_dtype(x.dtype)
+    xt = jnp.transpose(x, kept + list(axes)).astype(acc)  # (*kept, *reduced) local
+    kshape = xt.shape[: len(kept)]
+    rshape = xt.shape[len(kept) :]
+    last = max(axes.index(a) for a in sharded)  # position of the last sharded reduced dim
+    run = math.prod(rshape[last:])
+    block = _v2(run)
+    c = run // block
+    # (*kept, *rshape[:last], c, block) -> level-L nodes (*kept, *rshape[:last], c)
+    nodes = pairwise_tree_sum(xt.reshape(*kshape, *rshape[:last], c, block))
+    group = tuple(a for r in axes for a in assign.get(red_dims[r], ()))
+    nk = math.prod(kshape)
+    if len(sharded) == 1 and nk >= _coll.axis_size(group):
+        # One sharded reduced dim (the last one, so nodes of a device are contiguous per
+        # output): all_to_all over the outputs, the top of the tree locally, all_gather.
+        n = _coll.axis_size(group)
+        flat = nodes.reshape(nk, -1)  # (outputs, prefix * c) ; global order = prefix, rank, c
+        pre = math.prod(rshape[:last])
+        m = -(-nk // n)
+        if m * n != nk:
+            flat = jnp.pad(flat, ((0, m * n - nk), (0, 0)))
+        recv = _coll.exchange(flat.reshape(n, m, pre, c), group, "binary_tree")  # [rank, m, pre, c]
+        ordered = jnp.transpose(recv, (1, 2, 0, 3)).reshape(m, pre * n * c)
+        mine = pairwise_tree_sum(ordered)
+        full = jax.lax.all_gather(mine, group, axis=0, tiled=True)[:nk]
+        out = full.reshape(kshape)
+    else:
+        # General case: gather every device's nodes in global order, the tree everywhere.
+        g = nodes
+        for i, a in enumerate(axes):
+            if assign.get(red_dims[a]) and i <= last:
+                # nodes dims: (*kept, *reduced[:last], c): reduced dim i sits at len(kept) + i
+                g = jax.lax.all_gather(g, assign[red_dims[a]], axis=len(kshape) + i, tiled=True)
+        out = pairwise_tree_sum(g.reshape(*kshape, -1))
+    out = out.astype(x.dtype)
+    if keepdims:
+        out = out.reshape([1 if a in axes else x.shape[a] for a in range(x.ndim)])
+    return out
+
+
+def _mse_factors(avals_in, params):
+    if not _core.is_float(avals_in[0].dtype):
+        return None
+    dims = _names("d", avals_in[0].ndim)
+    return Factors((dims, dims), ((),), _sizes(dims, avals_in[0].shape), reduction=dims)
+
+
+def _mse_local(local_impl, xs, assign, factors, params):
+    """``mse`` on local shards: the squared differences summed like ``sum`` (above)."""
+    pred, target = xs
+    acc = _core.compute_dtype(pred.dtype)
+    d = pred.astype(acc) - target.astype(acc)
+    every = tuple(range(d.ndim))
+    total = _sum_local(
+        lambda v: canonical_sum(v, every, False),
+        (d * d,),
+        assign,
+        dataclasses.replace(factors, operands=factors.operands[:1]),
+        {"axes": every, "keepdims": False},
+    )
+    size = math.prod(factors.sizes[f] for f in factors.operands[0])
+    return (total / np.asarray(size, acc)).astype(pred.dtype)
+
+
+def _sum_factors(avals_in, params):
+    if not (params.get("deterministic") and _core.is_float(avals_in[0].dtype)):
+        return None
+    return reduction_factors(avals_in, params)
+
+
+def _reduce_combine(kind: str):
+    def combine(out, axes, local_avals, params):
+        return (jax.lax.psum if kind == "sum" else jax.lax.pmax)(out, axes)
+
+    return combine
+
+
+# --- matmul: batch / row / column parallel ---------------------------------------------
+
+
+def matmul_factors(avals_in, params) -> Factors:
+    """``ts_matmul`` (MATMUL_CONTRACT): a (…, m, k), b (…, k, n), bias (n), residual
+    (…, m, n), scale (); K is a reduction factor."""
+    a, b = avals_in[0], avals_in[1]
+    nb = max(a.ndim, b.ndim) - 2
+    batch = _names("b", nb)
+    a_m = (*(batch if a.ndim > 2 else ()), *(("k", "m") if params["transpose_a"] else ("m", "k")))
+    b_m = (*(batch if b.ndim > 2 else ()), *(("n", "k") if params["transpose_b"] else ("k", "n")))
+    out = (*batch, "m", "n")
+    extras = []
+    if params["has_bias"]:
+        extras.append(("n",))
+    if params["has_residual"]:
+        extras.append(out)
+    if params["has_scale"]:
+        extras.append(())
+    sizes = {**_sizes(a_m, a.shape), **_sizes(b_m, b.shape)}
+    return Factors((a_m, b_m, *extras), (out,), sizes, reduction=("k",))
+
+
+def _matmul_local(local_impl, xs, assign, factors, params):
+    """Local shards; a sharded K: partial products in the accumulate dtype, the
+    deterministic all-reduce, then the epilogue (bias, activation, residual, cast)."""
+    if not assign.get("k"):
+        return local_impl(*xs)
+    from tessera_jax.primitives import matmul as _mm
+
+    a, b, *extras = xs
+    bias, residual, scale = _mm._split_extras(
+        extras, params["has_bias"], params["has_residual"], params["has_scale"]
+    )
+    acc = local_impl(
+        a,
+        b,
+        activation=None,
+        has_bias=False,
+        has_residual=False,
+        has_scale=False,
+        out_dtype=np.dtype(params["accumulate_dtype"]),
+    )
+    acc = _coll.tree_all_reduce(acc, assign["k"])
+    plain = not (params["has_bias"] or params["has_residual"] or params["has_scale"])
+    plain = plain and params["activation"] is None
+    return _mm._epilogue(
+        acc,
+        bias,
+        residual,
+        scale,
+        activation=params["activation"],
+        out_dtype=params["out_dtype"],
+        plain=plain,
+    )
+
+
+RULES: dict[str, Rule] = {
+    "matmul": Rule(matmul_factors, local=_matmul_local),
+    "sum": Rule(_sum_factors, local=_sum_local, always=True),
+    "mse": Rule(_mse_factors, local=_mse_local, always=True),
+    "max": Rule(reduction_factors, combine=_reduce_combine("max")),
+    "softmax": Rule(axis_factors),
+    "fft": Rule(axis_factors),
+    "log_softmax": Rule(axis_factors),
+    "rmsnorm": Rule(norm_factors),
+    "layernorm": Rule(norm_factors),
+    "flash_attention_fwd": Rule(attention_fwd_factors),
+    "flash_attention_bwd": Rule(attention_bwd_factors),
+    **{
+        name: Rule(elementwise_factors)
+        for name in (
+            "relu",
+            "gelu",
+            "tanh",
+            "exp",
+            "sqrt",
+            "abs",
+            "round",
+            "cast",
+            "stochastic_cast",
+        )
+    },
+}

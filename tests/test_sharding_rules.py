@@ -1,0 +1,238 @@
+"""Sharding rules of the kernel path: under ``jax.jit`` with NamedSharding inputs and
+``TESSERA_KERNELS=interpret``, a kernel partitions without gathering what it need not.
+
+The rules are exercised with a portable Pallas kernel (interpret mode) that runs an
+operator's reference on whole blocks, installed as the operator's first kernel for the
+duration of a test: the partitioning is what is tested, whatever kernel a real
+operator has. Operators that ship their own kernels are checked too.
+"""
+
+import contextlib
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tessera_jax as ts
+from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
+from tests._util import rand
+
+
+def block_kernel(reference):
+    """A Pallas kernel computing ``reference`` one leading-dim row at a time (a grid over
+    dim 0 of the first result; operands of that leading size are blocked, the others
+    whole), as a real kernel tiles its batch."""
+
+    def fn(*xs, interpret, **params):
+        outs = jax.eval_shape(lambda *a: reference(*a, **params), *xs)
+        flat, tree = jax.tree.flatten(outs)
+        rows = flat[0].shape[0]
+
+        def spec(shape):
+            n = len(shape)
+            if n and shape[0] == rows:
+                return pl.BlockSpec((1, *shape[1:]), lambda i: (i,) + (0,) * (n - 1))
+            return pl.BlockSpec(shape, lambda i: (0,) * n)
+
+        def body(*refs):
+            ins, outs_ = refs[: len(xs)], refs[len(xs) :]
+            for o, v in zip(outs_, jax.tree.leaves(reference(*[r[...] for r in ins], **params))):
+                o[...] = v
+
+        call = pl.pallas_call(
+            body,
+            out_shape=flat,
+            grid=(rows,),
+            in_specs=[spec(x.shape) for x in xs],
+            out_specs=[spec(o.shape) for o in flat],
+            interpret=interpret,
+        )
+        return jax.tree.unflatten(tree, call(*xs))
+
+    return fn
+
+
+@contextlib.contextmanager
+def pallas_kernel(*names):
+    added = []
+    for name in names:
+        op = OPERATORS[name]
+        k = Kernel("test_block", block_kernel(op.reference), lambda *a: None, ("cpu", "cuda"))
+        op.kernels.insert(0, k)
+        added.append((op, k))
+    try:
+        with ts.kernel_mode("interpret"):
+            yield
+    finally:
+        for op, k in added:
+            op.kernels.remove(k)
+
+
+def collectives(f, *args) -> Counter:
+    txt = jax.jit(f).lower(*args).compile().as_text()
+    pat = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+    return Counter(re.findall(pat, txt))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return ts.dist.Mesh(axes=["dp", "tp"], devices=range(8), shape=(4, 2)).jax_mesh
+
+
+def put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def test_control_without_rule_the_kernel_is_gathered(mesh):
+    """What the rules fix: a pallas_call is replicated by XLA's partitioner."""
+    x = put(mesh, rand((8, 16, 32)), "dp")
+    rule = SHARDING_RULES.pop("softmax")
+    try:
+        with pallas_kernel("softmax"):
+            assert collectives(lambda v: ts.softmax(v), x)["all-gather"] >= 1
+    finally:
+        SHARDING_RULES["softmax"] = rule
+        jax.clear_caches()  # the rules are not part of jax's cache keys
+
+
+def _cases(mesh):
+    x = put(mesh, rand((8, 16, 32)), "dp")
+    w = put(mesh, rand((32,)))
+    bias = put(mesh, rand((32,)))
+    a3 = put(mesh, rand((8, 16, 32)), "dp")
+    b_col = put(mesh, rand((32, 24)), None, "tp")
+    q = put(mesh, rand((4, 16, 4, 8)), "dp", None, "tp")
+    q8 = put(mesh, rand((4, 16, 8, 8)), "dp", None, "tp")
+    kv2 = put(mesh, rand((4, 16, 2, 8)), "dp", None, "tp")
+    return {
+        # name: (operators, function, args, expected output spec)
+        "relu": (("relu",), ts.relu, (x,), P("dp")),
+        "stochastic cast": (
+            ("stochastic_cast",),
+            lambda x: ts.cast(x, ts.bf16 @ ts.stochastic_round, key=jax.random.key(0)),
+            (x,),
+            P("dp"),
+        ),
+        "softmax": (("softmax",), ts.softmax, (x,), P("dp")),
+        "log_softmax": (("log_softmax",), ts.log_softmax, (x,), P("dp")),
+        "rmsnorm": (("rmsnorm",), ts.rmsnorm, (x, w), P("dp")),
+        "layernorm": (("layernorm",), ts.layernorm, (x, w, bias), P("dp")),
+        "matmul batch + column parallel": (
+            ("matmul",),
+            ts.matmul,
+            (a3, b_col),
+            P("dp", None, "tp"),
+        ),
+        "attention batch + heads": (
+            ("flash_attention_fwd",),
+            lambda q: ts.flash_attention(q, q, q, causal=True),
+            (q,),
+            P("dp", None, "tp"),
+        ),
+        "attention GQA": (
+            ("flash_attention_fwd",),
+            lambda q, kv: ts.flash_attention(q, kv, kv),
+            (q8, kv2),
+            P("dp", None, "tp"),
+        ),
+    }
+
+
+CASE_NAMES = [
+    "relu",
+    "stochastic cast",
+    "softmax",
+    "log_softmax",
+    "rmsnorm",
+    "layernorm",
+    "matmul batch + column parallel",
+    "attention batch + heads",
+    "attention GQA",
+]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_sharded_kernel_does_not_gather(mesh, name):
+    ops, f, args, spec = _cases(mesh)[name]
+    expect = jax.jit(f)(*args)  # the XLA reference, partitioned by XLA
+    with pallas_kernel(*ops):
+        assert collectives(f, *args) == Counter(), name
+        out = jax.jit(f)(*args)
+    assert out.sharding.spec == spec
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(expect, np.float32), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_attention_backward_partitions(mesh):
+    q = put(mesh, rand((4, 16, 4, 8)), "dp", None, "tp")
+    loss = lambda q: jnp.sum(ts.flash_attention(q, q, q) ** 2)
+    expect = jax.jit(jax.grad(loss))(q)
+    with pallas_kernel("flash_attention_fwd", "flash_attention_bwd"):
+        assert collectives(jax.grad(loss), q) == Counter()
+        g = jax.jit(jax.grad(loss))(q)
+    assert g.sharding.spec == P("dp", None, "tp")
+    np.testing.assert_allclose(g, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_row_parallel_matmul_reduces_deterministically(mesh):
+    """K sharded: local partial products, the canonical-tree all-reduce (all_to_all +
+    all_gather, no all-reduce), then the epilogue; the operands are not gathered."""
+    a = put(mesh, rand((128, 32)), None, "tp")  # a 512 KiB output: the all_to_all path
+    b = put(mesh, rand((32, 1024)), "tp", None)
+    bias = put(mesh, rand((1024,)))
+    f = lambda a, b, bias: ts.op.linear(a, b, bias, activation="relu")
+    expect = jax.jit(f)(a, b, bias)
+    with pallas_kernel("matmul"):
+        c = collectives(f, a, b, bias)
+        out = jax.jit(f)(a, b, bias)
+        again = jax.jit(f)(a, b, bias)
+    assert c == Counter({"all-to-all": 1, "all-gather": 1})
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5)
+    assert np.asarray(out).tobytes() == np.asarray(again).tobytes()
+    # the partial sums over the two K halves, added on the canonical tree, then the epilogue
+    acc = np.asarray(a)[:, :16] @ np.asarray(b)[:16] + np.asarray(a)[:, 16:] @ np.asarray(b)[16:]
+    np.testing.assert_allclose(out, np.maximum(acc + np.asarray(bias), 0), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_axis_sharded_is_gathered_along_that_axis_only(mesh):
+    x = put(mesh, rand((8, 32)), "dp", "tp")
+    expect = jax.jit(ts.softmax)(x)
+    with pallas_kernel("softmax"):
+        out = jax.jit(ts.softmax)(x)
+    np.testing.assert_allclose(out, expect, rtol=1e-6)
+
+
+def test_kernel_inside_index_launch():
+    """Kernels traced inside shard_map (index_launch) need no vma of their own."""
+    m = ts.dist.Mesh(axes=["dp"], devices=range(4))
+    X = ts.dist.tensor((8, 16), ts.ShardSpec(("row",), ("dp",)), m, "f32", rand((8, 16)))
+    launch = ts.index_launch(axis="dp")(lambda x: ts.softmax(x))
+    expect = ts.softmax(np.asarray(X))
+    with pallas_kernel("softmax"):
+        out = launch(X.parts("dp"))
+    np.testing.assert_allclose(out, expect, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm", "matmul"])
+def test_shipped_kernels_do_not_gather(mesh, name):
+    """Operators with their own kernels, batch-sharded, under TESSERA_KERNELS=interpret."""
+    op = OPERATORS[name]
+    if not op.kernels:
+        pytest.skip(f"{name} has no kernel yet")
+    ops, f, args, spec = {
+        "softmax": _cases(mesh)["softmax"],
+        "rmsnorm": _cases(mesh)["rmsnorm"],
+        "layernorm": _cases(mesh)["layernorm"],
+        "matmul": _cases(mesh)["matmul batch + column parallel"],
+    }[name]
+    del ops
+    with ts.kernel_mode("interpret"):
+        assert collectives(f, *args)["all-gather"] == 0
+        assert jax.jit(f)(*args).sharding.spec == spec
