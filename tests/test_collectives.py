@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax import op
-from tests._util import rand
+from tests._util import assert_close, f64, rand
 
 
 def np_tree(stacked: np.ndarray) -> np.ndarray:
@@ -292,10 +292,8 @@ def test_seed003_distributed_loss():
         return ts.sum(y**2)
 
     grad_W = ts.grad(distributed_loss, argnums=1)(x, W)
-    w = np.asarray(W)
-    np.testing.assert_allclose(
-        np.asarray(grad_W), 2 * np.asarray(x).T @ (np.asarray(x) @ w), rtol=1e-5
-    )
+    xd, wd = f64(x), f64(np.asarray(W))
+    assert_close(np.asarray(grad_W), 2 * xd.T @ (xd @ wd), rtol=1e-5)
 
 
 # --- mesh-size invariance of ts.op.sum -----------------------------------------------------
