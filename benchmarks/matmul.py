@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 import traceback
-import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,16 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-try:
-    import tessera_jax as ts
-except Exception:  # the kernels are still benchmarked through a bare package
-    traceback.print_exc()
-    print("!! import tessera_jax failed; benchmarking the kernel modules alone", flush=True)
-    ts = None
-    pkg = types.ModuleType("tessera_jax")
-    pkg.__path__ = [os.path.join(ROOT, "tessera_jax")]
-    sys.modules["tessera_jax"] = pkg
-
+import tessera_jax as ts  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_configs as mc  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_mgpu as mg  # noqa: E402
 
@@ -156,8 +146,7 @@ def make_case(kind, m, n, k):
         def kern(a, b):
             return mg.matmul(a, b, transpose_a=ta, transpose_b=tb, out_dtype=BF16)
 
-        tsf = None
-        if ts is not None and (ta or tb):
+        if ta or tb:
             # The backward products: ts_matmul with transpose flags, as the adjoints bind it
             # (``ts.op.matmul(a, b.T)`` on a user-transposed array is a copy plus a product).
             from tessera_jax.primitives.matmul import _bind
@@ -166,7 +155,7 @@ def make_case(kind, m, n, k):
                 return _bind(
                     a, b, transpose_a=ta, transpose_b=tb, out_dtype=BF16, accumulate_dtype=F32
                 )
-        elif ts is not None:
+        else:
 
             def tsf(a, b):
                 return ts.op.matmul(a, b)
@@ -181,11 +170,8 @@ def make_case(kind, m, n, k):
         def kern(a, b, bias):
             return mg.matmul(a, b, bias, has_bias=True, activation="gelu_tanh", out_dtype=BF16)
 
-        tsf = None
-        if ts is not None:
-
-            def tsf(a, b, bias):
-                return ts.op.linear(a, b, bias, activation="gelu_tanh")
+        def tsf(a, b, bias):
+            return ts.op.linear(a, b, bias, activation="gelu_tanh")
 
         ref = gelu_tanh(ref_dot(a, b) + bias.astype(F32))
         return (a, b, bias), kern, tsf, base, "xla:gelu(dot+bias)", ref, flops
@@ -196,11 +182,8 @@ def make_case(kind, m, n, k):
         def kern(a, b):
             return mg.matmul(a, b, out_dtype=F32)
 
-        tsf = None
-        if ts is not None:
-
-            def tsf(a, b):
-                return ts.op.matmul(a, b)
+        def tsf(a, b):
+            return ts.op.matmul(a, b)
 
         ref = ref_dot(a, b)
         if kind == "fp8_vs_bf16":

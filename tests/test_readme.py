@@ -1,0 +1,22 @@
+"""The README's tour runs as written."""
+
+import pathlib
+import re
+
+import numpy as np
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+
+def test_readme_tour_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    namespace: dict = {"__name__": "__readme__"}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "ts_matmul" in out and "ts_softmax" in out
+    assert "matmul: A.shape[-1]=128 must equal B.shape[-2]=256" in out
+    ts, x = namespace["ts"], namespace["x"]
+    np.testing.assert_array_equal(
+        np.asarray(namespace["total"]), np.asarray(ts.sum(x.repeat(2, 0), axis=0))
+    )
