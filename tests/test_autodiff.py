@@ -4,9 +4,6 @@
 # references (F821 undefined name), as with jaxtyping.
 # ruff: noqa: F821
 
-import sys
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -419,38 +416,3 @@ def test_jit_errors():
         ts.jit(lambda x: x, capture_graphs=True)
     with pytest.raises(TypeError, match=r"ts\.jit: expected a function, got a int"):
         ts.jit(1)
-
-
-def test_jit_applies_the_region_hook(monkeypatch):
-    import tessera_jax.sharding as sharding_pkg
-
-    calls = []
-
-    def has_regions(fn):
-        return getattr(fn, "uses_regions", False)
-
-    def wrap(fn):
-        calls.append(fn.__name__)
-
-        def wrapped(*a, **k):
-            return fn(*a, **k) * 2
-
-        wrapped.__wrapped__ = fn
-        return wrapped
-
-    fake = types.SimpleNamespace(has_regions=has_regions, wrap=wrap)
-    monkeypatch.setitem(sys.modules, "tessera_jax.sharding.regions", fake)
-    monkeypatch.setattr(sharding_pkg, "regions", fake, raising=False)
-
-    def f(x):
-        return x + 1
-
-    f.uses_regions = True
-
-    def g(x):
-        return x + 1
-
-    x = jnp.arange(3.0)
-    np.testing.assert_array_equal(ts.jit(f)(x), (x + 1) * 2)
-    np.testing.assert_array_equal(ts.jit(g)(x), x + 1)
-    assert calls == ["f"]

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax import Region, read, reduce_sum, write
 from tessera_jax.sharding import regions
-from tests._util import rand
+from tests._util import f64, rand
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +103,15 @@ def test_aliasing_errors():
     regions.wrap(step)(w, w, y)  # two reads of one region are fine
 
     # Inside a traced caller the same tracer reaches both parameters: still caught.
-    inner = ts.jit(step)
-
-    def caller(w, y):
-        return inner(w, y, y)
-
     with pytest.raises(regions.RegionError, match="being reduced"):
         jax.jit(lambda w, y: regions.wrap(step)(w, y, y))(w, y)
-    del caller
+    # ts.jit checks the caller's arguments before jax.jit gives each its own tracer.
+    with pytest.raises(regions.RegionError, match="being reduced"):
+        ts.jit(step)(w, y, y)
+    with pytest.raises(regions.RegionError, match="two writers of the same region"):
+        ts.jit(two)(y, y)
+    new_y = ts.jit(step)(w, w, y)  # the new value of the one reduce_sum region
+    np.testing.assert_allclose(new_y, f64(y) + f64(w) @ f64(w), rtol=1e-5)
 
 
 def test_index_launch_with_regions(mesh):

@@ -419,15 +419,6 @@ class custom_jvp(_CustomRule):
 # --- jit --------------------------------------------------------------------------------
 
 
-def _with_regions(f: Callable) -> Callable:
-    """The distribution helper's region-privilege wrapper, when it exists and applies."""
-    try:
-        from tessera_jax.sharding import regions
-    except ImportError:
-        return f
-    return regions.wrap(f) if regions.has_regions(f) else f
-
-
 def _checked(f: Callable) -> Callable:
     """``f`` with its ``ts.Tensor`` annotations checked and applied at trace time."""
     resolved: list[_ann.Signature | None] = []  # resolved at the first trace (forward refs)
@@ -464,11 +455,29 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     equivalent to plain jit: XLA already runs one compiled executable per call.
 
     Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
-    attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s.
+    attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s. For a
+    function with regions, a wrapper that first checks the caller's arguments for
+    aliased regions (jit gives every argument its own tracer, so the same array passed
+    to two parameters is only visible outside), then calls the ``jax.jit`` object
+    (available as ``.jitted``; ``.lower`` is forwarded).
     """
     if f is None:
         return lambda g: jit(g, capture_graph=capture_graph, **jit_kwargs)
     _check_callable("ts.jit", f)
     if not isinstance(capture_graph, bool):
         raise TypeError(f"ts.jit: capture_graph={capture_graph!r} must be a bool")
-    return jax.jit(_checked(_with_regions(f)), **jit_kwargs)
+    from tessera_jax.sharding import regions
+
+    if not regions.has_regions(f):
+        return jax.jit(_checked(f), **jit_kwargs)
+    wrapped = regions.wrap(f)
+    jitted = jax.jit(_checked(wrapped), **jit_kwargs)
+
+    @functools.wraps(f)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        wrapped.check_aliases(*args, **kwargs)
+        return jitted(*args, **kwargs)
+
+    call.jitted = jitted
+    call.lower = jitted.lower
+    return call
