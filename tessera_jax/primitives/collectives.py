@@ -93,7 +93,7 @@ def tree_over_ranks(stacked: jax.Array) -> jax.Array:
     """``(n, ...) -> (...)``: the canonical pairwise tree over the leading (rank) axis,
     accumulating 8-/16-bit floats in f32 and rounding once."""
     acc = compute_dtype(stacked.dtype)
-    return pairwise_tree_sum(jnp.moveaxis(stacked.astype(acc), 0, -1)).astype(stacked.dtype)
+    return pairwise_tree_sum(stacked.astype(acc), axis=0).astype(stacked.dtype)
 
 
 def _combine_ranks(stacked: jax.Array, op: str) -> jax.Array:

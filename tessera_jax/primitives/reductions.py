@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from tessera_jax.primitives._core import (
     Operator,
@@ -66,16 +67,27 @@ def _leaves(x: jax.Array) -> jax.Array:
     return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))
 
 
-def pairwise_tree_sum(x: jax.Array) -> jax.Array:
-    """Sums the last axis of ``x`` on the canonical pairwise tree (module docstring)."""
+def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sums ``axis`` of ``x`` on the canonical pairwise tree (module docstring).
+
+    Any axis gives the same tree (and bits); reducing in place avoids moving the axis,
+    which costs a transpose pass when the operand is not fused (the all-reduce's
+    received chunks, stacked along axis 0).
+    """
+    axis = axis % x.ndim
     x = _leaves(x)
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        pairs = x[..., : n - n % 2 : 2] + x[..., 1 : n - n % 2 : 2]
-        x = jnp.concatenate([pairs, x[..., n - 1 :]], axis=-1) if n % 2 else pairs
-    if x.shape[-1] == 0:
-        return jnp.zeros(x.shape[:-1], x.dtype)
-    return x[..., 0]
+    while x.shape[axis] > 1:
+        n = x.shape[axis]
+        even = n - n % 2
+        pairs = lax.slice_in_dim(x, 0, even, 2, axis) + lax.slice_in_dim(x, 1, even, 2, axis)
+        x = (
+            lax.concatenate([pairs, lax.slice_in_dim(x, n - 1, n, 1, axis)], axis)
+            if n % 2
+            else pairs
+        )
+    if x.shape[axis] == 0:
+        return jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+    return lax.index_in_dim(x, 0, axis, keepdims=False)
 
 
 def canonical_sum(x: jax.Array, axes: tuple[int, ...], keepdims: bool) -> jax.Array:
