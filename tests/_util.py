@@ -55,3 +55,21 @@ def assert_close(out, ref, dtype=None, *, rtol=None, factor=1.0):
     assert np.all(np.isfinite(f64(out))), "output has non-finite values"
     err = rel_err(out, ref)
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({dtype})"
+
+
+def matmul_params(**overrides):
+    """The static parameters of a ``ts_matmul`` bind: an f32 product of untransposed
+    operands with no epilogue, updated by ``overrides``."""
+    params = dict(
+        transpose_a=False,
+        transpose_b=False,
+        out_dtype=np.dtype(np.float32),
+        accumulate_dtype=np.dtype(np.float32),
+        tile_shape=None,
+        activation=None,
+        has_bias=False,
+        has_residual=False,
+        has_scale=False,
+    )
+    params.update(overrides)
+    return params

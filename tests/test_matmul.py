@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.primitives.matmul import matmul_op, matmul_reference
-from tests._util import f64, rand, rel_err
+from tests._util import f64, matmul_params, rand, rel_err
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -145,27 +145,24 @@ def test_transposed_inputs_are_just_arrays(dtype):
     )
 
 
+def flag_operands(ta, tb, layout, m, k, n, lead, dtype=jnp.float32):
+    """``a``, ``b`` stored as the transpose flags say, batched by ``layout``: both
+    (``batched``), neither (``2d``) or one of them (``shared_a``: a 2-D ``a``)."""
+    la = () if layout in ("2d", "shared_a") else lead
+    lb = () if layout in ("2d", "shared_b") else lead
+    a = rand((*la, *((k, m) if ta else (m, k))), dtype)
+    b = rand((*lb, *((n, k) if tb else (k, n))), dtype)
+    return a, b
+
+
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("layout", ["2d", "batched", "shared_a", "shared_b"])
 def test_primitive_transpose_flags(ta, tb, layout):
     """The flags are dimension numbers of the reference; the adjoints rely on them."""
-    m, k, n, lead = 7, 11, 5, (2, 3)
-    la = () if layout in ("2d", "shared_a") else lead
-    lb = () if layout in ("2d", "shared_b") else lead
-    a = rand((*la, *((k, m) if ta else (m, k))))
-    b = rand((*lb, *((n, k) if tb else (k, n))))
-    params = dict(
-        transpose_a=ta,
-        transpose_b=tb,
-        out_dtype=np.dtype(np.float32),
-        accumulate_dtype=np.dtype(np.float32),
-        tile_shape=None,
-        activation=None,
-        has_bias=False,
-        has_residual=False,
-        has_scale=False,
-    )
+    m, k, n = 7, 11, 5
+    a, b = flag_operands(ta, tb, layout, m, k, n, lead=(2, 3))
+    params = matmul_params(transpose_a=ta, transpose_b=tb)
     out = matmul_op.bind(a, b, **params)
     sw = lambda x, t: np.swapaxes(x, -1, -2) if t else x
     ref = np.matmul(sw(f64(a), ta), sw(f64(b), tb))
@@ -410,28 +407,15 @@ def test_check_grads_order_2_transposed_inputs(x64, sa, sb):
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("layout", ["2d", "batched", "shared_a", "shared_b"])
 def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
-    m, k, n, lead = 4, 6, 3, (2,)
-    la = () if layout in ("2d", "shared_a") else lead
-    lb = () if layout in ("2d", "shared_b") else lead
-    a = rand((*la, *((k, m) if ta else (m, k))), jnp.float64)
-    b = rand((*lb, *((n, k) if tb else (k, n))), jnp.float64)
+    a, b = flag_operands(ta, tb, layout, 4, 6, 3, lead=(2,), dtype=jnp.float64)
     s = jnp.asarray(1.5, jnp.float64)
+    d64 = np.dtype(np.float64)
+    params = matmul_params(
+        transpose_a=ta, transpose_b=tb, out_dtype=d64, accumulate_dtype=d64, has_scale=True
+    )
 
     def f(a, b, s):
-        return matmul_op.bind(
-            a,
-            b,
-            s,
-            transpose_a=ta,
-            transpose_b=tb,
-            out_dtype=np.dtype(np.float64),
-            accumulate_dtype=np.dtype(np.float64),
-            tile_shape=None,
-            activation=None,
-            has_bias=False,
-            has_residual=False,
-            has_scale=True,
-        )
+        return matmul_op.bind(a, b, s, **params)
 
     check_grads(f, (a, b, s), order=2, modes=("fwd", "rev"))
 

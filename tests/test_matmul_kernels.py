@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import rand
 
 import tessera_jax as ts
 from tessera_jax import _compat
@@ -20,6 +19,7 @@ from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
+from tests._util import matmul_params, rand
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -228,18 +228,8 @@ def test_portable_config_rounds_user_tiles():
 
 
 def test_interpret_mode_selects_kernels():
-    avals = [jax.core.ShapedArray((256, 128), BF16), jax.core.ShapedArray((128, 256), BF16)]
-    params = dict(
-        transpose_a=False,
-        transpose_b=False,
-        out_dtype=np.dtype(BF16),
-        accumulate_dtype=np.dtype(F32),
-        tile_shape=None,
-        activation=None,
-        has_bias=False,
-        has_residual=False,
-        has_scale=False,
-    )
+    avals = _avals(((256, 128), BF16), ((128, 256), BF16))
+    params = _params()
     with ts.kernel_mode("interpret"):
         assert matmul_op.select("cpu", avals, params)[0] == "mosaic_gpu"
         f32 = [jax.core.ShapedArray(a.shape, F32) for a in avals]
@@ -348,19 +338,8 @@ def _avals(*shapes_dtypes):
 
 
 def _params(**kw):
-    p = dict(
-        transpose_a=False,
-        transpose_b=False,
-        out_dtype=np.dtype(BF16),
-        accumulate_dtype=np.dtype(F32),
-        tile_shape=None,
-        activation=None,
-        has_bias=False,
-        has_residual=False,
-        has_scale=False,
-    )
-    p.update(kw)
-    return p
+    """``ts_matmul`` bind parameters of a bf16 product (output bf16 unless ``kw`` says)."""
+    return matmul_params(**{"out_dtype": np.dtype(BF16), **kw})
 
 
 def test_supports():

@@ -333,9 +333,16 @@ def _n_positional(api: str, fun: Callable, nondiff_argnums, nondiff_argnames) ->
 
 
 class _CustomRule:
-    """Shared by custom_vjp / custom_jvp: a callable wrapping the jax object."""
+    """Shared by custom_vjp / custom_jvp: a callable wrapping the jax object (``_jax_cls``),
+    usable as ``@rule`` or ``@rule(nondiff_argnums=...)``; ``_api`` names it in errors."""
 
     _jax_cls: Any = None
+    _api: str = ""
+
+    def __new__(cls, fun=None, nondiff_argnums=(), nondiff_argnames=()):
+        if fun is None:
+            return lambda g: cls(g, nondiff_argnums, nondiff_argnames)
+        return super().__new__(cls)
 
     def __init__(self, fun: Callable, nondiff_argnums=(), nondiff_argnames=()):
         _check_callable(self._api, fun)
@@ -369,11 +376,6 @@ class custom_vjp(_CustomRule):
     _jax_cls = jax.custom_vjp
     _api = "ts.custom_vjp"
 
-    def __new__(cls, fun=None, nondiff_argnums=(), nondiff_argnames=()):
-        if fun is None:
-            return lambda g: cls(g, nondiff_argnums, nondiff_argnames)
-        return super().__new__(cls)
-
     def defvjp(self, fwd: Callable, bwd: Callable, **kwargs) -> None:
         """Sets the forward (``fwd``) and backward (``bwd``) rules; as ``jax.custom_vjp.defvjp``."""
         _check_callable("ts.custom_vjp.defvjp", fwd)
@@ -399,11 +401,6 @@ class custom_jvp(_CustomRule):
 
     _jax_cls = jax.custom_jvp
     _api = "ts.custom_jvp"
-
-    def __new__(cls, fun=None, nondiff_argnums=(), nondiff_argnames=()):
-        if fun is None:
-            return lambda g: cls(g, nondiff_argnums, nondiff_argnames)
-        return super().__new__(cls)
 
     def defjvp(self, jvp: Callable, **kwargs) -> Callable:
         """Sets the JVP rule; returns it, so ``@f.defjvp`` works as a decorator."""

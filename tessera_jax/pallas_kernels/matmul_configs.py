@@ -1,5 +1,7 @@
 """Tile configurations of the Hopper matmul: a frozen, validated dataclass, the named candidates
-the autotuner searches, the per-shape heuristic and the hardware budget checks.
+the autotuner searches, the per-shape heuristic and the hardware budget checks; and the
+problem geometry both matmul kernels share (the extra operands of the ``ts_matmul``
+contract, M/N/K from the transpose flags, zero-padding to whole tiles, the scale/bias rows).
 
 A config describes one CTA (thread block) of the Mosaic GPU kernel in
 :mod:`tessera_jax.pallas_kernels.matmul_mgpu`: it computes a ``block_m × block_n``
@@ -27,6 +29,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -336,3 +339,71 @@ def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
     """The named candidates valid for these operand dtypes (the autotuner's search space)."""
     prefix = "fp8_" if max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1 else "bf16_"
     return {k: v for k, v in CANDIDATES.items() if k.startswith(prefix)}
+
+
+# --- the problem both kernels solve (matmul_mgpu and matmul_portable) ---------------------------
+
+
+def split_extras(
+    extras: Any,
+    *,
+    has_bias: bool = False,
+    has_residual: bool = False,
+    has_scale: bool = False,
+    **_params: Any,
+) -> tuple[Any, Any, Any]:
+    """``(bias, residual, scale)`` from the extra operands of a ``ts_matmul`` bind.
+
+    The contract orders them bias, residual, scale, each present only if its flag is
+    set; a missing one is None. Other bind parameters are ignored, so a bind's whole
+    ``params`` can be passed as keywords (``split_extras(extras, **params)``).
+    """
+    it = iter(extras)
+    bias = next(it) if has_bias else None
+    residual = next(it) if has_residual else None
+    scale = next(it) if has_scale else None
+    return bias, residual, scale
+
+
+def problem_shape(
+    a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool, transpose_b: bool
+) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``op(a) @ op(b)`` from the stored shapes and the transpose flags."""
+    m = a_shape[-1] if transpose_a else a_shape[-2]
+    k = a_shape[-2] if transpose_a else a_shape[-1]
+    n = b_shape[-2] if transpose_b else b_shape[-1]
+    return m, n, k
+
+
+def pad_to(x: Any, axis: int, mult: int) -> Any:
+    """``x`` zero-padded at the end of ``axis`` to a multiple of ``mult``."""
+    extra = (-x.shape[axis]) % mult
+    if not extra:
+        return x
+    w = [(0, 0)] * x.ndim
+    w[axis] = (0, extra)
+    return jnp.pad(x, w)
+
+
+def pad_operands(
+    a3: Any, b3: Any, transpose_a: bool, transpose_b: bool, tile_m: int, tile_n: int, tile_k: int
+) -> tuple[Any, Any]:
+    """3-D (batch-first) operands, as stored, zero-padded to whole ``(tile_m, tile_n, tile_k)``
+    tiles (K padding must be zeros; M/N padding is cut off the result)."""
+    a3 = pad_to(pad_to(a3, 2 if transpose_a else 1, tile_m), 1 if transpose_a else 2, tile_k)
+    b3 = pad_to(pad_to(b3, 1 if transpose_b else 2, tile_n), 2 if transpose_b else 1, tile_k)
+    return a3, b3
+
+
+def scale_bias_rows(scale: Any, bias: Any, n: int, tile_n: int) -> Any:
+    """The epilogue's ``(2, N)`` f32 operand, N zero-padded to whole ``tile_n`` tiles: row 0
+    the scale (ones without one), row 1 the bias (zeros without one); None with neither."""
+    if scale is None and bias is None:
+        return None
+    sv = (
+        jnp.broadcast_to(scale.astype(jnp.float32), (n,))
+        if scale is not None
+        else jnp.ones((n,), jnp.float32)
+    )
+    bv = bias.astype(jnp.float32) if bias is not None else jnp.zeros((n,), jnp.float32)
+    return pad_to(jnp.stack([sv, bv]), 1, tile_n)

@@ -155,28 +155,25 @@ def _build_kernel(
         vec_smem = scr.pop(0) if has_vec else None
         epi_barrier = scr.pop(0) if (has_res or has_vec) else None
 
+        def operand_spec(block, index, tf, multicast_dim):
+            # A cluster split along N shares (multicasts) its A tile; along M, its B tile.
+            return plgpu.BlockSpec(
+                block,
+                index,
+                transforms=tf,
+                memory_space=plgpu.SMEM,
+                delay_release=dr,
+                collective_axes=("cluster",) if cfg.cluster_dimension == multicast_dim else (),
+            )
+
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec(
-                        a_block,
-                        a_index,
-                        transforms=a_tf,
-                        memory_space=plgpu.SMEM,
-                        delay_release=dr,
-                        collective_axes=("cluster",) if cfg.cluster_dimension == "n" else (),
-                    ),
-                    plgpu.BlockSpec(
-                        b_block,
-                        b_index,
-                        transforms=b_tf,
-                        memory_space=plgpu.SMEM,
-                        delay_release=dr,
-                        collective_axes=("cluster",) if cfg.cluster_dimension == "m" else (),
-                    ),
+                    operand_spec(a_block, a_index, a_tf, "n"),
+                    operand_spec(b_block, b_index, b_tf, "m"),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=mc.NUM_COMPUTE_WGS,
@@ -344,26 +341,9 @@ def _run_interpret(call, operands):
     return jax.pure_callback(host, out_aval, *operands)
 
 
-def _pad_to(x: jax.Array, axis: int, mult: int) -> jax.Array:
-    size = x.shape[axis]
-    extra = (-size) % mult
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-
 def _to3d(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
     lead = x.shape[:-2]
     return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1, *x.shape[-2:])), lead
-
-
-def _problem(a_shape, b_shape, transpose_a, transpose_b):
-    m = a_shape[-1] if transpose_a else a_shape[-2]
-    k = a_shape[-2] if transpose_a else a_shape[-1]
-    n = b_shape[-2] if transpose_b else b_shape[-1]
-    return m, n, k
 
 
 def matmul(
@@ -391,12 +371,11 @@ def matmul(
     ``tile_shape`` from the user is turned into a config (ValueError if sm_90 cannot run it).
     """
     del accumulate_dtype  # f32 for every dtype this kernel supports
-    extras = list(extras)
-    bias = extras.pop(0) if has_bias else None
-    residual = extras.pop(0) if has_residual else None
-    scale = extras.pop(0) if has_scale else None
+    bias, residual, scale = mc.split_extras(
+        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
+    )
     out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
-    m, n, k = _problem(a.shape, b.shape, transpose_a, transpose_b)
+    m, n, k = mc.problem_shape(a.shape, b.shape, transpose_a, transpose_b)
 
     dt_a, dt_b = np.dtype(a.dtype), np.dtype(b.dtype)
     if dt_a != dt_b:
@@ -437,22 +416,15 @@ def matmul(
     cm, cn = config.cluster_tile
 
     # Zero-pad to whole tiles (K padding must be zeros; M/N padding is sliced off).
-    a3 = _pad_to(_pad_to(a3, 2 if transpose_a else 1, cm), 1 if transpose_a else 2, bk)
-    b3 = _pad_to(_pad_to(b3, 1 if transpose_b else 2, cn), 2 if transpose_b else 1, bk)
+    a3, b3 = mc.pad_operands(a3, b3, transpose_a, transpose_b, cm, cn, bk)
     mp, np_, kp = (-(-mm // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
 
     operands = [a3, b3]
     if has_bias or has_scale:
-        sv = (
-            jnp.broadcast_to(scale.astype(jnp.float32), (n,))
-            if has_scale
-            else jnp.ones((n,), jnp.float32)
-        )
-        bv = bias.astype(jnp.float32) if has_bias else jnp.zeros((n,), jnp.float32)
-        operands.append(_pad_to(jnp.stack([sv, bv]), 1, cn))
+        operands.append(mc.scale_bias_rows(scale, bias, n, cn))
     if residual is not None:
         r3 = residual.reshape((batch if m_fold is None else 1, mm, n))
-        operands.append(_pad_to(_pad_to(r3, 1, cm), 2, cn))
+        operands.append(mc.pad_to(mc.pad_to(r3, 1, cm), 2, cn))
 
     if num_sms is None:
         num_sms = INTERPRET_NUM_SMS if interpret else _num_sms()
@@ -564,7 +536,7 @@ def _prefer_rule(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
         return False
     if a.ndim > 2 and b.ndim > 2:
         return False  # batched x batched: the batch loop is unmeasured
-    m, n, k = _problem(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
+    m, n, k = mc.problem_shape(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
     if a.ndim > 2 and not params["transpose_a"]:
         m *= int(np.prod(a.shape[:-2]))  # a batch of A against a shared B folds into M
     elif a.ndim > 2 or b.ndim > 2:

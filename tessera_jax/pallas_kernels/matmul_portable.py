@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax.pallas_kernels import matmul_configs as mc
+
 __all__ = ["PortableConfig", "matmul", "prefer", "supports"]
 
 _FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -110,15 +112,6 @@ def pl_ds(start, size):
     return pl.ds(start, size)
 
 
-def _pad_to(x, axis, mult):
-    extra = (-x.shape[axis]) % mult
-    if not extra:
-        return x
-    w = [(0, 0)] * x.ndim
-    w[axis] = (0, extra)
-    return jnp.pad(x, w)
-
-
 def matmul(
     a: jax.Array,
     b: jax.Array,
@@ -139,14 +132,11 @@ def matmul(
     from jax.experimental import pallas as pl
 
     del accumulate_dtype
-    extras = list(extras)
-    bias = extras.pop(0) if has_bias else None
-    residual = extras.pop(0) if has_residual else None
-    scale = extras.pop(0) if has_scale else None
+    bias, residual, scale = mc.split_extras(
+        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
+    )
     out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
-    m = a.shape[-1] if transpose_a else a.shape[-2]
-    k = a.shape[-2] if transpose_a else a.shape[-1]
-    n = b.shape[-2] if transpose_b else b.shape[-1]
+    m, n, k = mc.problem_shape(a.shape, b.shape, transpose_a, transpose_b)
     lead = tuple(jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     if config is None:
         config = (
@@ -158,8 +148,7 @@ def matmul(
     a3 = a.reshape((-1, *a.shape[-2:]))
     b3 = b.reshape((-1, *b.shape[-2:]))
     batch = max(a3.shape[0], b3.shape[0])
-    a3 = _pad_to(_pad_to(a3, 2 if transpose_a else 1, bm), 1 if transpose_a else 2, bk)
-    b3 = _pad_to(_pad_to(b3, 1 if transpose_b else 2, bn), 2 if transpose_b else 1, bk)
+    a3, b3 = mc.pad_operands(a3, b3, transpose_a, transpose_b, bm, bn, bk)
     mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // bk) * bk
     a_batched, b_batched = a3.shape[0] > 1, b3.shape[0] > 1
 
@@ -176,17 +165,11 @@ def matmul(
     operands = [a3, b3]
     has_vec = has_bias or has_scale
     if has_vec:
-        sv = (
-            jnp.broadcast_to(scale.astype(jnp.float32), (n,))
-            if has_scale
-            else jnp.ones((n,), jnp.float32)
-        )
-        bv = bias.astype(jnp.float32) if has_bias else jnp.zeros((n,), jnp.float32)
-        operands.append(_pad_to(jnp.stack([sv, bv]), 1, bn))
+        operands.append(mc.scale_bias_rows(scale, bias, n, bn))
         in_specs.append(pl.BlockSpec((2, bn), lambda bi, i, j: (0, j)))
     if has_residual:
         r3 = residual.reshape((batch, m, n))
-        operands.append(_pad_to(_pad_to(r3, 1, bm), 2, bn))
+        operands.append(mc.pad_to(mc.pad_to(r3, 1, bm), 2, bn))
         in_specs.append(pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j)))
     precision = lax.Precision.HIGHEST if np.dtype(a.dtype).itemsize == 4 else None
     kern = functools.partial(

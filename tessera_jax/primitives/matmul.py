@@ -66,6 +66,11 @@ express, is applied by the reference epilogue after a batched ``ts_matmul``.
 Kernels (``tessera_jax/pallas_kernels``) are registered in the ``# --- kernels ---``
 block at the bottom with the :class:`~tessera_jax.primitives._core.Kernel` convention
 ``fn(a, b, *extras, interpret, **params)``.
+
+For code that runs ``ts_matmul`` in pieces (the sharding rule of a sharded K: partial
+products, a reduction, then the epilogue): :func:`split_extras` takes a bind's extras
+apart (it lives with the kernels, which know nothing about primitives, and is
+re-exported here) and :func:`epilogue` applies the fused epilogue to an accumulator.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ from jax import lax
 
 from tessera_jax.numerics import context as _numerics_context
 from tessera_jax.numerics.dtypes import as_np_dtype
+from tessera_jax.pallas_kernels.matmul_configs import split_extras
 from tessera_jax.primitives import elementwise as _ew
 from tessera_jax.primitives import reductions as _red
 from tessera_jax.primitives._core import (
@@ -159,15 +165,6 @@ def _bind(
         has_residual=residual is not None,
         has_scale=scale is not None,
     )
-
-
-def _split_extras(extras: Sequence[Any], has_bias: bool, has_residual: bool, has_scale: bool):
-    """``(bias, residual, scale)`` from the extras of a bind (None where a flag is unset)."""
-    it = iter(extras)
-    bias = next(it) if has_bias else None
-    residual = next(it) if has_residual else None
-    scale = next(it) if has_scale else None
-    return bias, residual, scale
 
 
 # --- the public functions -----------------------------------------------------------------
@@ -558,7 +555,9 @@ def _matmul_abstract_eval(
     shape = (*(la or lb), m, n)
     if len(extras) != has_bias + has_residual + has_scale:
         raise ValueError(f"ts_matmul: {len(extras)} extra operands for the flags set")
-    bias, residual, scale = _split_extras(extras, has_bias, has_residual, has_scale)
+    bias, residual, scale = split_extras(
+        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
+    )
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"ts_matmul: bias.shape={bias.shape} must be ({n},)")
     if residual is not None and residual.shape != shape:
@@ -606,9 +605,8 @@ def _conform(a, da, b, db, size):
 def _matmul_batch(args, dims, **params):
     a, b, *extras = args
     da, db, *dextras = dims
-    flags = (params["has_bias"], params["has_residual"], params["has_scale"])
-    bias, residual, scale = _split_extras(extras, *flags)
-    dbias, dres, dscale = _split_extras(dextras, *flags)
+    bias, residual, scale = split_extras(extras, **params)
+    dbias, dres, dscale = split_extras(dextras, **params)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
     ta, tb = params["transpose_a"], params["transpose_b"]
     shared_product = da is not_mapped and db is not_mapped
@@ -662,14 +660,8 @@ def _matmul_batch(args, dims, **params):
         residual = _to_front(residual, dres)
         if dres is not_mapped:
             residual = residual[None]
-    out = _epilogue(
-        acc,
-        bias,
-        residual,
-        scale,
-        activation=params["activation"],
-        out_dtype=params["out_dtype"],
-        plain=False,
+    out = epilogue(
+        acc, bias, residual, scale, activation=params["activation"], out_dtype=params["out_dtype"]
     )
     if out.shape[0] != size:
         out = jnp.broadcast_to(out, (size, *out.shape[1:]))
@@ -720,9 +712,8 @@ def _ts_activation(z: jax.Array, activation: str) -> jax.Array:
 def _matmul_jvp(primals, tangents, **params):
     a, b, *extras = primals
     ta, tb, *textras = tangents
-    flags = (params["has_bias"], params["has_residual"], params["has_scale"])
-    bias, residual, scale = _split_extras(extras, *flags)
-    tbias, tres, tscale = _split_extras(textras, *flags)
+    bias, residual, scale = split_extras(extras, **params)
+    tbias, tres, tscale = split_extras(textras, **params)
     out_dtype = params["out_dtype"]
     if not _is_float(out_dtype):  # an int32 product: not differentiable
         y = matmul_op.bind(*primals, **params)
@@ -778,13 +769,12 @@ def _sum_leading(x: jax.Array, nlead: int) -> jax.Array:
 
 
 def _matmul_transpose(ct, a, b, *extras, **params):
-    flags = (params["has_bias"], params["has_residual"], params["has_scale"])
     if params["has_bias"] or params["has_residual"] or params["activation"] is not None:
         raise NotImplementedError(
             "ts_matmul is linear only without bias, residual and activation; "
             "its JVP emits such products only"
         )
-    _, _, scale = _split_extras(extras, *flags)
+    _, _, scale = split_extras(extras, **params)
     ua, ub = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
     us = scale is not None and ad.is_undefined_primal(scale)
     if ua + ub + us != 1:
@@ -892,9 +882,22 @@ def _reference_activation(z: jax.Array, activation: str | None) -> jax.Array:
     return 0.5 * z * (1 + jnp.tanh(c * (z + 0.044715 * z**3)))
 
 
-def _epilogue(acc, bias, residual, scale, *, activation, out_dtype, plain):
-    """``cast(act(scale·acc + bias) + residual, out_dtype)`` in the epilogue dtype."""
-    if plain:
+def epilogue(
+    acc: jax.Array,
+    bias: jax.Array | None = None,
+    residual: jax.Array | None = None,
+    scale: jax.Array | None = None,
+    *,
+    activation: str | None = None,
+    out_dtype: Any,
+) -> jax.Array:
+    """``cast(act(scale·acc + bias) + residual, out_dtype)`` of an accumulator ``acc``.
+
+    The contract's fused epilogue: it runs in :func:`epilogue_dtype` of ``acc.dtype``;
+    ``bias`` broadcasts over the rows. Without bias, residual, scale and activation it is
+    a plain cast straight from the accumulator (exact int32 for an int8 product).
+    """
+    if bias is None and residual is None and scale is None and activation is None:
         return acc.astype(out_dtype)
     ep = epilogue_dtype(acc.dtype)
     z = acc.astype(ep)
@@ -924,7 +927,9 @@ def matmul_reference(
 ) -> jax.Array:
     """The XLA lowering of ``ts_matmul`` and the oracle of its kernels (``tile_shape`` unused)."""
     del tile_shape
-    bias, residual, scale = _split_extras(extras, has_bias, has_residual, has_scale)
+    bias, residual, scale = split_extras(
+        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
+    )
     plain = not (has_bias or has_residual or has_scale) and activation is None
     out_dtype = np.dtype(out_dtype)
     if plain and out_dtype in (_F16, _BF16) and a.dtype == b.dtype == out_dtype:
@@ -935,9 +940,7 @@ def matmul_reference(
     acc = _dot(
         a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate_dtype=accumulate_dtype
     )
-    return _epilogue(
-        acc, bias, residual, scale, activation=activation, out_dtype=out_dtype, plain=plain
-    )
+    return epilogue(acc, bias, residual, scale, activation=activation, out_dtype=out_dtype)
 
 
 # --- kernels ------------------------------------------------------------------------------

@@ -459,9 +459,7 @@ def _matmul_local(local_impl, xs, assign, factors, params):
     from tessera_jax.primitives import matmul as _mm
 
     a, b, *extras = xs
-    bias, residual, scale = _mm._split_extras(
-        extras, params["has_bias"], params["has_residual"], params["has_scale"]
-    )
+    bias, residual, scale = _mm.split_extras(extras, **params)
     acc = local_impl(
         a,
         b,
@@ -472,16 +470,8 @@ def _matmul_local(local_impl, xs, assign, factors, params):
         out_dtype=np.dtype(params["accumulate_dtype"]),
     )
     acc = _coll.tree_all_reduce(acc, assign["k"])
-    plain = not (params["has_bias"] or params["has_residual"] or params["has_scale"])
-    plain = plain and params["activation"] is None
-    return _mm._epilogue(
-        acc,
-        bias,
-        residual,
-        scale,
-        activation=params["activation"],
-        out_dtype=params["out_dtype"],
-        plain=plain,
+    return _mm.epilogue(
+        acc, bias, residual, scale, activation=params["activation"], out_dtype=params["out_dtype"]
     )
 
 
