@@ -138,9 +138,12 @@ class ScaledPolicy:
         amax = jax.lax.stop_gradient(jnp.max(jnp.abs(xf)))
         scale = jnp.where(amax > 0, amax / fmax, jnp.ones_like(amax)).astype(self.scale.container)
         scaled = xf / scale.astype(xf.dtype)
-        # Saturate (e4m3fn has no inf: NaN on overflow); the amax element itself, exactly at
-        # ±fmax, keeps its derivative (jnp.clip would halve it).
-        scaled = jnp.where(jnp.abs(scaled) > fmax, jnp.sign(scaled) * fmax, scaled)
+        # Saturate (e4m3fn has no inf: NaN on overflow). With amax scaling only rounding can
+        # push an element (the amax one, at ±fmax) over the edge, so the clip is
+        # straight-through: a derivative of 1 for every element (jnp.clip would give the
+        # amax element 0 or 1/2 depending on which way its scale rounded).
+        clipped = jnp.clip(scaled, -fmax, fmax)
+        scaled = scaled + jax.lax.stop_gradient(clipped - scaled)
         return cast(scaled, self.storage, key), scale
 
     def dequantize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
