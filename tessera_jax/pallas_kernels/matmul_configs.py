@@ -32,6 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 # --- hardware budget (sm_90) -------------------------------------------------------------------
 SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
@@ -407,3 +408,24 @@ def scale_bias_rows(scale: Any, bias: Any, n: int, tile_n: int) -> Any:
     )
     bv = bias.astype(jnp.float32) if bias is not None else jnp.zeros((n,), jnp.float32)
     return pad_to(jnp.stack([sv, bv]), 1, tile_n)
+
+
+# --- the epilogue activation, shared by the kernels and the reference ---------------------
+
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
+_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
+_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
+
+
+def apply_activation(x, activation: str | None, erf=lax.erf):
+    """The fused epilogue's activation on ``x`` (``gelu`` exact via ``erf``, ``gelu_tanh``
+    the tanh form). ``erf`` is a parameter because Mosaic GPU cannot lower ``lax.erf``."""
+    if activation is None:
+        return x
+    if activation == "relu":
+        return jnp.maximum(x, 0.0)
+    if activation == "gelu":
+        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
+    if activation == "gelu_tanh":
+        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+    raise ValueError(f"matmul: activation={activation!r} must be one of {ACTIVATIONS}")

@@ -46,9 +46,6 @@ __all__ = ["MatmulConfig", "matmul", "prefer", "supports", "validate_tile_shape"
 
 _F16 = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
-_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
 
 # CTAs of the persistent grid in interpret mode: each simulated warpgroup is a CPU
 # thread, so a small grid keeps CPU tests fast while still exercising the loop.
@@ -75,18 +72,6 @@ def _erf(x: jax.Array) -> jax.Array:
     )
     y = 1.0 - poly * jnp.exp(-(ax * ax))
     return jnp.where(x < 0.0, -y, y)
-
-
-def _activation(x: jax.Array, activation: str | None) -> jax.Array:
-    if activation is None:
-        return x
-    if activation == "relu":
-        return jnp.maximum(x, 0.0)
-    if activation == "gelu":
-        return 0.5 * x * (1.0 + _erf(x * _INV_SQRT_2))
-    if activation == "gelu_tanh":
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
-    raise ValueError(f"matmul: unknown activation {activation!r}")
 
 
 # --- the kernel --------------------------------------------------------------------------------
@@ -258,7 +243,7 @@ def _build_kernel(
                                 if has_bias:
                                     brow = vec_smem[wg_idx, 1, esl_n]
                                     v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
-                                v = _activation(v, activation)
+                                v = mc.apply_activation(v, activation, erf=_erf)
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 if has_res:
                                     plgpu.barrier_wait(bar)
@@ -469,7 +454,7 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
         return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
     if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
         return "accumulate_dtype other than float32"
-    if params.get("activation") not in _ACTIVATIONS:
+    if params.get("activation") not in mc.ACTIVATIONS:
         return f"activation {params.get('activation')!r}"
     if a.ndim < 2 or b.ndim < 2:
         return "operands of rank < 2"

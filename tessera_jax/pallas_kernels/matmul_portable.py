@@ -12,6 +12,7 @@ of two, and ragged M/N/K are zero-padded to whole tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -20,49 +21,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
 from tessera_jax.pallas_kernels import matmul_configs as mc
 
 __all__ = ["PortableConfig", "matmul", "prefer", "supports"]
 
 _FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
 
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
 
 
+@dataclasses.dataclass(frozen=True)
 class PortableConfig:
     """Block sizes ``(BM, BN, BK)``, each a power of two >= 16 (Triton's block rule)."""
 
-    __slots__ = ("block_k", "block_m", "block_n")
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, block_k: int = 32):
-        for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"PortableConfig: {name}={v} must be a power of two >= 16")
-        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
-
-    def __repr__(self) -> str:
-        return f"PortableConfig({self.block_m}, {self.block_n}, {self.block_k})"
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"PortableConfig: {name}={v!r} must be a power of two >= 16")
 
     @classmethod
     def from_tile_shape(cls, tile_shape) -> PortableConfig:
         """A user tile rounded down to powers of two (the fallback accepts any valid tile)."""
         bm, bn, bk = (max(16, _pow2_floor(t)) for t in tile_shape)
         return cls(bm, bn, bk)
-
-
-def _activation(x, activation):
-    if activation is None:
-        return x
-    if activation == "relu":
-        return jnp.maximum(x, 0.0)
-    if activation == "gelu":
-        return 0.5 * x * (1.0 + lax.erf(x * float(1 / np.sqrt(2.0))))
-    c = float(np.sqrt(2.0 / np.pi))
-    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x * x * x)))
 
 
 def _kernel(
@@ -87,7 +77,7 @@ def _kernel(
     bm, bn = o_ref.shape
 
     def body(i, acc):
-        ks = pl_ds(i * bk, bk)
+        ks = pl.ds(i * bk, bk)
         a = a_ref[ks, :] if transpose_a else a_ref[:, ks]
         b = b_ref[:, ks] if transpose_b else b_ref[ks, :]
         dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
@@ -100,16 +90,10 @@ def _kernel(
         acc = acc * vec_ref[0:1, :]
     if has_bias:
         acc = acc + vec_ref[1:2, :]
-    acc = _activation(acc, activation)
+    acc = mc.apply_activation(acc, activation)
     if has_res:
         acc = acc + res_ref[...].astype(jnp.float32)
     o_ref[...] = acc.astype(out_dtype)
-
-
-def pl_ds(start, size):
-    from jax.experimental import pallas as pl
-
-    return pl.ds(start, size)
 
 
 def matmul(
@@ -129,7 +113,6 @@ def matmul(
     config: PortableConfig | None = None,
 ) -> jax.Array:
     """``cast(act(scale · op(a) @ op(b) + bias) + residual, out_dtype)`` with BlockSpecs."""
-    from jax.experimental import pallas as pl
 
     del accumulate_dtype
     bias, residual, scale = mc.split_extras(
@@ -203,7 +186,7 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     if da != db or da not in _FLOATS:
         return f"operand dtypes {da} x {db} (the portable kernel takes f16/bf16/f32 pairs)"
-    if params.get("activation") not in _ACTIVATIONS:
+    if params.get("activation") not in mc.ACTIVATIONS:
         return f"activation {params.get('activation')!r}"
     if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
         return "accumulate_dtype other than float32"

@@ -87,6 +87,7 @@ from jax import lax
 
 from tessera_jax.numerics import context as _numerics_context
 from tessera_jax.numerics.dtypes import as_np_dtype
+from tessera_jax.pallas_kernels import matmul_configs as _mc
 from tessera_jax.pallas_kernels.matmul_configs import split_extras
 from tessera_jax.primitives import elementwise as _ew
 from tessera_jax.primitives import reductions as _red
@@ -99,7 +100,7 @@ from tessera_jax.primitives._core import (
     zero_tangent,
 )
 
-ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
+ACTIVATIONS = _mc.ACTIVATIONS
 
 _F16 = np.dtype(np.float16)
 _BF16 = np.dtype(jnp.bfloat16)
@@ -871,17 +872,6 @@ def _dot(a, b, *, transpose_a, transpose_b, accumulate_dtype):
     return out  # shared b: (…, M, N)
 
 
-def _reference_activation(z: jax.Array, activation: str | None) -> jax.Array:
-    if activation is None:
-        return z
-    if activation == "relu":
-        return jnp.maximum(z, jnp.zeros((), z.dtype))
-    if activation == "gelu":
-        return 0.5 * z * (1 + lax.erf(z * (1 / np.sqrt(2.0))))
-    c = np.sqrt(2.0 / np.pi)
-    return 0.5 * z * (1 + jnp.tanh(c * (z + 0.044715 * z**3)))
-
-
 def epilogue(
     acc: jax.Array,
     bias: jax.Array | None = None,
@@ -905,7 +895,7 @@ def epilogue(
         z = z * scale.astype(ep)
     if bias is not None:
         z = z + bias.astype(ep).reshape(*([1] * (z.ndim - bias.ndim)), *bias.shape)
-    z = _reference_activation(z, activation)
+    z = _mc.apply_activation(z, activation)
     if residual is not None:
         z = z + residual.astype(ep)
     return z.astype(out_dtype)
