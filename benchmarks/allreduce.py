@@ -6,7 +6,9 @@ One command, all local devices, f32 messages of 1, 64 and 512 MiB per rank::
     python benchmarks/allreduce.py --smoke    # CPU, tiny sizes, 8 virtual devices
 
 For each size it times, in the same process, the canonical-tree all-reduce
-(``binary_tree``: all_to_all, local pairwise tree, all_gather; ``ring``: the
+(``auto``: what ``ts.op.all_reduce`` does by default — NCCL's own all-reduce where
+the order cannot change the bits (f32 over 2 parts), else one of the following;
+``binary_tree``: all_to_all, local pairwise tree, all_gather; ``ring``: the
 all_to_all as n-1 ppermute rounds; and at the smallest size ``gather``:
 all_gather + local tree, the latency path "auto" takes for small messages)
 against ``lax.psum``; median of repeats of back-to-back calls after warm-up.
@@ -49,7 +51,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--sizes-mib", type=float, nargs="*", help="per-rank sizes in MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--algos", nargs="*", default=["binary_tree", "ring"])
+    p.add_argument("--algos", nargs="*", default=["auto", "binary_tree", "ring"])
     return p.parse_args()
 
 

@@ -356,6 +356,14 @@ def match_vma(args: Any) -> list[Any]:
     return [pvary(a, tuple(union - v)) if union - v else a for a, v in zip(args, vmas)]
 
 
+def named_axis_effects(axes: tuple[str, ...]) -> set:
+    """The effects of a collective over mesh ``axes`` (as jax's own collectives state
+    them: one ``NamedAxisEffect`` per axis, which ``shard_map`` discharges)."""
+    from jax._src.core import NamedAxisEffect
+
+    return {NamedAxisEffect(a) for a in axes}
+
+
 def with_varying(aval: Any, vma: frozenset, like: Any) -> Any:
     """``aval`` typed as varying over ``vma`` (the output type of a primitive whose
     operands vary over ``vma``); ``like`` is an operand aval carrying the mesh."""

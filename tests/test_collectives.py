@@ -1,6 +1,7 @@
 """Collectives: bitwise canonical-tree all-reduce, the other collectives, adjoints, and
 mesh-size-invariant sums over sharded axes (8 CPU devices)."""
 
+import math
 import re
 from collections import Counter
 
@@ -8,11 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
 
 import tessera_jax as ts
-from tessera_jax import op
+from tessera_jax import _compat, op
+from tessera_jax.primitives import collectives as coll
 from tests._util import assert_close, f64, rand
 
 
@@ -71,6 +75,7 @@ CASES = [  # (mesh, axis, algo, per-device shape): odd sizes, fewer elements tha
     ("2x4", ("dp", "tp"), "binary_tree", (3,)),
     ("2x2x2", ("tp", "pp"), "auto", (5, 7)),
     ("2x2x2", "pp", "binary_tree", (4, 2)),
+    ("2x4", "dp", "auto", (5, 7)),  # 2 parts: NCCL's all-reduce, the same bits
 ]
 
 
@@ -111,6 +116,38 @@ def test_all_reduce_dtypes(dtype):
     else:  # accumulated in f32 on the tree, rounded once
         expect = np_tree(np.asarray(x.astype(jnp.float32))).astype(dtype)
         assert bits_equal(np.asarray(y)[0], expect)
+
+
+@pytest.mark.parametrize(
+    "axis,dtype,nccl",
+    [
+        ("dp", jnp.float32, True),  # 2 parts: one addition, which commutes
+        ("tp", jnp.float32, False),  # 4 parts: the order matters, the tree runs
+        ("dp", jnp.bfloat16, False),  # 16-bit accumulates in f32 and rounds once: the tree
+        ("tp", jnp.int32, True),  # integer sums are associative: any order
+    ],
+)
+def test_auto_takes_nccl_only_where_the_order_is_free(axis, dtype, nccl):
+    m = ts.dist.Mesh(axes=["dp", "tp"], devices=range(8), shape=(2, 4))
+    x = (rand((8, 4096), scale=100.0)).astype(dtype)
+    X = ts.dist.tensor(x.shape, ts.ShardSpec((0,), (("dp", "tp"),)), m, dtype, x)
+
+    def f(X):
+        @ts.index_launch(axis=axis)
+        def reduce(part):
+            return op.all_reduce(part[0], axis=axis)
+
+        return reduce(X.parts(("dp", "tp")))
+
+    found = collectives_in(f, X)
+    assert (found["all-reduce"] > 0) == nccl, found
+    n = m.axis_size((axis,))
+    groups = np.arange(8).reshape(2, 4) if axis == "tp" else np.arange(8).reshape(2, 4).T
+    y = np.asarray(jax.jit(f)(X)).reshape(-1, 4096)  # one row per group, in mesh order
+    xs = np.asarray(x)
+    for i, g in enumerate(groups.reshape(-1, n)):
+        expect = xs[g].sum(0, dtype=xs.dtype) if dtype == jnp.int32 else np_tree(xs[g])
+        assert bits_equal(y[i], expect)
 
 
 def test_all_reduce_seed000_global_view_and_run_to_run():
@@ -294,6 +331,272 @@ def test_seed003_distributed_loss():
     grad_W = ts.grad(distributed_loss, argnums=1)(x, W)
     xd, wd = f64(x), f64(np.asarray(W))
     assert_close(np.asarray(grad_W), 2 * xd.T @ (xd @ wd), rtol=1e-5)
+
+
+# --- the collectives as primitives: jaxprs, JVPs, second order, vmap ----------------------
+
+
+EVERY_PART = P(("dp", "tp"))  # one block per device of the 2x4 mesh
+
+
+def spmd(m, fn, *in_specs, out_spec=EVERY_PART):
+    """``fn`` over the parts of mesh ``m`` (default: one block per device, varying over
+    every axis), jitted."""
+    in_specs = in_specs or (EVERY_PART,)
+    return jax.jit(
+        _compat.shard_map(
+            fn, mesh=m.jax_mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True
+        )
+    )
+
+
+def eqns_named(jaxpr, prefix="ts_") -> dict:
+    """The equations of ``jaxpr`` and its sub-jaxprs whose primitive name starts with
+    ``prefix``, by name."""
+    found: dict = {}
+    for e in jaxpr.eqns:
+        if e.primitive.name.startswith(prefix):
+            found.setdefault(e.primitive.name, []).append(e)
+        for p in e.params.values():
+            sub = p.jaxpr if hasattr(getattr(p, "jaxpr", None), "eqns") else p
+            if hasattr(sub, "eqns"):
+                for k, v in eqns_named(sub, prefix).items():
+                    found.setdefault(k, []).extend(v)
+    return found
+
+
+def test_collectives_are_primitives_in_jaxprs():
+    m = mesh_of("2x4")
+    x = rand((8, 8, 8))  # one (8, 8) block per device
+    X = ts.dist.tensor(x.shape, ts.ShardSpec((0,), (("dp", "tp"),)), m, "f32", x)
+    w = rand((8, 8))  # replicated: each part's own copy through ts_replicate
+
+    @ts.index_launch(axis="tp")
+    def run(p, w):
+        p = p[0]
+        return (
+            op.all_reduce(p, axis="tp"),
+            op.all_gather(p, axis="tp", dim=1),
+            op.reduce_scatter(p, axis="tp", dim=0),
+            op.scatter(w, axis="tp", dim=0),
+            op.all_to_all(p, axis="tp", split_dim=0, concat_dim=1),
+        )
+
+    jaxpr = jax.make_jaxpr(run)(X.parts(("dp", "tp")), w)
+    found = eqns_named(jaxpr.jaxpr)
+    names = ("all_reduce", "all_gather", "reduce_scatter", "scatter", "all_to_all", "replicate")
+    assert {f"ts_{n}" for n in names} <= set(found), sorted(found)
+    assert "custom_vjp_call" not in str(jaxpr)
+
+    def vma(name):
+        (e,) = found[name]
+        return _compat.varying_axes_of_aval(e.outvars[0].aval)
+
+    assert vma("ts_all_reduce") == {"dp"}  # the same on every part along tp
+    for name in ("ts_all_gather", "ts_reduce_scatter", "ts_all_to_all"):
+        assert vma(name) == {"dp", "tp"}, name
+    assert vma("ts_replicate") == {"tp"}  # w, entering the launch: each part's own copy
+    assert vma("ts_scatter") == {"tp"}
+    (e,) = found["ts_all_gather"]
+    assert e.outvars[0].aval.shape == (8, 32) and e.params["axes"] == ("tp",)
+
+
+JVP_CASES = {  # ours, the same operation from lax collectives
+    "sum": (lambda v: op.all_reduce(v, axis="tp"), lambda v: lax.psum(v, "tp")),
+    "mean": (
+        lambda v: op.all_reduce(v, "mean", axis=("dp", "tp"), algo="ring"),
+        lambda v: lax.pmean(v, ("dp", "tp")),
+    ),
+    "max": (
+        lambda v: op.all_reduce(v, "max", axis="tp"),
+        lambda v: jnp.max(lax.all_gather(v, "tp"), axis=0),
+    ),
+    "min": (
+        lambda v: op.all_reduce(v, "min", axis="tp", deterministic=False),
+        lambda v: jnp.min(lax.all_gather(v, "tp"), axis=0),
+    ),
+    "all_gather": (
+        lambda v: op.all_gather(v, axis="tp", dim=1),
+        lambda v: lax.all_gather(v, "tp", axis=1, tiled=True),
+    ),
+    "reduce_scatter": (
+        lambda v: op.reduce_scatter(v, axis="tp", dim=0),
+        lambda v: lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True),
+    ),
+    "scatter": (
+        lambda v: op.scatter(v, axis="tp", dim=1),
+        lambda v: lax.dynamic_slice_in_dim(v, lax.axis_index("tp") * 2, 2, axis=1),
+    ),
+    "all_to_all": (
+        lambda v: op.all_to_all(v, axis="tp", split_dim=0, concat_dim=1),
+        lambda v: lax.all_to_all(v, "tp", 0, 1, tiled=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(JVP_CASES))
+def test_collective_jvp_matches_lax(name):
+    m = mesh_of("2x4")
+    x = jnp.round(rand((8 * 8, 8)) * 2) / 2  # ties between parts: max/min share them
+    t = rand((8 * 8, 8))
+    ours, ref = JVP_CASES[name]
+    y, ty = jax.jvp(spmd(m, ours), (x,), (t,))
+    ry, rty = jax.jvp(spmd(m, ref), (x,), (t,))
+    assert ty.shape == rty.shape and ty.dtype == rty.dtype
+    np.testing.assert_allclose(y, ry, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ty, rty, rtol=1e-5, atol=1e-6)
+    tb = np.asarray(t).reshape(2, 4, 8, 8)  # [dp, tp, block]
+    if name == "sum":  # the tangent is the canonical tree over the tangents' parts, bitwise
+        got = np.asarray(ty).reshape(2, 4, 8, 8)
+        assert all(bits_equal(got[d, r], np_tree(tb[d])) for d in range(2) for r in range(4))
+    if name == "reduce_scatter":
+        got = np.asarray(ty).reshape(2, 4, 2, 8)
+        for d, r in np.ndindex(2, 4):
+            assert bits_equal(got[d, r], np_tree(tb[d])[r * 2 : (r + 1) * 2])
+
+
+GRAD_CASES = {  # (in_spec, per-part input shape, body)
+    "sum": (P(("dp", "tp")), (4, 4), lambda v: jnp.sin(op.all_reduce(v, axis="tp"))),
+    "mean": (
+        P(("dp", "tp")),
+        (4, 4),
+        lambda v: jnp.sin(op.all_reduce(v, "mean", axis=("dp", "tp"))),
+    ),
+    "max": (P(("dp", "tp")), (4, 4), lambda v: jnp.sin(op.all_reduce(v, "max", axis="tp"))),
+    "all_gather": (P(("dp", "tp")), (4, 4), lambda v: jnp.sin(op.all_gather(v, "tp", dim=1))),
+    "reduce_scatter": (
+        P(("dp", "tp")),
+        (4, 4),
+        lambda v: jnp.sin(op.reduce_scatter(v, "tp", dim=0, deterministic=False)),
+    ),
+    "all_to_all": (
+        P(("dp", "tp")),
+        (4, 4),
+        lambda v: jnp.sin(op.all_to_all(v, "tp", split_dim=0, concat_dim=1)),
+    ),
+    "scatter": (P(("dp", "tp")), (4, 4), lambda v: jnp.sin(op.scatter(v, "tp", dim=0))),
+    "scatter_replicated": (P(), (4, 4), lambda v: jnp.sin(op.scatter(v, "tp", dim=1))),
+    "scatter_partly_replicated": (  # the same on every part along tp, not along dp
+        P("dp"),
+        (8, 4),
+        lambda v: jnp.sin(op.scatter(v, ("dp", "tp"), dim=0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_collective_check_grads_order2(name, x64):
+    in_spec, shape, body = GRAD_CASES[name]
+    m = mesh_of("2x4")
+    parts = math.prod(m.axis_size(tuple(e if isinstance(e, tuple) else (e,))) for e in in_spec)
+    x = rand((shape[0] * parts, *shape[1:]), jnp.float64)
+    check_grads(spmd(m, body, in_spec), (x,), order=2, modes=("fwd", "rev"))
+
+
+def test_collectives_vmap_and_jacfwd():
+    m = mesh_of("2x4")
+
+    def body(v):
+        return (
+            op.all_reduce(v, axis="tp", algo="binary_tree"),
+            op.all_reduce(v, "max", axis="tp"),
+            op.all_gather(v, axis="tp", dim=1),
+            op.reduce_scatter(v, axis="tp", dim=1),
+            op.scatter(v, axis="tp", dim=1),
+            op.all_to_all(v, axis="tp", split_dim=0, concat_dim=1),
+        )
+
+    xs = rand((3, 8 * 4, 8))
+    f = spmd(m, body)
+    per_example = [f(x) for x in xs]
+    # vmap of the shard_map: the batch dim is a plain dim of every body value
+    outside = jax.jit(
+        jax.vmap(
+            _compat.shard_map(
+                body, mesh=m.jax_mesh, in_specs=(P(("dp", "tp")),), out_specs=P(("dp", "tp"))
+            )
+        )
+    )(xs)
+    # vmap inside the body, over a middle dim
+    inside = spmd(m, lambda v: jax.vmap(body, in_axes=1, out_axes=1)(v))(jnp.stack(list(xs), 1))
+    for i, ref in enumerate(per_example):
+        for a, b, r in zip(outside, inside, ref):
+            assert bits_equal(a[i], r) and bits_equal(b[:, i], r)
+    # jacfwd (vmap of jvp) and jacrev agree
+    g = spmd(m, lambda v: jnp.sin(op.all_gather(op.all_reduce(v, axis="tp"), "tp", dim=0)))
+    x = rand((8 * 2, 3))
+    np.testing.assert_allclose(jax.jacfwd(g)(x), jax.jacrev(g)(x), rtol=1e-6, atol=1e-7)
+    # vmap of grad
+    loss = lambda v: jnp.sum(g(v) ** 2)
+    gs = jax.vmap(jax.grad(loss))(xs[:, :16, :3])
+    for i in range(3):
+        np.testing.assert_allclose(gs[i], jax.grad(loss)(xs[i, :16, :3]), rtol=1e-6)
+
+
+def test_replicate_adjoint_is_the_tree():
+    """A value entering the parts as their own copies gets the canonical tree of the
+    parts' cotangents, bitwise (not psum's order)."""
+    m = mesh_of("8")
+    v, w = rand((3, 5)), rand((8 * 3, 5))
+    f = spmd(
+        m,
+        lambda v, w: coll.replicate(v, ("dp",)) * w,
+        P(),
+        P("dp"),
+        out_spec=P("dp"),
+    )
+    g = jax.grad(lambda v: jnp.sum(f(v, w)))(v)
+    assert bits_equal(g, np_tree(np.asarray(w).reshape(8, 3, 5)))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(f(v, w))))(v))
+    assert "ts_all_reduce" in jaxpr and "psum" not in jaxpr
+
+
+def test_collective_transposes_take_symbolic_zeros():
+    ad = _compat.ad
+    aval = jax.typeof(jnp.ones((8, 4)))
+    cases = [
+        (coll.all_reduce_p, dict(op="sum", algo="auto", deterministic=True)),
+        (coll.all_reduce_p, dict(op="mean", algo="ring", deterministic=False)),
+        (coll.all_gather_p, dict(dim=0, deterministic=True)),
+        (coll.reduce_scatter_p, dict(dim=1, algo="auto", deterministic=True)),
+        (coll.scatter_p, dict(dim=0)),
+        (coll.all_to_all_p, dict(split_dim=0, concat_dim=1)),
+        (coll.replicate_p, {}),
+    ]
+    for prim, params in cases:
+        transpose = ad.primitive_transposes[prim]
+        (ct,) = transpose(ad.Zero(aval), ad.UndefinedPrimal(aval), axes=("tp",), **params)
+        assert type(ct) is ad.Zero and ct.aval.shape == (8, 4), prim
+
+
+def test_collective_primitive_errors():
+    m = mesh_of("2x4")
+    with pytest.raises(NameError, match="ts_all_reduce: mesh axis 'dp' is not bound"):
+        coll.all_reduce_p.bind(jnp.ones(3), axes=("dp",), op="sum", algo="auto", deterministic=True)
+    same = spmd(
+        m,
+        lambda v: coll.all_gather_p.bind(v, axes=("tp",), dim=0, deterministic=True),
+        P(),
+    )
+    with pytest.raises(ValueError, match=r"ts_all_gather: x must vary over the axes \('tp',\)"):
+        same(jnp.ones((4, 2)))
+    rs = spmd(
+        m,
+        lambda v: coll.reduce_scatter_p.bind(
+            v, axes=("tp",), dim=0, algo="auto", deterministic=True
+        ),
+    )
+    with pytest.raises(ValueError, match=r"x.shape\[0\]=6 must be a multiple of the 4 parts"):
+        rs(jnp.ones((48, 2)))
+    ag = spmd(m, lambda v: coll.all_gather_p.bind(v, axes=("tp",), dim=2, deterministic=True))
+    with pytest.raises(ValueError, match="ts_all_gather: dim=2 is out of range for x of rank 2"):
+        ag(jnp.ones((8, 2)))
+    rep = spmd(m, lambda v: coll.replicate_p.bind(v, axes=("tp",)))
+    with pytest.raises(ValueError, match=r"ts_replicate: x already varies over \('tp',\)"):
+        rep(jnp.ones((8, 2)))
+    named = spmd(m, lambda v: jax.vmap(lambda u: op.all_reduce(u, axis="tp"), axis_name="tp")(v))
+    with pytest.raises(NotImplementedError, match="ts_all_reduce: a collective over the vmapped"):
+        named(jnp.ones((8, 2)))
 
 
 # --- mesh-size invariance of ts.op.sum -----------------------------------------------------

@@ -176,6 +176,15 @@ def test_mgpu_batched(a_shape, b_shape):
     check(out, reference(a, b), BF16)
 
 
+def test_mgpu_large_default_config_bias_gelu():
+    # The large-shape default (256x128 CTAs, warpgroups along M, delay_release=1; the 2-CTA
+    # cluster is dropped by the interpreter) with the bias + activation epilogue.
+    cfg = mc.CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
+    a, b, bias = rand((512, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
+    out = run_mgpu(a, b, bias, has_bias=True, activation="gelu_tanh", config=cfg)
+    check(out, reference(a, b, bias, has_bias=True, activation="gelu_tanh"), BF16)
+
+
 def test_mgpu_user_tile_shape():
     # (64, 128, 64): warpgroups split N (64 rows each would be 32 < the wgmma M of 64 along M).
     cfg = mc.config_for_tile_shape((64, 128, 64), BF16, BF16)
@@ -272,6 +281,13 @@ def test_config_is_frozen_and_validated():
         mc.MatmulConfig(cluster_dimension="k")
 
 
+def test_block_k_must_be_a_swizzle_row():
+    with pytest.raises(ValueError, match="block_k=32 must be a multiple of 64"):
+        mc.fit_stages(mc.MatmulConfig(block_k=32, num_stages=8), BF16, BF16, BF16)
+    with pytest.raises(ValueError, match="block_k=64 must be a multiple of 128"):
+        mc.fit_stages(mc.MatmulConfig(block_k=64), E4M3, E4M3, F32)
+
+
 def dataclasses_frozen_error():
     import dataclasses
 
@@ -290,7 +306,12 @@ def test_candidates_fit_the_hardware(name):
 
 
 def test_default_config_and_candidates():
-    assert mc.default_config(4096, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
+    big = mc.CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
+    assert mc.default_config(4096, 4096, 4096, BF16, BF16) is big
+    assert mc.default_config(8192, 8192, 1024, BF16, BF16) is big
+    # below LARGE_MN, or not whole 256x256 cluster tiles: the 1-CTA default
+    assert mc.default_config(2048, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
+    assert mc.default_config(4160, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
     assert mc.default_config(8192, 8192, 8192, E4M3, E4M3).block_k == 128
     assert all(k.startswith("fp8_") for k in mc.candidates_for(E4M3, E5M2))
 

@@ -209,7 +209,14 @@ def fit_stages(
     res_dtype: Any | None = None,
     has_vec: bool = False,
 ) -> MatmulConfig:
-    """``cfg`` with ``num_stages`` lowered until it fits shared memory; ValueError if 2 don't."""
+    """``cfg`` with ``num_stages`` lowered until it fits shared memory; ValueError if 2 don't
+    (or if ``block_k`` is not a whole swizzled row of the operand dtype)."""
+    for dt in (dtype_a, dtype_b):
+        if cfg.block_k % swizzle_elems(dt):
+            raise ValueError(
+                f"matmul: block_k={cfg.block_k} must be a multiple of {swizzle_elems(dt)} for "
+                f"{np.dtype(dt).name} operands (one {SWIZZLE_BYTES}-byte swizzled wgmma K step)"
+            )
     stages = cfg.num_stages
     while stages >= 2:
         c = cfg.replace(num_stages=stages)
@@ -313,6 +320,13 @@ CANDIDATES: dict[str, MatmulConfig] = {
     "bf16_128x256x64_s4_dr1_cm": MatmulConfig(
         128, 256, 64, 4, "n", "n", 8, delay_release=1, cluster_dimension="m"
     ),
+    # 256x128 CTA pairs sharing A (cluster "n"), warpgroups 128x128 along M, one wgmma group
+    # in flight: cuBLAS's own choice at 8192^3 on the H100 is this shape of kernel
+    # (nvjet 128x256 / 256x128 with a 2-CTA cluster); 1-1.5% ahead of the 1-CTA default
+    # there under the 700 W power cap (benchmarks/NOTES-matmul.md, v6).
+    "bf16_256x128x64_s4_dr1_cn": MatmulConfig(
+        256, 128, 64, 4, "m", "n", 8, delay_release=1, cluster_dimension="n"
+    ),
     "bf16_128x128x64_s6": MatmulConfig(128, 128, 64, 6, "m", "n", 8),
     # Small M (decode-like): a 64-row CTA, warpgroups split N.
     "bf16_64x256x64_s6": MatmulConfig(64, 256, 64, 6, "n", "n", 4),
@@ -326,6 +340,10 @@ CANDIDATES: dict[str, MatmulConfig] = {
 }
 
 
+# M and N from which 16-bit products take the 2-CTA cluster config (whole cluster tiles only).
+LARGE_MN = 4096
+
+
 def default_config(m: int, n: int, k: int, dtype_a: Any, dtype_b: Any) -> MatmulConfig:
     """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)``."""
     eight_bit = max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1
@@ -333,6 +351,10 @@ def default_config(m: int, n: int, k: int, dtype_a: Any, dtype_b: Any) -> Matmul
         return CANDIDATES["fp8_128x256x128_s4"]
     if m <= 64:
         return CANDIDATES["bf16_64x256x64_s6"]
+    big = CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
+    cm, cn = big.cluster_tile
+    if m >= LARGE_MN and n >= LARGE_MN and m % cm == 0 and n % cn == 0:
+        return big
     return CANDIDATES["bf16_128x256x64_s4"]
 
 
