@@ -181,9 +181,12 @@ def test_attention_backward_partitions(mesh):
     np.testing.assert_allclose(g, expect, rtol=1e-4, atol=1e-5)
 
 
-def test_row_parallel_matmul_reduces_deterministically(mesh):
-    """K sharded: local partial products, the canonical-tree all-reduce (all_to_all +
-    all_gather, no all-reduce), then the epilogue; the operands are not gathered."""
+@pytest.mark.parametrize("tp", [4, 2])
+def test_row_parallel_matmul_reduces_deterministically(tp):
+    """K sharded: local partial products, the canonical-tree all-reduce, then the epilogue;
+    the operands are not gathered. Over 4 parts the tree runs (all_to_all + all_gather, no
+    all-reduce); over 2, NCCL's all-reduce (one addition, which commutes: the same bits)."""
+    mesh = ts.dist.Mesh(axes=["dp", "tp"], devices=range(8), shape=(8 // tp, tp)).jax_mesh
     a = put(mesh, rand((128, 32)), None, "tp")  # a 512 KiB output: the all_to_all path
     b = put(mesh, rand((32, 1024)), "tp", None)
     bias = put(mesh, rand((1024,)))
@@ -193,12 +196,21 @@ def test_row_parallel_matmul_reduces_deterministically(mesh):
         c = collectives(f, a, b, bias)
         out = jax.jit(f)(a, b, bias)
         again = jax.jit(f)(a, b, bias)
-    assert c == Counter({"all-to-all": 1, "all-gather": 1})
+    want = {"all-reduce": 1} if tp == 2 else {"all-to-all": 1, "all-gather": 1}
+    assert c == Counter(want)
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5)
     assert np.asarray(out).tobytes() == np.asarray(again).tobytes()
-    # the partial sums over the two K halves, added on the canonical tree, then the epilogue
-    acc = np.asarray(a)[:, :16] @ np.asarray(b)[:16] + np.asarray(a)[:, 16:] @ np.asarray(b)[16:]
-    np.testing.assert_allclose(out, np.maximum(acc + np.asarray(bias), 0), rtol=1e-5, atol=1e-5)
+    # the partial sums over the K parts, added on the canonical tree, then the epilogue
+    k = 32 // tp
+    parts = [
+        np.asarray(a)[:, i * k : (i + 1) * k] @ np.asarray(b)[i * k : (i + 1) * k]
+        for i in range(tp)
+    ]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    np.testing.assert_allclose(
+        out, np.maximum(parts[0] + np.asarray(bias), 0), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_softmax_axis_sharded_is_gathered_along_that_axis_only(mesh):
