@@ -1,4 +1,5 @@
 """GPU check: grad and jvp through ts.op.all_reduce / all_gather inside shard_map."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
