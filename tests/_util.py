@@ -78,3 +78,54 @@ def matmul_params(**overrides):
     )
     params.update(overrides)
     return params
+
+
+def np_tree(stacked) -> np.ndarray:
+    """The canonical pairwise tree over axis 0, written independently in NumPy:
+    ``((x0+x1)+(x2+x3))+…``, an odd last node passing up; 16-bit floats accumulate in f32
+    and round once."""
+    stacked = np.asarray(stacked)
+    out_dtype = stacked.dtype
+    acc = np.float32 if str(out_dtype) in ("bfloat16", "float16") else out_dtype
+    nodes = [np.asarray(s, dtype=acc) for s in stacked]
+    while len(nodes) > 1:
+        nxt = [nodes[i] + nodes[i + 1] for i in range(0, len(nodes) - 1, 2)]
+        if len(nodes) % 2:
+            nxt.append(nodes[-1])
+        nodes = nxt
+    return nodes[0].astype(out_dtype)
+
+
+def np_activation(z, activation):
+    """The epilogue activations (``None``, relu, gelu, gelu_tanh) in float64 NumPy."""
+    import scipy.special
+
+    if activation is None:
+        return z
+    if activation == "relu":
+        return np.maximum(z, 0)
+    if activation == "gelu":
+        return 0.5 * z * (1 + scipy.special.erf(z / np.sqrt(2)))
+    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def seed003_quantized_policy():
+    """Seed 003's "Custom Numeric Policies" example, verbatim but for
+    ``@ts.precision_policy``: int8 storage with a per-tensor f32 scale."""
+    import tessera_jax as ts
+
+    @ts.precision_policy
+    class QuantizedPolicy:
+        storage = ts.int8
+        scale = ts.f32
+        compute = ts.f32
+        accumulate = ts.f32
+
+        def quantize(self, x: ts.f32) -> ts.int8:
+            scale = ts.max(ts.abs(x)) / 127.0
+            return ts.round(x / scale).astype(ts.int8), scale
+
+        def dequantize(self, x: ts.int8, scale: ts.f32) -> ts.f32:
+            return x.astype(ts.f32) * scale
+
+    return QuantizedPolicy

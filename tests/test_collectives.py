@@ -17,26 +17,7 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax import _compat, op
 from tessera_jax.primitives import collectives as coll
-from tests._util import assert_close, f64, rand
-
-
-def np_tree(stacked: np.ndarray) -> np.ndarray:
-    """The canonical pairwise tree over axis 0, in NumPy: ((x0+x1)+(x2+x3))+…, an odd
-    last node passing up; 16-bit floats accumulate in f32 and round once."""
-    out_dtype = stacked.dtype
-    acc = (
-        np.float32
-        if (out_dtype.itemsize < 4 and out_dtype.kind == "V")
-        or str(out_dtype) in ("bfloat16", "float16")
-        else out_dtype
-    )
-    nodes = [np.asarray(s, dtype=acc) for s in stacked]
-    while len(nodes) > 1:
-        nxt = [nodes[i] + nodes[i + 1] for i in range(0, len(nodes) - 1, 2)]
-        if len(nodes) % 2:
-            nxt.append(nodes[-1])
-        nodes = nxt
-    return nodes[0].astype(out_dtype)
+from tests._util import assert_close, f64, np_tree, rand
 
 
 def bits_equal(a, b) -> bool:
@@ -148,6 +129,16 @@ def test_auto_takes_nccl_only_where_the_order_is_free(axis, dtype, nccl):
     for i, g in enumerate(groups.reshape(-1, n)):
         expect = xs[g].sum(0, dtype=xs.dtype) if dtype == jnp.int32 else np_tree(xs[g])
         assert bits_equal(y[i], expect)
+
+
+@pytest.mark.parametrize("reduce_op", ["max", "min"])
+def test_integer_max_min_take_nccl_and_are_exact(reduce_op):
+    m = mesh_of("8")
+    x = (rand((8, 257), scale=1000.0)).astype(jnp.int32)
+    f = lambda x: op.all_reduce(x, op=reduce_op, axis="dp", mesh=m)
+    assert collectives_in(f, x)["all-reduce"] == 1
+    want = getattr(np.asarray(x), reduce_op)(axis=0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x))[0], want)
 
 
 def test_all_reduce_seed000_global_view_and_run_to_run():

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.special
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -19,7 +18,7 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.primitives.matmul import matmul_op, matmul_reference
-from tests._util import f64, matmul_params, rand, rel_err
+from tests._util import f64, matmul_params, np_activation, rand, rel_err
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -326,16 +325,6 @@ def test_linear_bad_inputs():
 # --- linear / fused_mlp values ------------------------------------------------------------
 
 
-def np_act(z, activation):
-    if activation is None:
-        return z
-    if activation == "relu":
-        return np.maximum(z, 0)
-    if activation == "gelu":
-        return 0.5 * z * (1 + scipy.special.erf(z / np.sqrt(2)))
-    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
-
-
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("xshape", [(200, 136), (2, 9, 136), (136,)])
@@ -344,7 +333,7 @@ def test_linear_values(activation, dtype, xshape):
     b, r = rand((96,), jnp.float32), rand((*xshape[:-1], 96), dtype)
     out = ts.op.linear(x, w, b, activation=activation, residual=r)
     assert out.shape == (*xshape[:-1], 96) and out.dtype == dtype
-    ref = np_act(np.matmul(f64(x), f64(w)) + f64(b), activation) + f64(r)
+    ref = np_activation(np.matmul(f64(x), f64(w)) + f64(b), activation) + f64(r)
     assert_matmul_close(out, ref, dtype, jnp.float32, 136, factor=2)
     jaxpr = jax.make_jaxpr(lambda *a: ts.op.linear(*a, activation=activation, residual=r))(x, w, b)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("ts_")]
@@ -369,7 +358,7 @@ def test_fused_mlp_values(activation, dtype):
     X, W1, b1 = rand((40, 64), dtype), rand((64, 96), dtype, scale=0.2), rand((96,), dtype)
     W2, b2 = rand((96, 24), dtype, scale=0.2), rand((24,), dtype)
     out = ts.op.fused_mlp(X, W1, b1, W2, b2, activation=activation)
-    h = np_act(np.matmul(f64(X), f64(W1)) + f64(b1), activation)
+    h = np_activation(np.matmul(f64(X), f64(W1)) + f64(b1), activation)
     h = f64(jnp.asarray(h).astype(dtype))  # the hidden layer is stored in the input dtype
     ref = np.matmul(h, f64(W2)) + f64(b2)
     assert out.dtype == dtype
@@ -536,7 +525,9 @@ def test_vmap_linear_any_operand(mapped, activation):
     pick = lambda n, i: args[n][i] if axes[n] == 0 else args[n]
     ref = np.stack(
         [
-            np_act(np.matmul(f64(pick("x", i)), f64(pick("w", i))) + f64(pick("b", i)), activation)
+            np_activation(
+                np.matmul(f64(pick("x", i)), f64(pick("w", i))) + f64(pick("b", i)), activation
+            )
             + f64(pick("r", i))
             for i in range(v)
         ]

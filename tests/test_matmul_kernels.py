@@ -19,7 +19,7 @@ from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
-from tests._util import matmul_params, rand
+from tests._util import f64, matmul_params, np_activation, rand
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -35,18 +35,6 @@ def _watchdog():
     faulthandler.dump_traceback_later(600, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
-
-
-def f64(x) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(F32), np.float64)
-
-
-def _gelu(x, approximate):
-    if approximate:
-        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
-    from math import erf
-
-    return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
 
 
 def reference(
@@ -76,10 +64,7 @@ def reference(
         z = z * float(scale)
     if bias is not None:
         z = z + f64(bias)
-    if activation == "relu":
-        z = np.maximum(z, 0)
-    elif activation in ("gelu", "gelu_tanh"):
-        z = _gelu(z, activation == "gelu_tanh")
+    z = np_activation(z, activation)
     if res is not None:
         z = z + f64(res)
     return z

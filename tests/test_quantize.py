@@ -12,25 +12,13 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax.numerics.policy import ScaledPolicy
-from tests._util import f64, rand, rel_err
+from tests._util import f64, rand, rel_err, seed003_quantized_policy
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
-# The seed's example (003, "Custom Numeric Policies"), verbatim but for `@ts.precision_policy`.
-@ts.precision_policy
-class QuantizedPolicy:
-    storage = ts.int8
-    scale = ts.f32
-    compute = ts.f32
-    accumulate = ts.f32
-
-    def quantize(self, x: ts.f32) -> ts.int8:
-        scale = ts.max(ts.abs(x)) / 127.0
-        return ts.round(x / scale).astype(ts.int8), scale
-
-    def dequantize(self, x: ts.int8, scale: ts.f32) -> ts.f32:
-        return x.astype(ts.f32) * scale
+# The seed's example (003, "Custom Numeric Policies"), shared with tests/test_seeds.py.
+QuantizedPolicy = seed003_quantized_policy()
 
 
 # --- the seed's policy --------------------------------------------------------------------

@@ -10,19 +10,13 @@ from jax.test_util import check_grads
 
 import tessera_jax as ts
 from tessera_jax.primitives.reductions import canonical_sum
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, f64, np_tree, rand
 
 
 def numpy_canonical_tree(x: np.ndarray) -> np.ndarray:
-    """The documented tree, written independently: level-wise adjacent pairs over the last
-    axis, an odd last node passing up, in float32 arithmetic."""
-    nodes = [x[..., i].astype(np.float32) for i in range(x.shape[-1])]
-    while len(nodes) > 1:
-        nxt = [np.float32(nodes[i] + nodes[i + 1]) for i in range(0, len(nodes) - 1, 2)]
-        if len(nodes) % 2:
-            nxt.append(nodes[-1])
-        nodes = nxt
-    return nodes[0]
+    """The documented tree over the last axis (the shared NumPy tree, written independently
+    of the library)."""
+    return np_tree(np.moveaxis(x, -1, 0))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 1000])

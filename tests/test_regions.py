@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax import Region, read, reduce_sum, write
 from tessera_jax.sharding import regions
-from tests._util import f64, rand
+from tests._util import f64, np_tree, rand
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,8 @@ def test_index_launch_with_regions(mesh):
     blocks = np.asarray(x).reshape(2, 4, 4, 3).transpose(0, 2, 1, 3).reshape(8, 4, 3)
     assert T2.shape == (4, 3) and T2.sharding.spec == P()
     np.testing.assert_allclose(np.asarray(T2), 1 + blocks.sum(0), rtol=1e-5)
+    expect = np.ones((4, 3), np.float32) + np_tree(blocks)  # parts in mesh (dp, tp) order
+    assert np.asarray(T2).tobytes() == expect.tobytes()
 
     with pytest.raises(regions.RegionError, match="not partitioned along the launch axis"):
         ts.index_launch(axis="tp")(kernel)(X.parts("tp"), Y, T)

@@ -18,7 +18,7 @@ from jax.test_util import check_grads
 
 import tessera_jax as ts
 from tessera_jax import op
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, f64, rand, seed003_quantized_policy
 
 # --- seed 003, "Type System with Policies" --------------------------------------------------
 
@@ -165,26 +165,8 @@ def test_numerically_stable_softmax():
 # --- seed 003, "Custom Numeric Policies" ---------------------------------------------------
 
 
-def _quantized_policy():
-    @ts.precision_policy
-    class QuantizedPolicy:
-        storage = ts.int8
-        scale = ts.f32
-        compute = ts.f32
-        accumulate = ts.f32
-
-        def quantize(self, x: ts.f32) -> ts.int8:
-            scale = ts.max(ts.abs(x)) / 127.0
-            return ts.round(x / scale).astype(ts.int8), scale
-
-        def dequantize(self, x: ts.int8, scale: ts.f32) -> ts.f32:
-            return x.astype(ts.f32) * scale
-
-    return QuantizedPolicy
-
-
 def test_quantized_policy():
-    QuantizedPolicy = _quantized_policy()
+    QuantizedPolicy = seed003_quantized_policy()
     # Use custom policy
     spec = ts.Tensor["D", "D", QuantizedPolicy]  # the seed's `quantized_weight: ...`
     assert spec.dims == ("D", "D") and spec.storage is ts.int8 and spec.is_policy

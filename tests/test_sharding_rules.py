@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
-from tests._util import rand
+from tests._util import np_tree, rand
 
 
 def block_kernel(reference):
@@ -206,10 +206,8 @@ def test_row_parallel_matmul_reduces_deterministically(tp):
         np.asarray(a)[:, i * k : (i + 1) * k] @ np.asarray(b)[i * k : (i + 1) * k]
         for i in range(tp)
     ]
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     np.testing.assert_allclose(
-        out, np.maximum(parts[0] + np.asarray(bias), 0), rtol=1e-5, atol=1e-5
+        out, np.maximum(np_tree(np.stack(parts)) + np.asarray(bias), 0), rtol=1e-5, atol=1e-5
     )
 
 

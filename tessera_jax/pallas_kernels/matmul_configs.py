@@ -201,6 +201,17 @@ def smem_bytes(
     )
 
 
+def check_block_k(block_k: int, dtype_a: Any, dtype_b: Any, name: str = "block_k") -> None:
+    """ValueError unless ``block_k`` is a whole number of 128-byte swizzle rows of each
+    operand dtype (the K granularity of one wgmma step from shared memory)."""
+    for dt in (dtype_a, dtype_b):
+        if block_k % swizzle_elems(dt):
+            raise ValueError(
+                f"matmul: {name}={block_k} must be a multiple of {swizzle_elems(dt)} for "
+                f"{np.dtype(dt).name} operands (one {SWIZZLE_BYTES}-byte swizzled wgmma K step)"
+            )
+
+
 def fit_stages(
     cfg: MatmulConfig,
     dtype_a: Any,
@@ -211,12 +222,7 @@ def fit_stages(
 ) -> MatmulConfig:
     """``cfg`` with ``num_stages`` lowered until it fits shared memory; ValueError if 2 don't
     (or if ``block_k`` is not a whole swizzled row of the operand dtype)."""
-    for dt in (dtype_a, dtype_b):
-        if cfg.block_k % swizzle_elems(dt):
-            raise ValueError(
-                f"matmul: block_k={cfg.block_k} must be a multiple of {swizzle_elems(dt)} for "
-                f"{np.dtype(dt).name} operands (one {SWIZZLE_BYTES}-byte swizzled wgmma K step)"
-            )
+    check_block_k(cfg.block_k, dtype_a, dtype_b)
     stages = cfg.num_stages
     while stages >= 2:
         c = cfg.replace(num_stages=stages)
@@ -254,18 +260,12 @@ def config_for_tile_shape(
     bm, bn, bk = (int(t) for t in tile_shape)
     if min(bm, bn, bk) <= 0:
         raise ValueError(f"matmul: tile_shape={tile_shape} must be positive")
-    itemsize = max(_itemsize(dtype_a), _itemsize(dtype_b))
-    k_mult = SWIZZLE_BYTES // itemsize
     if bm % WGMMA_M:
         raise ValueError(
             f"matmul: tile_shape BM={bm} must be a multiple of the wgmma M instruction shape "
             f"{WGMMA_M} (sm_90 warpgroup MMA)"
         )
-    if bk % k_mult:
-        raise ValueError(
-            f"matmul: tile_shape BK={bk} must be a multiple of {k_mult} for "
-            f"{np.dtype(dtype_a).name} operands (one {SWIZZLE_BYTES}-byte swizzled wgmma K step)"
-        )
+    check_block_k(bk, dtype_a, dtype_b, name="tile_shape BK")
     if bn % 64:
         raise ValueError(
             f"matmul: tile_shape BN={bn} must be a multiple of 64 (the wgmma N of a "
@@ -321,9 +321,9 @@ CANDIDATES: dict[str, MatmulConfig] = {
         128, 256, 64, 4, "n", "n", 8, delay_release=1, cluster_dimension="m"
     ),
     # 256x128 CTA pairs sharing A (cluster "n"), warpgroups 128x128 along M, one wgmma group
-    # in flight: cuBLAS's own choice at 8192^3 on the H100 is this shape of kernel
-    # (nvjet 128x256 / 256x128 with a 2-CTA cluster); 1-1.5% ahead of the 1-CTA default
-    # there under the 700 W power cap (benchmarks/NOTES-matmul.md, v6).
+    # in flight: the shape of cuBLAS's own kernel at 8192^3 on the H100 (nvjet 128x256 /
+    # 256x128 with a 2-CTA cluster). In the power probe it took 0.7-1.5% less time and energy
+    # than the 1-CTA default; in run 6's sweep the two tied (benchmarks/NOTES-matmul.md, v6).
     "bf16_256x128x64_s4_dr1_cn": MatmulConfig(
         256, 128, 64, 4, "m", "n", 8, delay_release=1, cluster_dimension="n"
     ),
@@ -386,6 +386,28 @@ def split_extras(
     residual = next(it) if has_residual else None
     scale = next(it) if has_scale else None
     return bias, residual, scale
+
+
+def unsupported_contract(avals_in: Any, params: dict[str, Any]) -> str | None:
+    """What both kernels refuse beyond their operand dtypes (None if nothing): the parts of
+    the ``ts_matmul`` contract their epilogue and batching do not cover."""
+    a, b = avals_in[0], avals_in[1]
+    if params.get("activation") not in ACTIVATIONS:
+        return f"activation {params.get('activation')!r}"
+    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
+        return "accumulate_dtype other than float32"
+    if a.ndim < 2 or b.ndim < 2:
+        return "operands of rank < 2"
+    if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
+        return "batch dims differ"
+    if params.get("has_residual"):
+        rdt = np.dtype(avals_in[2 + bool(params.get("has_bias"))].dtype)
+        if not jnp.issubdtype(rdt, jnp.floating):
+            return f"residual dtype {rdt}"
+    out_dtype = np.dtype(params.get("out_dtype") or a.dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
+        return f"out_dtype {out_dtype}"
+    return None
 
 
 def problem_shape(

@@ -452,21 +452,9 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
     da, db = _aval_dtype(a), _aval_dtype(b)
     if not ((da in _F16 and da == db) or (da in _F8 and db in _F8)):
         return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
-    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
-        return "accumulate_dtype other than float32"
-    if params.get("activation") not in mc.ACTIVATIONS:
-        return f"activation {params.get('activation')!r}"
-    if a.ndim < 2 or b.ndim < 2:
-        return "operands of rank < 2"
-    if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
-        return "batch dims differ"
-    if params.get("has_residual"):
-        rdt = _aval_dtype(avals_in[2 + bool(params.get("has_bias"))])
-        if not jnp.issubdtype(rdt, jnp.floating):
-            return f"residual dtype {rdt}"
-    out_dtype = np.dtype(params.get("out_dtype") or da)
-    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
-        return f"out_dtype {out_dtype}"
+    reason = mc.unsupported_contract(avals_in, params)
+    if reason is not None:
+        return reason
     if platform == "cuda" and not _is_sm90():
         return "not a Hopper (sm_90) GPU"
     if platform not in (None, "cuda") and platform != "cpu":

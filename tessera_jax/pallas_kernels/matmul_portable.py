@@ -182,24 +182,13 @@ def matmul(
 
 
 def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | None) -> str | None:
+    """None if this kernel can run the case (on any platform: a plain pallas_call), else
+    why not."""
     a, b = avals_in[0], avals_in[1]
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     if da != db or da not in _FLOATS:
         return f"operand dtypes {da} x {db} (the portable kernel takes f16/bf16/f32 pairs)"
-    if params.get("activation") not in mc.ACTIVATIONS:
-        return f"activation {params.get('activation')!r}"
-    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
-        return "accumulate_dtype other than float32"
-    out_dtype = np.dtype(params.get("out_dtype") or da)
-    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
-        return f"out_dtype {out_dtype}"
-    if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
-        return "batch dims differ"
-    if params.get("has_residual"):
-        rdt = np.dtype(avals_in[2 + bool(params.get("has_bias"))].dtype)
-        if not jnp.issubdtype(rdt, jnp.floating):
-            return f"residual dtype {rdt}"
-    return None
+    return mc.unsupported_contract(avals_in, params)
 
 
 def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
