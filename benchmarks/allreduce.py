@@ -11,7 +11,10 @@ the order cannot change the bits (f32 over 2 parts), else one of the following;
 ``binary_tree``: all_to_all, local pairwise tree, all_gather; ``ring``: the
 all_to_all as n-1 ppermute rounds; and at the smallest size ``gather``:
 all_gather + local tree, the latency path "auto" takes for small messages)
-against ``lax.psum``; median of repeats of back-to-back calls after warm-up.
+against ``lax.psum``: each algorithm paired with its own psum measurement, their
+repeats interleaved, median of repeats of back-to-back calls after ~0.2 s of warm-up
+each (without it, the first algorithm timed after the host-side checks read up to
+30% slower than the same code path timed next).
 Bus bandwidth = 2(n-1)/n · bytes per rank / time.
 
 It checks, before timing: the deterministic result is bitwise identical across
@@ -51,7 +54,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--sizes-mib", type=float, nargs="*", help="per-rank sizes in MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--algos", nargs="*", default=["auto", "binary_tree", "ring"])
+    p.add_argument("--algos", nargs="*", default=["auto", "binary_tree", "ring", "nvlink"])
     return p.parse_args()
 
 
@@ -95,17 +98,32 @@ def main() -> int:
         )
         return jax.jit(f)
 
-    def timed(fn, x) -> float:
-        for _ in range(3):
-            fn(x).block_until_ready()
-        times = []
+    def loop(fn, x, k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            y = fn(x)
+        y.block_until_ready()
+        return (time.perf_counter() - t0) / k * 1e3
+
+    def timed_pair(fn, base, x) -> tuple[float, float]:
+        """Median ms of ``fn`` and of ``base``, their repeats interleaved (the same clocks
+        and temperature for both), each repeat at least ``iters`` calls and ~20 ms, after
+        ~0.2 s of warm-up each."""
+        est = {}
+        for name, f in (("fn", fn), ("base", base)):
+            f(x).block_until_ready()
+            t, k = 0.0, 1
+            # (--smoke: a few calls; many in flight starve the CPU collectives' threads.)
+            while not args.smoke and t * k < 200:
+                t = loop(f, x, k)
+                k *= 2
+            est[name] = t
+        k = iters if args.smoke else max(iters, int(20 / min(est.values())) + 1)
+        ts = {"fn": [], "base": []}
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                y = fn(x)
-            y.block_until_ready()
-            times.append((time.perf_counter() - t0) / iters * 1e3)
-        return statistics.median(times)
+            ts["fn"].append(loop(fn, x, k))
+            ts["base"].append(loop(base, x, k))
+        return statistics.median(ts["fn"]), statistics.median(ts["base"])
 
     def digests(y) -> list[str]:
         return [
@@ -127,7 +145,6 @@ def main() -> int:
         y_psum = psum(x)
         psum_same = set(digests(y_psum)) == {ref_digest}
         del y_psum
-        t_psum = timed(psum, x)
         algos = list(args.algos) + (["gather"] if nbytes == sizes[0] else [])
         for algo in algos:
             if algo == "gather":  # not a public algo: the path "auto" takes for small messages
@@ -138,7 +155,7 @@ def main() -> int:
             per_rank = all(len(set(r)) == 1 for r in runs)
             across = len({r[0] for r in runs}) == 1
             canonical = runs[0][0] == ref_digest
-            t = timed(ours, x)
+            t, t_psum = timed_pair(ours, psum, x)
             bus = functools.partial(_bus_bandwidth, n, nbytes)
             rec = {
                 "suite": "allreduce",

@@ -18,6 +18,7 @@ from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "JAX_VERSION",
+    "MGPU_PEER_KERNELS",
     "Primitive",
     "ad",
     "apply_primitive",
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# Mosaic GPU kernels that write to peer GPUs (``plgpu.remote_ref``, remote semaphores)
+# through XLA's collective metadata in one process: lowered on 0.10 and 0.11, run and
+# measured on the GPU machines only with 0.11 (the NVLink all-reduce kernel).
+MGPU_PEER_KERNELS = JAX_VERSION >= (0, 11)
 
 # Eager application of a primitive: jit-compile the single primitive (the same
 # path jax.lax ops take), so the per-platform lowering (kernel or reference) is

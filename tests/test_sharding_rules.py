@@ -187,9 +187,9 @@ def test_row_parallel_matmul_reduces_deterministically(tp):
     the operands are not gathered. Over 4 parts the tree runs (all_to_all + all_gather, no
     all-reduce); over 2, NCCL's all-reduce (one addition, which commutes: the same bits)."""
     mesh = ts.dist.Mesh(axes=["dp", "tp"], devices=range(8), shape=(8 // tp, tp)).jax_mesh
-    a = put(mesh, rand((128, 32)), None, "tp")  # a 512 KiB output: the all_to_all path
-    b = put(mesh, rand((32, 1024)), "tp", None)
-    bias = put(mesh, rand((1024,)))
+    a = put(mesh, rand((128, 32)), None, "tp")  # a 2 MiB output: the all_to_all path
+    b = put(mesh, rand((32, 4096)), "tp", None)
+    bias = put(mesh, rand((4096,)))
     f = lambda a, b, bias: ts.op.linear(a, b, bias, activation="relu")
     expect = jax.jit(f)(a, b, bias)
     with pallas_kernel("matmul"):

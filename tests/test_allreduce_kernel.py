@@ -1,0 +1,129 @@
+"""The NVLink all-reduce kernel (pallas_kernels/allreduce_mgpu.py) on the CPU: its tiling
+plan, its in-register tree against the canonical one, and where ``ts.op.all_reduce``
+lowers to it (a cuda lowering built here). Interpret mode cannot run peer references;
+the bits on GPUs are checked by ``benchmarks/allreduce.py`` (see docs/DISTRIBUTION.md)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import allreduce_mgpu as ar
+from tessera_jax.primitives import collectives as coll
+from tessera_jax.primitives.reductions import pairwise_tree_sum
+from tests._util import rand
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("size", [1, 1000, MIB // 4, 16 * MIB + 3, 128 * MIB])
+def test_plan_tiles_the_message(size, dtype, n):
+    p = ar.plan(size, n, dtype, num_sms=132)
+    row_bytes = ar.LANES * jnp.dtype(dtype).itemsize
+    assert p.rows * ar.LANES >= size
+    # Padding: under one tile per CTA and rank.
+    assert p.rows * ar.LANES - size < n * p.blocks * p.tile_rows * ar.LANES
+    assert p.tile_rows & (p.tile_rows - 1) == 0
+    tiles = p.chunk_rows // p.tile_rows
+    assert tiles % p.blocks == 0 and p.blocks <= 132 and p.tiles_per_block >= 1
+    # Both phases' staging fits the shared-memory budget.
+    assert p.stages * (n - 1) * p.tile_rows * row_bytes <= ar.SMEM_BUDGET
+    assert (2 * n + 2) * p.tile_rows * row_bytes <= ar.SMEM_BUDGET
+    if size >= 64 * MIB // jnp.dtype(dtype).itemsize:  # large messages use every SM it can
+        assert p.blocks >= 64
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="at least 2"):
+        ar.Plan(n=1, rows=8, tile_rows=1, blocks=1, stages=1)
+    with pytest.raises(ValueError, match="multiple of n"):
+        ar.Plan(n=4, rows=6, tile_rows=1, blocks=1, stages=1)
+    with pytest.raises(ValueError, match="evenly"):
+        ar.Plan(n=2, rows=12, tile_rows=2, blocks=2, stages=1)
+    with pytest.raises(ValueError, match=r"unsupported dtype int32"):
+        ar.all_reduce(jnp.ones((4, 256), jnp.int32), "x", 4)
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_kernel_tree_is_the_canonical_tree(n):
+    """The kernel adds the n contributions with ``canonical_tree`` (f32 registers): bit
+    for bit the tree every other path uses."""
+    x = rand((n, 4099))
+    want = pairwise_tree_sum(jnp.asarray(x), axis=0)
+    got = ar.canonical_tree([jnp.asarray(x[r]) for r in range(n)])
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Lower as if on one process of Hopper GPUs with a jax that runs peer kernels."""
+    monkeypatch.setattr(ar, "hopper_devices", lambda: True)
+    monkeypatch.setattr(ar, "peer_kernels", lambda: True)
+
+
+def _cuda_hlo(axis, algo, per_rank, dtype=jnp.float32, op="sum"):
+    mesh = _compat.make_mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+
+    def body(v):
+        return ts.op.all_reduce(v[0, 0], op, axis=axis, algo=algo)[None, None]
+
+    f = _compat.shard_map(
+        body, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"), check_vma=False
+    )
+    x = jax.ShapeDtypeStruct((2, 4, per_rank), dtype, sharding=NamedSharding(mesh, P("dp", "tp")))
+    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+BIG = coll.NVLINK_MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
+
+
+@pytest.mark.parametrize(
+    "axis,algo,per_rank,dtype,op,mode,kernel",
+    [
+        ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "auto", True),
+        ("dp", "nvlink", 1 << 14, jnp.bfloat16, "mean", "auto", True),  # 2 parts, other axis
+        ("tp", "auto", BIG, jnp.float32, "sum", "auto", True),
+        ("dp", "auto", BIG, jnp.float32, "sum", "auto", True),  # before NCCL's order-free path
+        ("tp", "auto", BIG // 2, jnp.float32, "sum", "auto", False),  # under the threshold
+        ("tp", "auto", 1 << 14, jnp.float32, "sum", "pallas", True),  # pallas: no threshold
+        ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "xla", False),
+        ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "interpret", False),
+        ("tp", "nvlink", 1 << 14, jnp.float32, "max", "auto", False),
+        ("tp", "nvlink", 1 << 14, jnp.int32, "sum", "auto", False),
+        (("dp", "tp"), "nvlink", 1 << 14, jnp.float32, "sum", "auto", False),  # one axis only
+        ("tp", "binary_tree", BIG, jnp.float32, "sum", "auto", False),
+    ],
+)
+def test_where_all_reduce_lowers_to_the_kernel(
+    hopper, axis, algo, per_rank, dtype, op, mode, kernel
+):
+    with ts.kernel_mode(mode):
+        txt = _cuda_hlo(axis, algo, per_rank, dtype, op)
+    assert ("mosaic_gpu_v2" in txt) == kernel
+    if kernel:  # a multi-device kernel: XLA passes it the peers' buffer addresses
+        assert "xla_replica_ids" in txt
+        assert "all-to-all" not in txt and "all_to_all" not in txt
+
+
+def test_kernel_needs_cuda_hopper_and_one_process():
+    assert not ar.eligible("cpu", jnp.float32, ("x",), 4, "sum")
+    assert not ar.eligible("cuda", jnp.float32, ("x",), 4, "sum")  # no Hopper GPU here
+    assert not ar.eligible("cuda", jnp.float32, ("x", "y"), 4, "sum")
+
+
+def test_nvlink_off_gpu_is_binary_tree_bit_for_bit():
+    m = ts.dist.Mesh(devices=range(8), axes=["dp"], shape=(8,))
+    x = rand((8, 37, 5))
+
+    def run(algo):
+        return np.asarray(ts.op.all_reduce(jnp.asarray(x), axis="dp", algo=algo, mesh=m))
+
+    assert run("nvlink").tobytes() == run("binary_tree").tobytes()
+    with pytest.raises(ValueError, match="algo='nvlink'"):
+        ts.op.reduce_scatter(jnp.asarray(x), axis="dp", algo="nvlink", mesh=m)
