@@ -43,9 +43,80 @@ sys.path.insert(0, str(ROOT))
 MIB = 1 << 20
 
 
-def _bus_bandwidth(n: int, nbytes: int, ms: float) -> float:
+def bus_bandwidth(n: int, nbytes: int, ms: float) -> float:
     """GB/s on the bus: an all-reduce moves 2(n-1)/n of the message per rank."""
     return 2 * (n - 1) / n * nbytes / (ms * 1e-3) / 1e9
+
+
+# --- shared with benchmarks/probes/allreduce_*.py ------------------------------------------
+
+
+def sharded_normal(mesh, nbytes: int, dtype="float32"):
+    """``(n, m)`` normal values in ``dtype`` (``nbytes`` per rank), row r on rank r."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    m = nbytes // jnp.dtype(dtype).itemsize
+    make = lambda k: jax.random.normal(k, (n, m), jnp.float32).astype(dtype)
+    return jax.jit(make, out_shardings=NamedSharding(mesh, P(mesh.axis_names)))(
+        jax.random.key(nbytes)
+    )
+
+
+def sha(a) -> str:
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+
+
+def shard_digests(y) -> list[str]:
+    """The digest of each addressable shard of ``y``, in device order."""
+    return [sha(s.data) for s in y.addressable_shards]
+
+
+def canonical_digest(x, device) -> str:
+    """The digest of the canonical tree over the rows of ``x``, computed on ``device``."""
+    import jax
+
+    from tessera_jax.primitives.collectives import tree_over_ranks
+
+    return sha(jax.jit(tree_over_ranks)(jax.device_put(x, device)))
+
+
+def _loop(fn, x, k: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(k):
+        y = fn(x)
+    y.block_until_ready()
+    return (time.perf_counter() - t0) / k * 1e3
+
+
+def timed_interleaved(
+    fns: dict, x, repeats: int = 5, iters: int = 10, warmup_ms: float = 200
+) -> dict[str, float]:
+    """Median ms per call of each of ``fns``, their repeats interleaved (the same clocks
+    and temperature for all), each repeat at least ``iters`` calls and ~20 ms, after
+    ``warmup_ms`` of calls each. On CPU devices: one warm-up call and ``iters`` calls a
+    repeat (many calls in flight starve the CPU collectives' threads)."""
+    if next(iter(x.devices())).platform == "cpu":
+        warmup_ms = 0
+    est = {}
+    for name, f in fns.items():
+        f(x).block_until_ready()
+        t, k = 0.0, 1
+        while t * k < warmup_ms:
+            t = _loop(f, x, k)
+            k *= 2
+        est[name] = t
+    k = max(iters, int(20 / min(est.values())) + 1) if warmup_ms else iters
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            times[name].append(_loop(f, x, k))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _parse() -> argparse.Namespace:
@@ -67,14 +138,12 @@ def main() -> int:
         from tessera_jax import _compat
 
         _compat.cpu_device_count_flag(8)
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import tessera_jax as ts
     from tessera_jax import _compat
-    from tessera_jax.primitives.collectives import tree_all_reduce, tree_over_ranks
+    from tessera_jax.primitives.collectives import tree_all_reduce
 
     devices = jax.devices()
     n = len(devices)
@@ -98,65 +167,26 @@ def main() -> int:
         )
         return jax.jit(f)
 
-    def loop(fn, x, k: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(k):
-            y = fn(x)
-        y.block_until_ready()
-        return (time.perf_counter() - t0) / k * 1e3
-
-    def timed_pair(fn, base, x) -> tuple[float, float]:
-        """Median ms of ``fn`` and of ``base``, their repeats interleaved (the same clocks
-        and temperature for both), each repeat at least ``iters`` calls and ~20 ms, after
-        ~0.2 s of warm-up each."""
-        est = {}
-        for name, f in (("fn", fn), ("base", base)):
-            f(x).block_until_ready()
-            t, k = 0.0, 1
-            # (--smoke: a few calls; many in flight starve the CPU collectives' threads.)
-            while not args.smoke and t * k < 200:
-                t = loop(f, x, k)
-                k *= 2
-            est[name] = t
-        k = iters if args.smoke else max(iters, int(20 / min(est.values())) + 1)
-        ts = {"fn": [], "base": []}
-        for _ in range(repeats):
-            ts["fn"].append(loop(fn, x, k))
-            ts["base"].append(loop(base, x, k))
-        return statistics.median(ts["fn"]), statistics.median(ts["base"])
-
-    def digests(y) -> list[str]:
-        return [
-            hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest() for s in y.addressable_shards
-        ]
-
     psum = spmd(lambda v: jax.lax.psum(v, "x"))
     records, rows = [], []
     for nbytes in sizes:
-        m = nbytes // 4
-        x = jax.jit(
-            lambda k, m=m: jax.random.normal(k, (n, m), jnp.float32),
-            out_shardings=NamedSharding(mesh, P("x")),
-        )(jax.random.key(nbytes))
-        # The canonical tree of the same data on one device.
-        ref = jax.jit(tree_over_ranks)(jax.device_put(x, devices[0]))
-        ref_digest = hashlib.sha256(np.asarray(ref).tobytes()).hexdigest()
-        del ref
-        y_psum = psum(x)
-        psum_same = set(digests(y_psum)) == {ref_digest}
-        del y_psum
+        x = sharded_normal(mesh, nbytes)
+        ref_digest = canonical_digest(x, devices[0])  # the same data's tree on one device
+        psum_same = set(shard_digests(psum(x))) == {ref_digest}
         algos = list(args.algos) + (["gather"] if nbytes == sizes[0] else [])
         for algo in algos:
             if algo == "gather":  # not a public algo: the path "auto" takes for small messages
                 ours = spmd(lambda v: tree_all_reduce(v, ("x",), "sum", "gather"))
             else:  # what users call: the ts_all_reduce primitive
                 ours = spmd(lambda v, a=algo: ts.op.all_reduce(v, axis="x", algo=a))
-            runs = [digests(ours(x)) for _ in range(3)]
+            runs = [shard_digests(ours(x)) for _ in range(3)]
             per_rank = all(len(set(r)) == 1 for r in runs)
             across = len({r[0] for r in runs}) == 1
             canonical = runs[0][0] == ref_digest
-            t, t_psum = timed_pair(ours, psum, x)
-            bus = functools.partial(_bus_bandwidth, n, nbytes)
+            # Each algorithm against its own psum timing, repeats interleaved.
+            t = timed_interleaved({"ours": ours, "psum": psum}, x, repeats, iters)
+            t, t_psum = t["ours"], t["psum"]
+            bus = functools.partial(bus_bandwidth, n, nbytes)
             rec = {
                 "suite": "allreduce",
                 "case": f"f32-{label(nbytes)}-x{n}-{algo}",

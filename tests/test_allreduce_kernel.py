@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import allreduce_mgpu as ar
-from tessera_jax.primitives import collectives as coll
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 from tests._util import rand
 
@@ -63,8 +62,8 @@ def test_kernel_tree_is_the_canonical_tree(n):
 @pytest.fixture
 def hopper(monkeypatch):
     """Lower as if on one process of Hopper GPUs with a jax that runs peer kernels."""
-    monkeypatch.setattr(ar, "hopper_devices", lambda: True)
-    monkeypatch.setattr(ar, "peer_kernels", lambda: True)
+    monkeypatch.setattr(ar.device, "is_sm90", lambda: True)
+    monkeypatch.setattr(_compat, "MGPU_PEER_KERNELS", True)
 
 
 def _cuda_hlo(axis, algo, per_rank, dtype=jnp.float32, op="sum"):
@@ -80,7 +79,7 @@ def _cuda_hlo(axis, algo, per_rank, dtype=jnp.float32, op="sum"):
     return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
 
-BIG = coll.NVLINK_MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
+BIG = ar.MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
 
 
 @pytest.mark.parametrize(

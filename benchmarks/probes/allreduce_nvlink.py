@@ -9,10 +9,7 @@ lax.psum and the XLA binary_tree path. ``2d``: ``ts.op.all_reduce(algo="nvlink")
 each axis of a 2x2 mesh (4 GPUs) and on a ragged message, bits against the tree.
 """
 
-import hashlib
-import statistics
 import sys
-import time
 
 sys.path.insert(0, ".")
 
@@ -22,6 +19,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.allreduce import (
+    bus_bandwidth,
+    canonical_digest,
+    shard_digests,
+    sharded_normal,
+    timed_interleaved,
+)
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import allreduce_mgpu as ar
 from tessera_jax.primitives.collectives import tree_all_reduce, tree_over_ranks
@@ -68,23 +72,6 @@ if sys.argv[1:] == ["2d"]:
 sizes = [float(s) for s in sys.argv[1:]] or [1, 64, 512]
 
 
-def digest(a):
-    return hashlib.sha256(np.asarray(a).tobytes()).hexdigest()[:12]
-
-
-def timed(fn, x, repeats=5, iters=10):
-    for _ in range(3):
-        fn(x).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            y = fn(x)
-        y.block_until_ready()
-        ts.append((time.perf_counter() - t0) / iters * 1e3)
-    return statistics.median(ts)
-
-
 for n in sorted({len(jax.devices()), 2}, reverse=True):
     devs = np.array(jax.devices()[:n])
     mesh = _compat.make_mesh(devs, ("x",))
@@ -102,31 +89,28 @@ for n in sorted({len(jax.devices()), 2}, reverse=True):
     psum = spmd(lambda v: jax.lax.psum(v, "x"))
     for mib in sizes:
         for dtype in (jnp.float32, jnp.bfloat16):
-            m = int(mib * MIB) // jnp.dtype(dtype).itemsize
-            x = jax.jit(
-                lambda k, m=m, dtype=dtype: jax.random.normal(k, (n, m), jnp.float32).astype(dtype),
-                out_shardings=NamedSharding(mesh, P("x")),
-            )(jax.random.key(m + n))
-            ref = digest(jax.jit(tree_over_ranks)(jax.device_put(x, devs[0])))
+            nbytes = int(mib * MIB)
+            m = nbytes // jnp.dtype(dtype).itemsize
+            x = sharded_normal(mesh, nbytes, dtype)
+            ref = canonical_digest(x, devs[0])
             print(
                 f"n={n} {mib} MiB {jnp.dtype(dtype).name}: {ar.plan(m, n, dtype, num_sms)}",
                 flush=True,
             )
             ys = [kern(x) for _ in range(3)]
-            ds = [[digest(s.data) for s in y.addressable_shards] for y in ys]
-            ok = all(d == ref for run in ds for d in run)
+            ok = all(d == ref for y in ys for d in shard_digests(y))
             if not ok:
                 y0 = np.asarray(ys[0].addressable_shards[0].data, np.float32)
                 r0 = np.asarray(jax.jit(tree_over_ranks)(jax.device_put(x, devs[0])), np.float32)
                 bad = np.flatnonzero(y0 != r0)
                 print(f"  MISMATCH: {len(bad)} of {y0.size} differ; first {bad[:8]}", flush=True)
-            xd = digest(xla(x).addressable_shards[0].data)
-            tk, tx, tp = timed(kern, x), timed(xla, x), timed(psum, x)
-            nbytes = m * jnp.dtype(dtype).itemsize
-            bus = lambda ms: 2 * (n - 1) / n * nbytes / (ms * 1e-3) / 1e9
+            xd = shard_digests(xla(x))[0]
+            t = timed_interleaved({"kernel": kern, "xla": xla, "psum": psum}, x)
+            tk, tx, tp = t["kernel"], t["xla"], t["psum"]
             print(
                 f"  bits {'ok' if ok else 'BAD'} (xla path {'same' if xd == ref else 'DIFF'})  "
-                f"kernel {tk:.3f} ms ({bus(tk):.0f} GB/s) {tp / tk:.3f}x psum | "
-                f"binary_tree {tx:.3f} ms {tp / tx:.3f}x | psum {tp:.3f} ms ({bus(tp):.0f} GB/s)",
+                f"kernel {tk:.3f} ms ({bus_bandwidth(n, nbytes, tk):.0f} GB/s) {tp / tk:.3f}x psum"
+                f" | binary_tree {tx:.3f} ms {tp / tx:.3f}x | psum {tp:.3f} ms "
+                f"({bus_bandwidth(n, nbytes, tp):.0f} GB/s)",
                 flush=True,
             )

@@ -12,11 +12,8 @@
 Every full all-reduce variant is checked bit for bit against the 1-device canonical tree.
 """
 
-import hashlib
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -24,9 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.allreduce import (
+    bus_bandwidth,
+    canonical_digest,
+    shard_digests,
+    sharded_normal,
+    timed_interleaved,
+)
 from tessera_jax import _compat
 from tessera_jax.primitives.collectives import exchange, tree_all_reduce, tree_over_ranks
 
@@ -117,10 +120,6 @@ def spmd(body, out):
     )
 
 
-def digest(y):
-    return {hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest() for s in y.addressable_shards}
-
-
 def main():
     variants = {
         "psum": (lambda v: lax.psum(v, "x"), False, P()),
@@ -128,35 +127,19 @@ def main():
         **GROUPS[os.environ.get("GROUP", "components")],
     }
     for nbytes in [int(float(s) * MIB) for s in os.environ.get("SIZES", "64").split()]:
-        m = nbytes // 4
-        x = jax.jit(
-            lambda kk, m=m: jax.random.normal(kk, (n, m), jnp.float32),
-            out_shardings=NamedSharding(mesh, P("x")),
-        )(jax.random.key(nbytes))
-        ref = jax.jit(tree_over_ranks)(jax.device_put(x, devices[0]))
-        refd = hashlib.sha256(np.asarray(ref).tobytes()).hexdigest()
-        del ref
+        x = sharded_normal(mesh, nbytes)
+        refd = canonical_digest(x, devices[0])
         fns = {name: spmd(body, out) for name, (body, _, out) in variants.items()}
         for name, f in fns.items():
             if variants[name][1]:
-                same = all(digest(f(x)) == {refd} for _ in range(3))
+                same = all(set(shard_digests(f(x))) == {refd} for _ in range(3))
                 print(f"{nbytes // MIB} MiB {name:14s} canonical bits: {same}", flush=True)
-            for _ in range(3):
-                f(x).block_until_ready()
-        times = {name: [] for name in fns}
-        for _ in range(7):  # interleaved: drift hits every variant alike
-            for name, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    y = f(x)
-                y.block_until_ready()
-                times[name].append((time.perf_counter() - t0) / 10 * 1e3)
-        tp = statistics.median(times["psum"])
-        for name in fns:
-            t = statistics.median(times[name])
-            bus = 2 * (n - 1) / n * nbytes / (t * 1e-3) / 1e9
+        times = timed_interleaved(fns, x, repeats=7)  # interleaved: drift hits all alike
+        for name, t in times.items():
+            bus = bus_bandwidth(n, nbytes, t)
             print(
-                f"{nbytes // MIB:4d} MiB x{n} {name:14s} {t:8.4f} ms  bus {bus:6.1f} GB/s  psum/this {tp / t:.3f}",
+                f"{nbytes // MIB:4d} MiB x{n} {name:14s} {t:8.4f} ms  bus {bus:6.1f} GB/s  "
+                f"psum/this {times['psum'] / t:.3f}",
                 flush=True,
             )
 

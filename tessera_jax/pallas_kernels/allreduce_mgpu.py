@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
+from tessera_jax.pallas_kernels import device
 
 LANES = 256
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -117,31 +118,30 @@ def supported(dtype: Any, n: int, op: str) -> str | None:
     return None
 
 
-def peer_kernels() -> bool:
-    """Whether this jax runs kernels that write to peer GPUs (see ``_compat``)."""
-    return _compat.MGPU_PEER_KERNELS
-
-
 def eligible(platform: str | None, dtype: Any, axes: tuple[str, ...], n: int, op: str) -> bool:
-    """Whether the kernel can run this all-reduce here: cuda, Hopper or later, every
-    device in this process, one mesh axis, a supported dtype and op."""
-    if platform != "cuda" or not peer_kernels() or len(axes) != 1:
+    """Whether the kernel can run this all-reduce here: cuda on Hopper, a jax that runs
+    peer kernels, every device in this process, one mesh axis, a supported dtype and op."""
+    if platform != "cuda" or not _compat.MGPU_PEER_KERNELS or len(axes) != 1:
         return False
     if supported(dtype, n, op) is not None or jax.process_count() != 1:
         return False
-    return hopper_devices()
+    return device.is_sm90()
 
 
-def hopper_devices() -> bool:
-    """Whether this process's devices are NVIDIA GPUs of compute capability 9.0 or more."""
-    try:
-        cc = jax.devices()[0].compute_capability
-    except Exception:  # a backend without compute_capability (cpu)
-        return False
-    return tuple(int(c) for c in str(cc).split(".")[:2]) >= (9, 0)
+# Per-rank messages from this size take the kernel in ``auto``. 4xH200, three runs of
+# benchmarks/allreduce.py (results/allreduce-nvidia-h200-x4{-run1,-run2,}.json): at 32 MiB
+# the kernel read 0.91-0.98x psum and binary_tree 0.86-1.03x (a tie); at 64 MiB the kernel
+# 1.04-1.17x, binary_tree 0.90-0.97x. The launch costs ~0.2 ms (XLA's cross-device barrier
+# and collective-metadata set-up before a multi-device kernel), which loses below.
+MIN_BYTES = 32 << 20
 
 
-def all_reduce(x: jax.Array, axis_name: Any, n: int, num_sms: int = 132) -> jax.Array:
+def prefer(x: Any) -> bool:
+    """Whether the kernel is expected to beat the XLA paths on ``x`` (``auto`` mode)."""
+    return x.size * np.dtype(x.dtype).itemsize >= MIN_BYTES
+
+
+def all_reduce(x: jax.Array, axis_name: Any, n: int, num_sms: int | None = None) -> jax.Array:
     """The canonical-tree sum of ``x`` over ``axis_name`` (bound, of size ``n``), by the
     kernel. Called inside ``shard_map``; every rank must call it with the same shape."""
     from jax.experimental import pallas as pl
@@ -150,7 +150,7 @@ def all_reduce(x: jax.Array, axis_name: Any, n: int, num_sms: int = 132) -> jax.
     if (why := supported(x.dtype, n, "sum")) is not None:
         raise ValueError(f"all_reduce kernel: unsupported {why}")
     size = x.size
-    p = plan(size, n, x.dtype, num_sms)
+    p = plan(size, n, x.dtype, num_sms or device.num_sms())
     flat = x.reshape(-1)
     if p.rows * LANES != size:
         flat = jnp.pad(flat, (0, p.rows * LANES - size))

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
+from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels.matmul_configs import MatmulConfig, validate_tile_shape
 
@@ -50,13 +51,6 @@ _F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 # CTAs of the persistent grid in interpret mode: each simulated warpgroup is a CPU
 # thread, so a small grid keeps CPU tests fast while still exercising the loop.
 INTERPRET_NUM_SMS = 2
-
-
-def _num_sms() -> int:
-    try:
-        return int(jax.devices()[0].core_count)
-    except Exception:  # pragma: no cover - backends without core_count
-        return 132
 
 
 def _erf(x: jax.Array) -> jax.Array:
@@ -412,7 +406,7 @@ def matmul(
         operands.append(mc.pad_to(mc.pad_to(r3, 1, cm), 2, cn))
 
     if num_sms is None:
-        num_sms = INTERPRET_NUM_SMS if interpret else _num_sms()
+        num_sms = INTERPRET_NUM_SMS if interpret else device.num_sms()
     call = _build_kernel(
         cfg=config,
         batch=batch if m_fold is None else 1,
@@ -455,7 +449,7 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
     reason = mc.unsupported_contract(avals_in, params)
     if reason is not None:
         return reason
-    if platform == "cuda" and not _is_sm90():
+    if platform == "cuda" and not device.is_sm90():
         return "not a Hopper (sm_90) GPU"
     if platform not in (None, "cuda") and platform != "cpu":
         return f"platform {platform}"
@@ -465,15 +459,6 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
         except ValueError as e:
             return str(e)
     return None
-
-
-@functools.lru_cache(maxsize=1)
-def _is_sm90() -> bool:
-    try:
-        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
-    except Exception:
-        return False
-    return cc is not None and str(cc).split(".")[0] == "9"
 
 
 def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:

@@ -42,18 +42,19 @@ would have chosen. ``algo`` chooses how the data moves, never the bits:
 * ``"nvlink"``: one Mosaic GPU kernel (``pallas_kernels/allreduce_mgpu.py``): each
   rank pushes chunk j of its ``x`` straight into rank j's memory over NVLink, rank j
   adds the n contributions on the tree and pushes the result to every rank. The same
-  bytes as the others in one launch, every transfer a posted write (measured 1.1-1.2x
-  ``psum`` at 64-512 MiB on 4xH200). It runs on cuda (Hopper), with every device in
-  this process, a sum/mean of f32/bf16/f16 over one mesh axis, outside
-  ``TESSERA_KERNELS=xla|interpret``; elsewhere it is ``"binary_tree"`` (same bits).
+  bytes as the others in one launch, every transfer a posted write (4xH200, three
+  benchmark runs: 1.04-1.17x ``psum`` at 64 MiB, 1.10-1.12x at 512 MiB). It runs on
+  cuda (Hopper), with every device in this process, a sum/mean of f32/bf16/f16 over
+  one mesh axis, outside ``TESSERA_KERNELS=xla|interpret``; elsewhere it is
+  ``"binary_tree"`` (the same bits).
 * ``"auto"``: ``"nvlink"`` for messages of at least 32 MiB per rank where it runs
-  (below that its fixed cost, ~0.2 ms, loses); else NCCL's own all-reduce
-  (``lax.psum``/``pmax``/``pmin``) where the order cannot change the bits
+  (``allreduce_mgpu.MIN_BYTES``: below that its fixed cost, ~0.2 ms, loses); else
+  NCCL's own all-reduce (``lax.psum``/``pmax``/``pmin``) where the order cannot change the bits
   (``order_free``: integer sums, maxima and minima; a float sum over 2 parts in its
   accumulation dtype (f32/f64), one addition, which commutes); else all_gather + the
   local tree for messages up to 1 MiB per rank (one collective: latency-bound
-  sizes; 4xH200 at 1 MiB: 0.98x ``psum`` against 0.83x for ``"binary_tree"``), else
-  ``"binary_tree"``.
+  sizes; 4xH200 at 1 MiB, three runs: 0.98 / 0.81 / 0.83x ``psum`` against 0.83 /
+  0.63 / 0.87x for ``"binary_tree"``), else ``"binary_tree"``.
 
 ``deterministic=False`` uses ``lax.psum``/``psum_scatter`` (NCCL's order). ``max``
 and ``min`` are exact in any order; ``mean`` is the tree sum divided by n.
@@ -96,6 +97,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
+from tessera_jax._config import get_kernel_mode
+from tessera_jax.pallas_kernels import allreduce_mgpu
 from tessera_jax.primitives._core import as_array, check_dtype, compute_dtype, normalize_axis
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
@@ -104,9 +107,6 @@ ALGOS = ("auto", "binary_tree", "ring", "nvlink")
 SCATTER_ALGOS = ("auto", "binary_tree", "ring")
 # "auto": per-rank messages up to this size take all_gather + local tree.
 SMALL_MESSAGE_BYTES = 1 << 20
-# "auto": per-rank messages from this size take the NVLink kernel where it runs
-# (4xH200: 0.7x psum at 16 MiB, 1.2x at 64 MiB; its launch costs ~0.2 ms).
-NVLINK_MIN_BYTES = 32 << 20
 
 _NUMERIC = (jnp.number,)
 
@@ -150,18 +150,14 @@ def exchange(chunks: jax.Array, axes: tuple[str, ...], algo: str) -> jax.Array:
 
 
 def _use_kernel(x, axes, n: int, op: str, algo: str, platform: str | None) -> bool:
-    """Whether the NVLink kernel runs this all-reduce: asked for (``nvlink``; ``auto``
-    from ``NVLINK_MIN_BYTES``), allowed by the kernel mode, and able to run here."""
-    from tessera_jax._config import get_kernel_mode
-
+    """Whether the NVLink kernel runs this all-reduce: asked for (``nvlink``, or ``auto``
+    where the kernel is preferred), allowed by the kernel mode, and able to run here."""
     mode = get_kernel_mode()
     if algo not in ("auto", "nvlink") or mode in ("xla", "interpret"):
         return False
-    if algo == "auto" and mode == "auto" and x.size * x.dtype.itemsize < NVLINK_MIN_BYTES:
+    if not allreduce_mgpu.eligible(platform, x.dtype, axes, n, op):
         return False
-    from tessera_jax.pallas_kernels import allreduce_mgpu
-
-    return allreduce_mgpu.eligible(platform, x.dtype, axes, n, op)
+    return algo == "nvlink" or mode == "pallas" or allreduce_mgpu.prefer(x)
 
 
 def _pick_algo(x: jax.Array, n: int, algo: str) -> str:
@@ -194,9 +190,7 @@ def tree_all_reduce(
     where known (the NVLink kernel needs cuda)."""
     n = axis_size(axes)
     if _use_kernel(x, axes, n, op, algo, platform):
-        from tessera_jax.pallas_kernels import allreduce_mgpu, matmul_mgpu
-
-        return allreduce_mgpu.all_reduce(x, axes[0], n, matmul_mgpu._num_sms())
+        return allreduce_mgpu.all_reduce(x, axes[0], n)
     if algo == "nvlink":
         algo = "binary_tree"
     if algo == "auto" and order_free(x.dtype, n, op):
