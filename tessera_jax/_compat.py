@@ -18,6 +18,8 @@ from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "JAX_VERSION",
+    "MGPU_INTERPRET_TMA_OOB",
+    "MGPU_MIXED_FP8",
     "MGPU_PEER_KERNELS",
     "Primitive",
     "ad",
@@ -39,6 +41,14 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 # through XLA's collective metadata in one process: lowered on 0.10 and 0.11, run and
 # measured on the GPU machines only with 0.11 (the NVLink all-reduce kernel).
 MGPU_PEER_KERNELS = JAX_VERSION >= (0, 11)
+
+# ``plgpu.wgmma`` with one e4m3 and one e5m2 operand (PTX wgmma takes separate
+# ``.atype``/``.btype`` for fp8): accepted from jax 0.11; 0.10 requires one dtype.
+MGPU_MIXED_FP8 = JAX_VERSION >= (0, 11)
+
+# The Mosaic GPU interpreter emulates TMA's out-of-bounds behaviour (loads fill zeros,
+# stores skip) from jax 0.11; 0.10's raises on an out-of-bounds copy. The GPU does it on both.
+MGPU_INTERPRET_TMA_OOB = JAX_VERSION >= (0, 11)
 
 # Eager application of a primitive: jit-compile the single primitive (the same
 # path jax.lax ops take), so the per-platform lowering (kernel or reference) is

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +97,59 @@ def test_mgpu_256x256x128_no_races():
     check(out, reference(a, b), BF16)
 
 
-def test_mgpu_ragged_200x136x96():
-    # M, N, K not multiples of any tile: zero-padded K, M/N cut off the result.
-    a, b = rand((200, 96), F16), rand((96, 136), F16)
-    out = run_mgpu(a, b, out=F32)
-    check(out, reference(a, b), F32, factor=100)  # f16 inputs, f32 out: f32 accumulation
+@pytest.mark.parametrize(
+    "shape,out,pads",
+    [((200, 136, 96), F16, 2), ((200, 128, 64), F32, 0), ((16, 256, 128), BF16, 0)],
+    ids=["ragged-200x136x96", "edge-tiles-as-stored-200x128x64", "skinny-16x256x128"],
+)
+def test_mgpu_edge_tiles(shape, out, pads):
+    # M, N, K not multiples of the tile: TMA zero-fills the edge tiles' loads past the
+    # arrays and skips their stores; only a dim over one (8, swizzle row) tile and not whole
+    # tiles is padded (here A's K = 96 and B's N = 136, over the 64-column f16 tile).
+    m, n, k = shape
+    a, b = rand((m, k), F16), rand((k, n), F16)
+    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(a, b, out_dtype=out, num_sms=132))(a, b)
+    assert str(jaxpr).count(" pad[") == pads
+    got = run_mgpu(a, b, out=out)
+    check(got, reference(a, b), out, factor=100 if out == F32 else 1)
+
+
+@pytest.mark.parametrize("n,out,width", [(40, BF16, 128), (64, BF16, 128), (16, F32, 64)])
+def test_mgpu_narrow_output_is_two_swizzle_rows_wide(n, out, width):
+    # On the H100 a bf16 output one 64-column tile wide came back unwritten (zeros): narrow
+    # outputs are computed at least two swizzle rows (2 x 128 bytes) wide and cut to N.
+    a, b = jax.ShapeDtypeStruct((256, 128), BF16), jax.ShapeDtypeStruct((128, n), BF16)
+    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(a, b, out_dtype=out, num_sms=132))(a, b)
+    assert f"out_avals=(ShapedArray({np.dtype(out).name}[1,256,{width}]),)" in str(jaxpr)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,ta,tb,dt,out,extra",
+    [
+        (200, 136, 96, False, False, F16, F32, None),
+        (8000, 8000, 8000, False, False, E4M3, F32, None),
+        (8000, 8000, 8000, False, False, BF16, BF16, "bias"),
+        (16, 8192, 1000, False, False, BF16, BF16, None),
+        (5, 100, 70, True, True, BF16, BF16, "residual"),
+        (300, 40, 130, True, False, E5M2, BF16, None),
+    ],
+)
+def test_mgpu_edge_tiles_lower_for_cuda(m, n, k, ta, tb, dt, out, extra):
+    # The real Mosaic GPU lowering (TMA descriptors over the arrays as passed), built on this
+    # CPU: every ragged shape must reach it in tiles Mosaic accepts.
+    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), dt)
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), dt)
+    xs = [a, b]
+    p = dict(transpose_a=ta, transpose_b=tb, out_dtype=out, num_sms=132)
+    if extra == "bias":
+        xs.append(jax.ShapeDtypeStruct((n,), BF16))
+        p.update(has_bias=True, activation="gelu_tanh")
+    elif extra == "residual":
+        xs.append(jax.ShapeDtypeStruct((m, n), F32))
+        p.update(has_residual=True)
+    f = jax.jit(lambda *xs: mg.matmul(*xs, **p))
+    text = f.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.parametrize(
@@ -143,10 +192,30 @@ def test_mgpu_fp8_e4m3_scaled():
     check(out, reference(a, b, jnp.float32(0.5), has_scale=True), F32)
 
 
-def test_mgpu_fp8_mixed_e4m3_e5m2():
-    a, b = rand((128, 192), E4M3), rand((192, 256), E5M2)
+@pytest.mark.parametrize("da,db", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3xe5m2", "e5m2xe4m3"])
+def test_mgpu_fp8_mixed(da, db):
+    a, b = rand((128, 192), da), rand((192, 256), db)
     out = run_mgpu(a, b, out=BF16)
     check(out, reference(a, b), BF16)
+
+
+@pytest.mark.parametrize("da,db", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3xe5m2", "e5m2xe4m3"])
+def test_mgpu_mixed_fp8_lowering_keeps_fp8_operands(da, db):
+    # The real cuda lowering (Mosaic GPU custom call, wgmma included), built on this CPU.
+    # From jax 0.11 wgmma takes the e4m3/e5m2 pair as stored; on 0.10 the kernel gets
+    # bf16 copies.
+    a, b = jax.ShapeDtypeStruct((512, 256), da), jax.ShapeDtypeStruct((256, 512), db)
+    f = jax.jit(lambda a, b: mg.matmul(a, b, out_dtype=F32, num_sms=132))
+    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1
+    operand_types = re.findall(r": \((tensor<[^)]*)\) ->", calls[0])[0]
+    mlir = {np.dtype(E4M3): "f8E4M3FN", np.dtype(E5M2): "f8E5M2"}
+    if _compat.MGPU_MIXED_FP8:
+        want = f"tensor<1x512x256x{mlir[np.dtype(da)]}>, tensor<1x512x256x{mlir[np.dtype(db)]}>"
+    else:  # (B is brought to (N, K) for 8-bit wgmma only)
+        want = "tensor<1x512x256xbf16>, tensor<1x256x512xbf16>"
+    assert operand_types == want
 
 
 @pytest.mark.parametrize(
@@ -298,6 +367,10 @@ def test_default_config_and_candidates():
     assert mc.default_config(2048, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
     assert mc.default_config(4160, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
     assert mc.default_config(8192, 8192, 8192, E4M3, E4M3).block_k == 128
+    # small M: 128-column tiles while one wave of them covers N, else 256 columns
+    assert mc.default_config(16, 8192, 8192, BF16, BF16).tile_shape == (64, 128, 128)
+    assert mc.default_config(16, 28672, 8192, BF16, BF16).tile_shape == (64, 256, 64)
+    assert mc.default_config(16, 8192, 8192, BF16, BF16, num_sms=32).tile_shape == (64, 256, 64)
     assert all(k.startswith("fp8_") for k in mc.candidates_for(E4M3, E5M2))
 
 
@@ -363,9 +436,18 @@ def test_prefer_follows_the_measurements():
     f8 = _avals(((4096, 4096), E4M3), ((4096, 4096), E4M3))
     assert mg.prefer(f8, _params(out_dtype=np.dtype(F32)))
     mixed = _avals(((4096, 4096), E4M3), ((4096, 4096), E5M2))
-    assert not mg.prefer(mixed, _params(out_dtype=np.dtype(F32)))
+    assert not mg.prefer(mixed, _params(out_dtype=np.dtype(F32)))  # XLA's mixed path is faster
     skinny = _avals(((16, 8192), E4M3), ((8192, 8192), E4M3))
     assert not mg.prefer(skinny, _params(out_dtype=np.dtype(F32)))
-    ragged = _avals(((4000, 4096), E4M3), ((4096, 4096), E4M3))
-    assert not mg.prefer(ragged, _params(out_dtype=np.dtype(F32)))
+    ragged = _avals(((4000, 4096), E4M3), ((4096, 4100), E4M3))
+    assert mg.prefer(ragged, _params(out_dtype=np.dtype(F32)))  # edge tiles: 1.24x at 8000^3
+    bias = _avals(((8192,), BF16))
+    ragged16 = _avals(((8000, 8192), BF16), ((8192, 8192), BF16)) + bias
+    assert not mg.prefer(ragged16, _params(has_bias=True))  # a tie with XLA: XLA
+    # decode (M <= 64): measured ahead at 4096 <= K <= 8192 with one wave of tiles over N
+    assert mg.prefer(_avals(((16, 8192), BF16), ((8192, 8192), BF16)), _params())
+    assert mg.prefer(_avals(((4, 16, 8192), BF16), ((8192, 8192), BF16)), _params())
+    assert not mg.prefer(_avals(((16, 28672), BF16), ((28672, 8192), BF16)), _params())
+    assert not mg.prefer(_avals(((16, 8192), BF16), ((8192, 28672), BF16)), _params())
+    assert not mg.prefer(_avals(((16, 8192), BF16), ((8192, 1024), BF16)), _params())
     assert not mp.prefer(big, _params())

@@ -34,6 +34,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from tessera_jax import _compat
+
 # --- hardware budget (sm_90) -------------------------------------------------------------------
 SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
 SMEM_RESERVED = 1_024  # barriers and alignment padding the kernel allocates besides buffers
@@ -47,6 +49,22 @@ _DIMS = ("m", "n")
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), *FP8_DTYPES)
+
+
+def kernel_operand_dtypes(dtype_a: Any, dtype_b: Any) -> tuple[np.dtype, np.dtype] | None:
+    """The element types the Hopper kernel's wgmma reads for these operands, or None.
+
+    Equal 16-bit or 8-bit types as they are; e4m3 x e5m2 as they are where wgmma takes
+    a mixed fp8 pair (jax >= 0.11), else as bf16 copies (exact: both formats embed in
+    bf16, at bf16 speed). Anything else is not a kernel case.
+    """
+    da, db = np.dtype(dtype_a), np.dtype(dtype_b)
+    if da == db:
+        return (da, db) if da in KERNEL_DTYPES else None
+    if da in FP8_DTYPES and db in FP8_DTYPES:
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        return (da, db) if _compat.MGPU_MIXED_FP8 else (bf16, bf16)
+    return None
 
 
 def swizzle_elems(dtype: Any) -> int:
@@ -293,13 +311,10 @@ def validate_tile_shape(tile_shape: tuple[int, int, int], dtype_a: Any, dtype_b:
     the accumulator and the shared-memory budget of a 2-stage pipeline with the
     smallest epilogue (the kernel lowers stages further only to fit its epilogue).
     """
-    da, db = np.dtype(dtype_a), np.dtype(dtype_b)
-    if da != db:
-        if not (da in FP8_DTYPES and db in FP8_DTYPES):
-            return  # not a kernel case: the reference runs it and ignores tile_shape
-        da = db = np.dtype("bfloat16")  # mixed fp8 runs on bf16 copies
-    elif da not in KERNEL_DTYPES:
-        return
+    dts = kernel_operand_dtypes(dtype_a, dtype_b)
+    if dts is None:
+        return  # not a kernel case: the reference runs it and ignores tile_shape
+    da, db = dts
     cfg = config_for_tile_shape(tile_shape, da, db, num_stages=2)
     fit_stages(cfg, da, db, da)
 
@@ -328,8 +343,9 @@ CANDIDATES: dict[str, MatmulConfig] = {
         256, 128, 64, 4, "m", "n", 8, delay_release=1, cluster_dimension="n"
     ),
     "bf16_128x128x64_s6": MatmulConfig(128, 128, 64, 6, "m", "n", 8),
-    # Small M (decode-like): a 64-row CTA, warpgroups split N.
+    # Small M (decode-like): a 64-row CTA streaming its B columns, warpgroups split N.
     "bf16_64x256x64_s6": MatmulConfig(64, 256, 64, 6, "n", "n", 4),
+    "bf16_64x128x128_s4": MatmulConfig(64, 128, 128, 4, "n", "n", 4),
     # 8-bit operands: K steps of 128 (one 128-byte swizzle row).
     "fp8_128x256x128_s4": MatmulConfig(128, 256, 128, 4, "n", "n", 8),
     "fp8_256x128x128_s4": MatmulConfig(256, 128, 128, 4, "m", "n", 8),
@@ -344,12 +360,23 @@ CANDIDATES: dict[str, MatmulConfig] = {
 LARGE_MN = 4096
 
 
-def default_config(m: int, n: int, k: int, dtype_a: Any, dtype_b: Any) -> MatmulConfig:
+H100_SMS = 132
+SKINNY_BLOCK_N = 128  # N tile of the small-M config while one wave of them covers N
+
+
+def default_config(
+    m: int, n: int, k: int, dtype_a: Any, dtype_b: Any, num_sms: int = H100_SMS
+) -> MatmulConfig:
     """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)``."""
     eight_bit = max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1
     if eight_bit:
         return CANDIDATES["fp8_128x256x128_s4"]
     if m <= 64:
+        # Memory-bound: 128-column tiles put twice the SMs on streaming B while one wave
+        # covers N (16x8192x8192: 1.03x cuBLAS vs 0.89x with 256 columns); past one wave the
+        # 256-column tiles (16x28672x8192: 1.02x vs 0.95x). benchmarks/NOTES-matmul.md, v7.
+        if -(-n // SKINNY_BLOCK_N) <= num_sms:
+            return CANDIDATES["bf16_64x128x128_s4"]
         return CANDIDATES["bf16_64x256x64_s6"]
     big = CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
     cm, cn = big.cluster_tile
@@ -420,14 +447,44 @@ def problem_shape(
     return m, n, k
 
 
-def pad_to(x: Any, axis: int, mult: int) -> Any:
-    """``x`` zero-padded at the end of ``axis`` to a multiple of ``mult``."""
-    extra = (-x.shape[axis]) % mult
+TILE_ROWS = 8  # rows of Mosaic GPU's swizzled (8, one swizzle row) shared-memory tiles
+
+
+TMA_STRIDE_BYTES = 16  # TMA descriptors take strides in whole 16-byte units
+
+
+def tma_extent(size: int, tile: int, itemsize: int | None = None) -> int:
+    """The extent a dim of ``size`` needs for TMA copies in tiles of ``tile``: Mosaic GPU takes
+    a dim of at most one tile or of whole tiles (the kernel's edge tiles read past it). For
+    the minor dim give ``itemsize``: a row is also a whole number of 16-byte units."""
+    ext = size if size <= tile or size % tile == 0 else -(-size // tile) * tile
+    if itemsize is not None:
+        unit = max(1, TMA_STRIDE_BYTES // itemsize)
+        ext = -(-ext // unit) * unit
+    return ext
+
+
+def pad_to_extent(x: Any, axis: int, extent: int) -> Any:
+    """``x`` zero-padded at the end of ``axis`` to ``extent``."""
+    extra = extent - x.shape[axis]
     if not extra:
         return x
     w = [(0, 0)] * x.ndim
     w[axis] = (0, extra)
     return jnp.pad(x, w)
+
+
+def pad_for_tma(x: Any, tile_cols: int) -> Any:
+    """An operand as stored, its two minor dims zero-padded only where TMA copies in
+    ``(TILE_ROWS, tile_cols)`` tiles need it (:func:`tma_extent`)."""
+    itemsize = np.dtype(x.dtype).itemsize
+    x = pad_to_extent(x, x.ndim - 1, tma_extent(x.shape[-1], tile_cols, itemsize))
+    return pad_to_extent(x, x.ndim - 2, tma_extent(x.shape[-2], TILE_ROWS))
+
+
+def pad_to(x: Any, axis: int, mult: int) -> Any:
+    """``x`` zero-padded at the end of ``axis`` to a multiple of ``mult``."""
+    return pad_to_extent(x, axis, -(-x.shape[axis] // mult) * mult)
 
 
 def pad_operands(

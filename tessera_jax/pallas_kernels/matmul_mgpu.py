@@ -18,12 +18,16 @@ Transposed operands cost no copy: a ``(K, M)`` A or an ``(N, K)`` B is loaded as
 stored and handed to wgmma through a transposed view of its shared-memory tile
 (the instruction's transpose bits, 16-bit types). 8-bit wgmma only reads K-major
 tiles, so fp8 operands are brought to ``A (M, K)`` / ``B (N, K)`` (an XLA transpose,
-as cuBLASLt's fp8 path does too); mixed e4m3 × e5m2 is computed on bf16 copies
-(exact: both formats embed in bf16) since wgmma needs one element type.
+as cuBLASLt's fp8 path does too). Mixed e4m3 × e5m2 runs on the fp8 tensor cores
+(wgmma's separate A/B types) from jax 0.11; on 0.10, whose wgmma wants one element
+type, on bf16 copies (exact: both formats embed in bf16).
 
-Ragged M, N, K are zero-padded to tile multiples (K padding must be zeros; M/N
-padding is cut off the result). Batched operands run in the same persistent loop;
-a batch of A against one shared B folds into M.
+Edge tiles (M, N, K not multiples of the tile) cost no copies: TMA loads fill zeros
+past the end of an array and stores skip it. Only a dim that Mosaic GPU's (8, swizzle
+row) tiling of the array cannot address (longer than one tile and not whole tiles, or
+a row not a whole number of 16-byte units) is zero-padded, and narrow outputs are
+computed two swizzle rows wide (see ``matmul``). Batched operands run in the same
+persistent loop; a batch of A against one shared B folds into M.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from tessera_jax.pallas_kernels.matmul_configs import MatmulConfig, validate_til
 
 __all__ = ["MatmulConfig", "matmul", "prefer", "supports", "validate_tile_shape"]
 
-_F16 = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 # CTAs of the persistent grid in interpret mode: each simulated warpgroup is a CPU
@@ -71,6 +74,16 @@ def _erf(x: jax.Array) -> jax.Array:
 # --- the kernel --------------------------------------------------------------------------------
 
 
+def _tile_cols(dtype: Any, minor_elems: int) -> int:
+    """Columns of the ``(8, cols)`` swizzled tiles of a shared-memory block whose rows hold
+    ``minor_elems`` (one swizzle row: the largest swizzle, up to 128 bytes, dividing them).
+    Global arrays moved with TMA into such blocks are addressed in the same tiles."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    bits = np.dtype(dtype).itemsize * 8
+    return plgpu.find_swizzle(minor_elems * bits) * 8 // bits
+
+
 def _build_kernel(
     *,
     cfg: MatmulConfig,
@@ -80,7 +93,8 @@ def _build_kernel(
     m: int,
     n: int,
     k: int,
-    dtype: np.dtype,
+    dtype_a: np.dtype,
+    dtype_b: np.dtype,
     out_dtype: np.dtype,
     res_dtype: np.dtype | None,
     transpose_a: bool,
@@ -91,7 +105,7 @@ def _build_kernel(
     num_sms: int,
     interpret: bool,
 ):
-    """The ``plgpu.kernel`` computing one padded, 3-D-batched problem."""
+    """The ``plgpu.kernel`` computing one 3-D-batched problem of ``(m, n, k)`` as stored."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -99,7 +113,9 @@ def _build_kernel(
     wm, wn = cfg.wg_tile
     cs = cfg.cluster_size
     cm, cn = cfg.cluster_tile
-    m_iters, n_iters, k_iters = m // cm, n // cn, k // bk
+    # Edge tiles reach past M/N/K: TMA loads fill zeros there (so a K tail adds nothing) and
+    # TMA stores skip it.
+    m_iters, n_iters, k_iters = -(-m // cm), -(-n // cn), -(-k // bk)
     tiles_per_batch = m_iters * n_iters
     num_tiles = batch * tiles_per_batch
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
@@ -110,15 +126,17 @@ def _build_kernel(
     dr = cfg.delay_release
 
     def swz(dt, minor_elems):
-        bits = np.dtype(dt).itemsize * 8
-        s = plgpu.find_swizzle(minor_elems * bits)
-        return (plgpu.TilingTransform((8, s * 8 // bits)), plgpu.SwizzleTransform(s))
+        cols = _tile_cols(dt, minor_elems)
+        return (
+            plgpu.TilingTransform((mc.TILE_ROWS, cols)),
+            plgpu.SwizzleTransform(cols * np.dtype(dt).itemsize),
+        )
 
     # Operand tiles as stored: A (BM, BK) or, transposed, (BK, BM); B (BK, BN) or (BN, BK).
     a_block = (bk, bm) if transpose_a else (bm, bk)
     b_block = (bn, bk) if transpose_b else (bk, bn)
-    a_tf = swz(dtype, a_block[1])
-    b_tf = swz(dtype, b_block[1])
+    a_tf = swz(dtype_a, a_block[1])
+    b_tf = swz(dtype_b, b_block[1])
     out_tf = swz(out_dtype, epi_n)
     res_tf = swz(res_dtype, epi_n) if has_res else None
     a_index = (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk))
@@ -356,14 +374,12 @@ def matmul(
     out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
     m, n, k = mc.problem_shape(a.shape, b.shape, transpose_a, transpose_b)
 
-    dt_a, dt_b = np.dtype(a.dtype), np.dtype(b.dtype)
-    if dt_a != dt_b:
-        if dt_a in _F8 and dt_b in _F8:  # mixed fp8: wgmma needs one element type
-            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-        else:
-            raise ValueError(f"matmul_mgpu: unsupported operand dtypes {dt_a} x {dt_b}")
-    dtype = np.dtype(a.dtype)
-    if dtype.itemsize == 1:  # 8-bit wgmma reads K-major tiles only: A (M, K), B (N, K)
+    dts = mc.kernel_operand_dtypes(a.dtype, b.dtype)
+    if dts is None:
+        raise ValueError(f"matmul_mgpu: unsupported operand dtypes {a.dtype} x {b.dtype}")
+    dtype_a, dtype_b = dts
+    a, b = a.astype(dtype_a), b.astype(dtype_b)  # no-ops but for mixed fp8 before jax 0.11
+    if dtype_a.itemsize == 1:  # 8-bit wgmma reads K-major tiles only: A (M, K), B (N, K)
         if transpose_a:
             a, transpose_a = jnp.swapaxes(a, -1, -2), False
         if not transpose_b:
@@ -383,27 +399,52 @@ def matmul(
 
     if config is None:
         if tile_shape is not None:
-            config = mc.config_for_tile_shape(tuple(tile_shape), dtype, dtype)
+            config = mc.config_for_tile_shape(tuple(tile_shape), dtype_a, dtype_b)
         else:
-            config = mc.default_config(mm, n, k, dtype, dtype)
+            # (in interpret mode: the config the H100 would get)
+            sms = mc.H100_SMS if interpret else (num_sms or device.num_sms())
+            config = mc.default_config(mm, n, k, dtype_a, dtype_b, num_sms=sms)
     res_dtype = np.dtype(residual.dtype) if residual is not None else None
-    config = mc.fit_stages(config, dtype, dtype, out_dtype, res_dtype, has_bias or has_scale)
+    config = mc.fit_stages(config, dtype_a, dtype_b, out_dtype, res_dtype, has_bias or has_scale)
     if interpret and config.cluster_dimension is not None:
         # The interpreter has no cluster-collective (multicast) allocations: same tiles, no pair.
         config = config.replace(cluster_dimension=None)
     bk = config.block_k
     cm, cn = config.cluster_tile
 
-    # Zero-pad to whole tiles (K padding must be zeros; M/N padding is sliced off).
-    a3, b3 = mc.pad_operands(a3, b3, transpose_a, transpose_b, cm, cn, bk)
-    mp, np_, kp = (-(-mm // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
+    # Edge tiles need no copies: TMA reads zeros past the end of an array (a K tail adds
+    # nothing) and skips stores there. Mosaic GPU addresses a global array in the (8, cols)
+    # tiles of its shared-memory block, though, and a dim longer than one tile must be whole
+    # tiles: only such dims are zero-padded (K padding zeros, M/N padding cut off the result).
+    # jax 0.10's interpreter has no out-of-bounds copies: there, whole tiles are padded.
+    r3 = None
+    if residual is not None:
+        r3 = residual.reshape((batch if m_fold is None else 1, mm, n))
+    bm, bn, bk = config.tile_shape
+    if interpret and not _compat.MGPU_INTERPRET_TMA_OOB:
+        a3, b3 = mc.pad_operands(a3, b3, transpose_a, transpose_b, cm, cn, bk)
+        mp, np_, kp = (-(-mm // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
+    else:
+        a3 = mc.pad_for_tma(a3, _tile_cols(dtype_a, bm if transpose_a else bk))
+        b3 = mc.pad_for_tma(b3, _tile_cols(dtype_b, bk if transpose_b else bn))
+        # Output rows of at least two swizzle rows: on the H100 a bf16 output of one
+        # 64-column tile (N <= 64) came back unwritten (all zeros) when a warpgroup's second
+        # epilogue store fell past it; wider rows, f32 rows and loads were right.
+        np_ = max(
+            max(mc.tma_extent(n, cols, t.itemsize), 2 * cols)
+            for t in (out_dtype, res_dtype)
+            if t is not None
+            for cols in [_tile_cols(t, config.epi_tile_n)]
+        )
+        mp, kp = mc.tma_extent(mm, mc.TILE_ROWS), k
+    if r3 is not None:
+        r3 = mc.pad_to_extent(mc.pad_to_extent(r3, 1, mp), 2, np_)
 
     operands = [a3, b3]
     if has_bias or has_scale:
         operands.append(mc.scale_bias_rows(scale, bias, n, cn))
-    if residual is not None:
-        r3 = residual.reshape((batch if m_fold is None else 1, mm, n))
-        operands.append(mc.pad_to(mc.pad_to(r3, 1, cm), 2, cn))
+    if r3 is not None:
+        operands.append(r3)
 
     if num_sms is None:
         num_sms = INTERPRET_NUM_SMS if interpret else device.num_sms()
@@ -415,7 +456,8 @@ def matmul(
         m=mp,
         n=np_,
         k=kp,
-        dtype=dtype,
+        dtype_a=dtype_a,
+        dtype_b=dtype_b,
         out_dtype=out_dtype,
         res_dtype=res_dtype,
         transpose_a=transpose_a,
@@ -427,7 +469,8 @@ def matmul(
         interpret=interpret,
     )
     out = _run_interpret(call, operands) if interpret else call(*operands)
-    out = out[:, :mm, :n]
+    if (mp, np_) != (mm, n):
+        out = out[:, :mm, :n]
     if m_fold is not None:
         return out.reshape((*lead, m, n))
     return out.reshape((*lead, m, n)) if lead else out[0]
@@ -444,7 +487,7 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
     """None if this kernel can run the case, else why not."""
     a, b = avals_in[0], avals_in[1]
     da, db = _aval_dtype(a), _aval_dtype(b)
-    if not ((da in _F16 and da == db) or (da in _F8 and db in _F8)):
+    if mc.kernel_operand_dtypes(da, db) is None:
         return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
     reason = mc.unsupported_contract(avals_in, params)
     if reason is not None:
@@ -461,37 +504,43 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
     return None
 
 
-def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
-    """Whether the kernel is expected to beat XLA/cuBLAS here (``auto`` mode on cuda).
-
-    Decided from the measurements in ``benchmarks/NOTES-matmul.md``: only classes of
-    cases where the kernel measured at least as fast as XLA in the same process.
-    Everything else goes to XLA, so ``ts.op.matmul`` is never slower than ``jnp.dot``.
-    """
-    return _prefer_rule(avals_in, params)
-
-
-# Dispatch thresholds, from the interleaved H100 measurements in benchmarks/NOTES-matmul.md:
-# * fp8 (one format for both operands): the kernel ran 1.39-1.44x XLA's cuBLASLt fp8 dot at
-#   8192^3 and 1.8x at 4096^3 -> preferred from 1024 on each of M, N, K.
-# * 16-bit with a fused epilogue (bias / activation / residual / scale): 1.03-1.07x XLA's
-#   cuBLASLt-fused expression at 8192^3 -> preferred from 4096.
-# * plain 16-bit products: within +-1.5% of cuBLAS at 4096^3 and 8192^3 (parity, not a win),
-#   0.82-0.89x at K=1024 and 0.79x at M=16 -> XLA.
-# * mixed e4m3 x e5m2 (computed on bf16 copies): 0.52x -> XLA.
-# Only shapes that need no padding (whole tiles) and no batch loop (unmeasured) qualify.
+# Dispatch rules, from the interleaved H100 measurements in benchmarks/NOTES-matmul.md:
+# * fp8 (one format for both operands): the kernel ran 1.39-1.46x XLA's cuBLASLt fp8 dot at
+#   8192^3, 1.8x at 4096^3 and 1.24x at a ragged 8000^3 -> from 1024 on each of M, N, K.
+# * 16-bit with a fused epilogue (bias / activation / residual / scale): 1.02-1.07x XLA's
+#   cuBLASLt-fused expression at 8192^3, a tie (0.99-1.0x) at a ragged 8000^3 -> from 4096
+#   on each of M, N, K, whole tiles only.
+# * 16-bit with M <= 64 (decode; memory-bound): 1.02-1.06x jnp.dot at 16x8192x8192 and
+#   1.13-1.28x at 64x8192x8192 with 128-column tiles (one wave over N), but 0.96x at
+#   K = 28672 and 0.99x at N = 28672 -> 4096 <= K <= 8192 and one wave of tiles over N,
+#   N >= 4096.
+# * plain 16-bit products otherwise: within +-1.5% of cuBLAS at 4096^3 and 8192^3 (parity,
+#   not a win), 0.88-0.89x at K=1024, 0.98x at a ragged 8000^3 -> XLA.
+# * mixed e4m3 x e5m2: 0.93-0.97x on the fp8 tensor cores (jax >= 0.11; XLA's cuBLASLt runs
+#   this pair at ~1260 TF/s at 8192^3, well above its ~850 for e4m3 x e4m3), 0.52x on bf16
+#   copies (jax 0.10) -> XLA.
+# Batched x batched products (the batch loop) are unmeasured -> XLA.
 PREFER_MIN_FP8 = 1024
 PREFER_MIN_EPILOGUE = 4096
+SKINNY_M = 64
+SKINNY_K = (4096, 8192)
+SKINNY_MIN_N = 4096
 # Plain 16-bit products: None = XLA. 4096 would route them to the kernel (a tie with cuBLAS,
 # 0.987-1.02x jnp.dot measured), worth it only while the XLA path is slower than jnp.dot.
 PREFER_PLAIN_MIN: int | None = None
 
 
-def _prefer_rule(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+    """Whether the kernel is expected to beat XLA/cuBLAS here (``auto`` mode on cuda).
+
+    Only classes of cases where the kernel measured at least as fast as XLA in the same
+    process (the rules above); everything else goes to XLA, so ``ts.op.matmul`` is never
+    slower than ``jnp.dot``.
+    """
     a, b = avals_in[0], avals_in[1]
     da, db = _aval_dtype(a), _aval_dtype(b)
-    if da != db:  # mixed fp8 runs on bf16 copies; XLA keeps it on the fp8 path
-        return False
+    if da != db:
+        return False  # mixed fp8: XLA's cuBLASLt path measured faster
     if a.ndim > 2 and b.ndim > 2:
         return False  # batched x batched: the batch loop is unmeasured
     m, n, k = mc.problem_shape(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
@@ -500,19 +549,18 @@ def _prefer_rule(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
     elif a.ndim > 2 or b.ndim > 2:
         return False
     if da in _F8:
-        lo = PREFER_MIN_FP8
-    elif (
+        return min(m, n, k) >= PREFER_MIN_FP8
+    if params.get("tile_shape") is None and m <= SKINNY_M:
+        one_wave = -(-n // mc.SKINNY_BLOCK_N) <= device.num_sms()
+        return SKINNY_K[0] <= k <= SKINNY_K[1] and n >= SKINNY_MIN_N and one_wave
+    epilogue = (
         params.get("has_bias")
         or params.get("has_residual")
         or params.get("has_scale")
         or params.get("activation") is not None
-    ):
-        lo = PREFER_MIN_EPILOGUE
-    elif PREFER_PLAIN_MIN is not None:
-        lo = PREFER_PLAIN_MIN
-    else:
-        return False
-    if min(m, n, k) < lo:
+    )
+    lo = PREFER_MIN_EPILOGUE if epilogue else PREFER_PLAIN_MIN
+    if lo is None or min(m, n, k) < lo:
         return False
     cfg = (
         mc.config_for_tile_shape(tuple(params["tile_shape"]), da, db)
