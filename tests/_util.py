@@ -129,3 +129,14 @@ def seed003_quantized_policy():
             return x.astype(ts.f32) * scale
 
     return QuantizedPolicy
+
+
+def cuda_lowering(f, *args) -> str:
+    """The StableHLO text of ``jax.jit(f)`` lowered for cuda, built on this CPU machine: a
+    Mosaic GPU kernel goes through its real lowering (layouts, TMA descriptor checks)."""
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def mosaic_gpu_calls(hlo_text: str) -> list[str]:
+    """The lines of ``hlo_text`` that call a Mosaic GPU kernel."""
+    return [ln for ln in hlo_text.splitlines() if "custom_call @mosaic_gpu" in ln]

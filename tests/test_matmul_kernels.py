@@ -20,7 +20,14 @@ from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
-from tests._util import f64, matmul_params, np_activation, rand
+from tests._util import (
+    cuda_lowering,
+    f64,
+    matmul_params,
+    mosaic_gpu_calls,
+    np_activation,
+    rand,
+)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -147,9 +154,7 @@ def test_mgpu_edge_tiles_lower_for_cuda(m, n, k, ta, tb, dt, out, extra):
     elif extra == "residual":
         xs.append(jax.ShapeDtypeStruct((m, n), F32))
         p.update(has_residual=True)
-    f = jax.jit(lambda *xs: mg.matmul(*xs, **p))
-    text = f.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert len(mosaic_gpu_calls(cuda_lowering(lambda *xs: mg.matmul(*xs, **p), *xs))) == 1
 
 
 @pytest.mark.parametrize(
@@ -205,9 +210,9 @@ def test_mgpu_mixed_fp8_lowering_keeps_fp8_operands(da, db):
     # From jax 0.11 wgmma takes the e4m3/e5m2 pair as stored; on 0.10 the kernel gets
     # bf16 copies.
     a, b = jax.ShapeDtypeStruct((512, 256), da), jax.ShapeDtypeStruct((256, 512), db)
-    f = jax.jit(lambda a, b: mg.matmul(a, b, out_dtype=F32, num_sms=132))
-    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
+    calls = mosaic_gpu_calls(
+        cuda_lowering(lambda a, b: mg.matmul(a, b, out_dtype=F32, num_sms=132), a, b)
+    )
     assert len(calls) == 1
     operand_types = re.findall(r": \((tensor<[^)]*)\) ->", calls[0])[0]
     mlir = {np.dtype(E4M3): "f8E4M3FN", np.dtype(E5M2): "f8E5M2"}

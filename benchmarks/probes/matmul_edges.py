@@ -27,6 +27,7 @@ from benchmarks.matmul import (
     E4M3,
     E5M2,
     F32,
+    checked,
     gelu_tanh,
     rand,
     ref_dot,
@@ -38,21 +39,15 @@ from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 
 SKINNY_CONFIGS = {
-    "64x256x64_s6": mc.MatmulConfig(64, 256, 64, 6, "n", "n", 4),
-    "64x128x128_s4": mc.MatmulConfig(64, 128, 128, 4, "n", "n", 4),
+    "64x256x64_s6": mc.CANDIDATES["bf16_64x256x64_s6"],
+    "64x128x128_s4": mc.CANDIDATES["bf16_64x128x128_s4"],
     "64x128x64_s8": mc.MatmulConfig(64, 128, 64, 8, "n", "n", 4),
     "64x256x128_s3": mc.MatmulConfig(64, 256, 128, 3, "n", "n", 4),
 }
 
 
 def report(title, fns, args, ref, work, unit):
-    errs = {}
-    for name in list(fns):
-        try:
-            errs[name] = rel_err(fns[name](*args), ref)
-        except Exception as e:  # a config the hardware refuses: say so, go on
-            print(f"!! {title} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            del fns[name]
+    errs = checked(fns, args, ref, title)
     ms = time_interleaved(fns, args)
     print(f"== {title} {telemetry()}", flush=True)
     for name, t in ms.items():

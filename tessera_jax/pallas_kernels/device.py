@@ -6,13 +6,16 @@ import functools
 
 import jax
 
+H100_SMS = 132  # H100 / H200 SXM: the GPUs the kernels are tuned and measured on
+
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the first device (132 where the backend can't say)."""
+    """Streaming multiprocessors of the first device (``H100_SMS`` where the backend can't
+    say)."""
     try:
         return int(jax.devices()[0].core_count)
     except Exception:  # pragma: no cover - backends without core_count
-        return 132
+        return H100_SMS
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
+from tessera_jax.pallas_kernels import device
 
 # --- hardware budget (sm_90) -------------------------------------------------------------------
 SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
@@ -360,24 +361,27 @@ CANDIDATES: dict[str, MatmulConfig] = {
 LARGE_MN = 4096
 
 
-H100_SMS = 132
-SKINNY_BLOCK_N = 128  # N tile of the small-M config while one wave of them covers N
+DECODE_M = 64  # M up to one wgmma row block: decode-like, memory-bound products
+
+
+def decode_config(n: int, num_sms: int = device.H100_SMS) -> MatmulConfig:
+    """The 16-bit config for ``M <= DECODE_M``. Memory-bound: 128-column tiles put twice the
+    SMs on streaming B while one wave of them covers N (16x8192x8192: 1.03x cuBLAS vs 0.89x
+    with 256 columns); past one wave the 256-column tiles (16x28672x8192: 1.02x vs 0.95x).
+    benchmarks/NOTES-matmul.md, v7."""
+    narrow = CANDIDATES["bf16_64x128x128_s4"]
+    return narrow if -(-n // narrow.block_n) <= num_sms else CANDIDATES["bf16_64x256x64_s6"]
 
 
 def default_config(
-    m: int, n: int, k: int, dtype_a: Any, dtype_b: Any, num_sms: int = H100_SMS
+    m: int, n: int, k: int, dtype_a: Any, dtype_b: Any, num_sms: int = device.H100_SMS
 ) -> MatmulConfig:
     """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)``."""
     eight_bit = max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1
     if eight_bit:
         return CANDIDATES["fp8_128x256x128_s4"]
-    if m <= 64:
-        # Memory-bound: 128-column tiles put twice the SMs on streaming B while one wave
-        # covers N (16x8192x8192: 1.03x cuBLAS vs 0.89x with 256 columns); past one wave the
-        # 256-column tiles (16x28672x8192: 1.02x vs 0.95x). benchmarks/NOTES-matmul.md, v7.
-        if -(-n // SKINNY_BLOCK_N) <= num_sms:
-            return CANDIDATES["bf16_64x128x128_s4"]
-        return CANDIDATES["bf16_64x256x64_s6"]
+    if m <= DECODE_M:
+        return decode_config(n, num_sms)
     big = CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
     cm, cn = big.cluster_tile
     if m >= LARGE_MN and n >= LARGE_MN and m % cm == 0 and n % cn == 0:
@@ -448,8 +452,6 @@ def problem_shape(
 
 
 TILE_ROWS = 8  # rows of Mosaic GPU's swizzled (8, one swizzle row) shared-memory tiles
-
-
 TMA_STRIDE_BYTES = 16  # TMA descriptors take strides in whole 16-byte units
 
 

@@ -402,7 +402,7 @@ def matmul(
             config = mc.config_for_tile_shape(tuple(tile_shape), dtype_a, dtype_b)
         else:
             # (in interpret mode: the config the H100 would get)
-            sms = mc.H100_SMS if interpret else (num_sms or device.num_sms())
+            sms = device.H100_SMS if interpret else (num_sms or device.num_sms())
             config = mc.default_config(mm, n, k, dtype_a, dtype_b, num_sms=sms)
     res_dtype = np.dtype(residual.dtype) if residual is not None else None
     config = mc.fit_stages(config, dtype_a, dtype_b, out_dtype, res_dtype, has_bias or has_scale)
@@ -430,13 +430,11 @@ def matmul(
         # Output rows of at least two swizzle rows: on the H100 a bf16 output of one
         # 64-column tile (N <= 64) came back unwritten (all zeros) when a warpgroup's second
         # epilogue store fell past it; wider rows, f32 rows and loads were right.
-        np_ = max(
-            max(mc.tma_extent(n, cols, t.itemsize), 2 * cols)
-            for t in (out_dtype, res_dtype)
-            if t is not None
-            for cols in [_tile_cols(t, config.epi_tile_n)]
-        )
-        mp, kp = mc.tma_extent(mm, mc.TILE_ROWS), k
+        mp, np_, kp = mc.tma_extent(mm, mc.TILE_ROWS), n, k
+        for t in (out_dtype, res_dtype):
+            if t is not None:
+                cols = _tile_cols(t, config.epi_tile_n)
+                np_ = max(np_, mc.tma_extent(n, cols, t.itemsize), 2 * cols)
     if r3 is not None:
         r3 = mc.pad_to_extent(mc.pad_to_extent(r3, 1, mp), 2, np_)
 
@@ -510,10 +508,10 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
 # * 16-bit with a fused epilogue (bias / activation / residual / scale): 1.02-1.07x XLA's
 #   cuBLASLt-fused expression at 8192^3, a tie (0.99-1.0x) at a ragged 8000^3 -> from 4096
 #   on each of M, N, K, whole tiles only.
-# * 16-bit with M <= 64 (decode; memory-bound): 1.02-1.06x jnp.dot at 16x8192x8192 and
-#   1.13-1.28x at 64x8192x8192 with 128-column tiles (one wave over N), but 0.96x at
-#   K = 28672 and 0.99x at N = 28672 -> 4096 <= K <= 8192 and one wave of tiles over N,
-#   N >= 4096.
+# * 16-bit with M <= 64 (decode; memory-bound): 1.00-1.06x jnp.dot at 16x8192x8192 (four
+#   readings) and 1.13-1.28x at 64x8192x8192 with 128-column tiles (one wave over N), but
+#   0.96-0.97x at K = 28672 and 0.99-1.02x at N = 28672 -> 4096 <= K <= 8192, N >= 4096 and
+#   one wave of tiles over N.
 # * plain 16-bit products otherwise: within +-1.5% of cuBLAS at 4096^3 and 8192^3 (parity,
 #   not a win), 0.88-0.89x at K=1024, 0.98x at a ragged 8000^3 -> XLA.
 # * mixed e4m3 x e5m2: 0.93-0.97x on the fp8 tensor cores (jax >= 0.11; XLA's cuBLASLt runs
@@ -522,9 +520,8 @@ def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | No
 # Batched x batched products (the batch loop) are unmeasured -> XLA.
 PREFER_MIN_FP8 = 1024
 PREFER_MIN_EPILOGUE = 4096
-SKINNY_M = 64
-SKINNY_K = (4096, 8192)
-SKINNY_MIN_N = 4096
+DECODE_K = (4096, 8192)
+DECODE_MIN_N = 4096
 # Plain 16-bit products: None = XLA. 4096 would route them to the kernel (a tie with cuBLAS,
 # 0.987-1.02x jnp.dot measured), worth it only while the XLA path is slower than jnp.dot.
 PREFER_PLAIN_MIN: int | None = None
@@ -550,9 +547,9 @@ def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
         return False
     if da in _F8:
         return min(m, n, k) >= PREFER_MIN_FP8
-    if params.get("tile_shape") is None and m <= SKINNY_M:
-        one_wave = -(-n // mc.SKINNY_BLOCK_N) <= device.num_sms()
-        return SKINNY_K[0] <= k <= SKINNY_K[1] and n >= SKINNY_MIN_N and one_wave
+    if params.get("tile_shape") is None and m <= mc.DECODE_M:
+        one_wave = mc.decode_config(n, device.num_sms()) is mc.CANDIDATES["bf16_64x128x128_s4"]
+        return DECODE_K[0] <= k <= DECODE_K[1] and n >= DECODE_MIN_N and one_wave
     epilogue = (
         params.get("has_bias")
         or params.get("has_residual")
