@@ -46,26 +46,48 @@ SHARDING_RULES: dict[str, Callable[..., Any]] = {}
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A kernel implementation of an operator.
+    """A kernel implementation of an operator (or of a collective).
+
+    Every kernel speaks the same vocabulary, whatever its operator:
 
     Attributes:
       name: shown in errors and benchmark records.
-      fn: ``fn(*operands, interpret: bool, **params)`` returning what the
-        reference returns. Called inside the lowering, so it may call
-        ``pallas_call``.
-      supports: ``supports(avals_in, params, platform) -> str | None``; ``None``
-        if the kernel can run the case, else the reason it cannot.
+      fn: ``fn(spec, *operands, interpret: bool)`` returning what the reference
+        returns. ``spec`` is the operator's frozen spec (its static parameters, decoded
+        once by the operator); kernels never see raw bind parameters. Called inside the
+        lowering, so it may call ``pallas_call``.
+      supports: ``supports(spec, avals) -> str | None``: None if the kernel can run the
+        case, else the reason it cannot (shown to the user when nothing can run an
+        explicit request).
+      prefer: in ``auto`` mode, ``prefer(spec, avals) -> bool`` says whether the kernel
+        is expected to beat XLA for this case (the dispatch heuristic; an autotune cache
+        plugs in here). ``None`` means always.
       platforms: platforms the compiled (non-interpret) kernel runs on.
-      prefer: in ``auto`` mode, ``prefer(avals_in, params) -> bool`` says whether
-        the kernel is expected to beat XLA for this case (the dispatch heuristic;
-        an autotune cache plugs in here). ``None`` means always.
+      hardware: ``hardware(platform) -> str | None``: None if this machine's devices of
+        ``platform`` can run the compiled kernel, else why not (e.g. not a Hopper GPU).
+        Not asked in interpret mode.
+      interpretable: whether an interpreter can run the kernel (``TESSERA_KERNELS=
+        interpret``); False for kernels built on what no interpreter emulates.
     """
 
     name: str
     fn: Callable[..., Any]
-    supports: Callable[[Sequence[Any], dict[str, Any], str | None], str | None]
+    supports: Callable[[Any, Sequence[Any]], str | None]
+    prefer: Callable[[Any, Sequence[Any]], bool] | None = None
     platforms: tuple[str, ...] = ("cuda",)
-    prefer: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
+    hardware: Callable[[str], str | None] | None = None
+    interpretable: bool = True
+
+    def unavailable(self, mode: str, platform: str | None) -> str | None:
+        """Why the kernel cannot be lowered in ``mode`` for ``platform`` (None if it can),
+        before looking at the case itself."""
+        if mode == "interpret":
+            return None if self.interpretable else "no interpreter runs it"
+        if platform not in self.platforms:
+            return f"runs on {'/'.join(self.platforms)}, not {platform}"
+        if self.hardware is not None:
+            return self.hardware(platform)
+        return None
 
 
 class Operator:
@@ -78,11 +100,14 @@ class Operator:
         reference: Callable[..., Any],
         abstract_eval: Callable[..., Any],
         multiple_results: bool = False,
+        spec: Callable[[dict[str, Any]], Any] | None = None,
     ):
         if name in OPERATORS:
             raise ValueError(f"operator {name!r} is already defined")
         self.name = name
         self.reference = reference
+        # The operator's frozen spec from its bind parameters (what kernels receive).
+        self.spec = spec if spec is not None else _params_spec
         self.kernels: list[Kernel] = []
         self.prim = _compat.Primitive(f"ts_{name}")
         self.prim.multiple_results = multiple_results
@@ -107,23 +132,35 @@ class Operator:
         """The implementation the lowering uses: ``(name, fn)``.
 
         ``xla`` mode, or a lowering for several platforms at once, takes the
-        reference. ``interpret`` takes the first supporting kernel in interpret
-        mode on any platform; ``pallas`` the first supporting kernel compiled for
-        this platform; ``auto`` additionally requires the kernel's ``prefer``.
+        reference. ``interpret`` takes the first supporting interpretable kernel, run
+        in an interpreter on any platform; ``pallas`` the first supporting kernel
+        compiled for this platform and hardware; ``auto`` additionally requires the
+        kernel's ``prefer``. ``fn`` takes the operands and the bind parameters, as the
+        reference does.
         """
         mode = get_kernel_mode()
-        if mode != "xla" and platform is not None:
+        if mode != "xla" and platform is not None and self.kernels:
+            spec = self.spec(params)
             for k in self.kernels:
-                if mode != "interpret" and platform not in k.platforms:
+                if k.unavailable(mode, platform) is not None:
                     continue
-                if k.supports(avals_in, params, platform) is not None:
+                if k.supports(spec, avals_in) is not None:
                     continue
-                if mode == "interpret":
-                    return k.name, functools.partial(k.fn, interpret=True)
-                if mode == "auto" and k.prefer is not None and not k.prefer(avals_in, params):
+                if mode == "auto" and k.prefer is not None and not k.prefer(spec, avals_in):
                     continue
-                return k.name, functools.partial(k.fn, interpret=False)
+                return k.name, _kernel_call(k, spec, interpret=mode == "interpret")
         return "reference", self.reference
+
+    def reasons(self, platform: str | None, avals_in: Sequence[Any], params: dict[str, Any]):
+        """``{kernel name: why it cannot run this case}`` in the kernel mode in force."""
+        mode = get_kernel_mode()
+        spec = self.spec(params)
+        out = {}
+        for k in self.kernels:
+            why = k.unavailable(mode, platform) or k.supports(spec, avals_in)
+            if why is not None:
+                out[k.name] = why
+        return out
 
     def _lower(self, ctx, *args, **params):
         platforms = tuple(ctx.module_context.platforms)
@@ -137,6 +174,23 @@ class Operator:
         with _compat.lowering_without_vma(ctx) as ctx:
             lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
             return lowered(ctx, *args, **params)
+
+
+def _params_spec(params: dict[str, Any]) -> Any:
+    """The spec of an operator bound with ``spec=``; else its parameters, frozen."""
+    if "spec" in params:
+        return params["spec"]
+    return tuple(sorted(params.items()))
+
+
+def _kernel_call(kernel: Kernel, spec: Any, *, interpret: bool) -> Callable[..., Any]:
+    """``kernel.fn`` in the reference's calling convention (operands, bind parameters)."""
+
+    def call(*operands: Any, **params: Any) -> Any:
+        del params  # the kernel reads the spec decoded from them
+        return kernel.fn(spec, *operands, interpret=interpret)
+
+    return call
 
 
 def _abstract_eval_vma(abstract_eval: Callable[..., Any], *avals: Any, **params: Any) -> Any:
