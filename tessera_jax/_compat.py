@@ -355,11 +355,13 @@ def _check_vma_state() -> Any:
     return getattr(_config, "_check_vma", None)
 
 
+_CHECK_VMA = _check_vma_state()
+
+
 def vma_checking() -> bool:
     """Whether values are being typed by the mesh axes they vary over (inside a
     ``shard_map`` with ``check_vma=True``)."""
-    state = _check_vma_state()
-    return bool(state is not None and state.value)
+    return bool(_CHECK_VMA is not None and _CHECK_VMA.value)
 
 
 def match_vma(args: Any) -> list[Any]:
@@ -395,3 +397,11 @@ def with_varying(aval: Any, vma: frozenset, like: Any) -> Any:
     if hasattr(aval, "vma"):  # pragma: no cover - other spelling
         return aval.update(vma=vma)
     return aval
+
+
+from jax._src import core as _core  # noqa: E402
+
+
+def is_eager() -> bool:
+    """Whether a primitive bound now is evaluated at once (no jit, grad or vmap trace)."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)

@@ -1,7 +1,18 @@
 """Test configuration: 8 virtual CPU devices, strict dtype promotion, rank promotion raises,
-highest matmul precision."""
+highest matmul precision.
+
+Which backend a run uses:
+
+* ``python -m pytest`` (the README's command) runs on the CPU whatever the machine has: the
+  multi-device tests need 8 devices, which a CPU gives as virtual devices, and the Pallas
+  kernels run in interpret mode there. Tests marked ``gpu`` are skipped.
+* ``python -m pytest -m gpu`` runs only the ``gpu`` tests, on the default backend (a GPU):
+  every compiled kernel against its reference at small shapes. Each has an interpret-mode
+  twin in the CPU run.
+"""
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "")
 
@@ -16,6 +27,37 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests: few examples, the same ones every run (CI must not depend on luck), no
+# deadline (the first example of a shape compiles).
+settings.register_profile("tessera", max_examples=20, deadline=None, derandomize=True)
+settings.load_profile("tessera")
+
+
+def _selects_gpu(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` asks for the gpu tests (``gpu``, ``gpu and not slow``)."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def pytest_configure(config):
+    config._tessera_gpu_run = _selects_gpu(config.option.markexpr)
+    if not config._tessera_gpu_run:
+        # Before any backend starts: every other test runs on the 8 virtual CPU devices.
+        jax.config.update("jax_platforms", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config._tessera_gpu_run:
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            skip = pytest.mark.skip(reason="-m gpu needs a GPU (jax.devices() has none)")
+            for item in items:
+                item.add_marker(skip)
+        return
+    skip = pytest.mark.skip(reason="GPU test: run `python -m pytest -m gpu` on a GPU host")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

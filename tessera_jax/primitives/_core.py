@@ -112,7 +112,8 @@ class Operator:
         self.prim = _compat.Primitive(f"ts_{name}")
         self.prim.multiple_results = multiple_results
         self.prim.def_impl(functools.partial(_compat.apply_primitive, self.prim))
-        self.prim.def_abstract_eval(functools.partial(_abstract_eval_vma, abstract_eval))
+        self._abstract_eval = abstract_eval
+        self.prim.def_abstract_eval(self._typed_abstract_eval)
         mlir.register_lowering(self.prim, self._lower)
         OPERATORS[name] = self
 
@@ -122,7 +123,21 @@ class Operator:
     def bind(self, *args: Any, **params: Any) -> Any:
         if _compat.vma_checking():  # inside shard_map: operands agree on their varying axes
             args = _compat.match_vma(args)
+        elif _compat.is_eager():
+            # Outside any trace (a notebook calling operators one by one), a jitted bind per
+            # parameter set takes jax's C++ dispatch path instead of the Python one that
+            # evaluating a primitive goes through.
+            fn = self._eager(_frozen(params))
+            if fn is not None:
+                return fn(*args)
         return self.prim.bind(*args, **params)
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 (operators live as long as the process)
+    def _eager(self, frozen: tuple | None) -> Callable[..., Any] | None:
+        if frozen is None:
+            return None
+        params = dict(frozen)
+        return jax.jit(lambda *args: self.prim.bind(*args, **params))
 
     def add_kernel(self, kernel: Kernel) -> Kernel:
         self.kernels.append(kernel)
@@ -162,6 +177,27 @@ class Operator:
                 out[k.name] = why
         return out
 
+    def _typed_abstract_eval(self, *avals: Any, **params: Any) -> Any:
+        """The operator's abstract eval, with the types jax's own operations would give.
+
+        On a mesh with Explicit axes (jax's sharding in types), the outputs carry the
+        sharding that the reference (jax.numpy / lax: the operator's jnp counterpart)
+        gives for the same operands, so ``ts.sum`` drops a reduced dimension's axis as
+        ``jnp.sum`` does and ``ts.matmul`` is typed like ``jnp.dot``. Inside
+        ``shard_map`` the outputs vary over the mesh axes their operands vary over.
+        """
+        if not any(_has_explicit_axes(a) for a in avals):
+            return _with_operands_vma(self._abstract_eval(*avals, **params), avals)
+        # Shapes and dtypes from the operator's rule (over unsharded operands, so that a
+        # rule may change ranks), shardings from the reference.
+        out = self._abstract_eval(*map(_unsharded, avals), **params)
+        ref = jax.eval_shape(functools.partial(self.reference, **params), *avals)
+        if self.prim.multiple_results:
+            out = type(out)(o.update(sharding=r.sharding) for o, r in zip(out, ref))
+        else:
+            out = out.update(sharding=ref.sharding)
+        return _with_operands_vma(out, avals)
+
     def _lower(self, ctx, *args, **params):
         platforms = tuple(ctx.module_context.platforms)
         platform = platforms[0] if len(platforms) == 1 else None
@@ -174,6 +210,16 @@ class Operator:
         with _compat.lowering_without_vma(ctx) as ctx:
             lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
             return lowered(ctx, *args, **params)
+
+
+def _frozen(params: dict[str, Any]) -> tuple | None:
+    """``params`` as a hashable key, or None if a value is not hashable."""
+    frozen = tuple(sorted(params.items()))
+    try:
+        hash(frozen)
+    except TypeError:
+        return None
+    return frozen
 
 
 def _params_spec(params: dict[str, Any]) -> Any:
@@ -193,10 +239,45 @@ def _kernel_call(kernel: Kernel, spec: Any, *, interpret: bool) -> Callable[...,
     return call
 
 
-def _abstract_eval_vma(abstract_eval: Callable[..., Any], *avals: Any, **params: Any) -> Any:
-    """The operator's abstract eval, its outputs typed as varying over the mesh axes
-    its operands vary over (inside shard_map; a no-op elsewhere)."""
-    out = abstract_eval(*avals, **params)
+def _has_explicit_axes(aval: Any) -> bool:
+    """Whether ``aval`` is typed by a mesh with Explicit axes (sharding in types)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def explicit_sharding(aval: Any) -> Any:
+    """``aval``'s sharding if typed by a mesh with Explicit axes, else None: what to pass
+    as ``out_sharding`` to a jax.numpy call building a value of ``aval``'s type."""
+    return aval.sharding if _has_explicit_axes(aval) else None
+
+
+def unshard_axes(x: jax.Array, axes: Sequence[int]) -> jax.Array:
+    """``x`` with ``axes`` not sharded over Explicit mesh axes (gathered if they were).
+
+    A reference that slices or reorders along ``axes`` (the canonical tree) calls this
+    first: on a mesh with Explicit axes jax refuses such slices of a sharded dimension.
+    Elsewhere it returns ``x`` unchanged (under Auto axes the partitioner, or the
+    operator's sharding rule, decides).
+    """
+    aval = jax.typeof(x)
+    if not _has_explicit_axes(aval):
+        return x
+    spec = tuple(aval.sharding.spec) + (None,) * (x.ndim - len(aval.sharding.spec))
+    if all(spec[a] is None for a in axes):
+        return x
+    keep = jax.sharding.PartitionSpec(*(None if d in axes else s for d, s in enumerate(spec)))
+    return jax.sharding.reshard(x, keep)
+
+
+def _unsharded(aval: Any) -> Any:
+    if not _has_explicit_axes(aval):
+        return aval
+    return jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _with_operands_vma(out: Any, avals: Sequence[Any]) -> Any:
+    """``out`` typed as varying over the mesh axes its operands vary over (inside
+    shard_map; a no-op elsewhere)."""
     if not _compat.vma_checking():
         return out
     vmas = [_compat.varying_axes_of_aval(a) for a in avals]
@@ -219,24 +300,32 @@ def move_bdim_to_front(x: jax.Array, bdim: int | None, size: int) -> jax.Array:
     return jax.numpy.moveaxis(x, bdim, 0)
 
 
-def normalize_axis(op: str, arg: str, axis: int, ndim: int) -> int:
-    """``axis`` as a non-negative int, or a ValueError naming the operator."""
+def normalize_axis(op: str, arg: str, axis: Any, ndim: int) -> int:
+    """``axis`` as a non-negative int, or an error naming the operator and argument."""
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"{op}: {arg}={axis!r} must be an int")
+        raise TypeError(
+            f"{op}: {arg}={axis!r} must be a static int in [-{ndim}, {ndim}) "
+            f"(got {type(axis).__name__})"
+        )
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: {arg}={axis} is out of range for an array of rank {ndim}")
     return int(axis) % ndim
 
 
-def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+def normalize_axes(op: str, axis: Any, ndim: int, arg: str = "axis") -> tuple[int, ...]:
     """``axis`` (None = all, an int, or a sequence) as a sorted tuple of distinct axes."""
     if axis is None:
         return tuple(range(ndim))
-    if isinstance(axis, (int, np.integer)):
+    if isinstance(axis, (int, np.integer)) and not isinstance(axis, bool):
         axis = (axis,)
-    axes = tuple(normalize_axis(op, "axis", a, ndim) for a in axis)
+    elif not isinstance(axis, (tuple, list)):
+        raise TypeError(
+            f"{op}: {arg}={axis!r} must be None, an int or a tuple of ints "
+            f"(got {type(axis).__name__})"
+        )
+    axes = tuple(normalize_axis(op, arg, a, ndim) for a in axis)
     if len(set(axes)) != len(axes):
-        raise ValueError(f"{op}: axis={tuple(axis)} repeats an axis")
+        raise ValueError(f"{op}: {arg}={tuple(axis)} repeats an axis")
     return tuple(sorted(axes))
 
 

@@ -220,12 +220,9 @@ def _flash_fwd_reference(q, k, v, *, causal, scale, config):
         o = alpha * o + _dot(p.astype(v.dtype), v_blk, 2, acc)
         return (m_new, l, o), None
 
-    rows = (g.batch, g.heads_kv, g.rows, 1)
-    init = (
-        jnp.full(rows, -jnp.inf, acc),
-        jnp.zeros(rows, acc),
-        jnp.zeros((*rows[:3], g.head_dim), acc),
-    )
+    # *_like the query rows: on a mesh with Explicit axes the carry then has their sharding.
+    stat = jnp.zeros_like(q_rows[..., :1], dtype=acc)
+    init = (stat - jnp.inf, stat, jnp.zeros_like(q_rows, dtype=acc))
     xs = (jnp.arange(g.num_blocks, dtype=jnp.int32), _kv_blocks(g, k), _kv_blocks(g, v))
     (m, l, o), _ = jax.lax.scan(step, init, xs)
     empty = l == 0  # fully masked rows
@@ -259,7 +256,7 @@ def _flash_bwd_reference(q, k, v, out, lse, dout, *, causal, scale, config):
         return dq, (dk_blk.astype(k.dtype), dv_blk.astype(v.dtype))
 
     xs = (jnp.arange(g.num_blocks, dtype=jnp.int32), _kv_blocks(g, k), _kv_blocks(g, v))
-    dq0 = jnp.zeros((g.batch, g.heads_kv, g.rows, g.head_dim), acc)
+    dq0 = jnp.zeros_like(q_rows, dtype=acc)
     dq, (dk, dv) = jax.lax.scan(step, dq0, xs)
     return _from_rows(g, dq).astype(q.dtype), _from_blocks(g, dk), _from_blocks(g, dv)
 

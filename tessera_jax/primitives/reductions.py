@@ -43,9 +43,11 @@ from tessera_jax.primitives._core import (
     batching,
     check_dtype,
     compute_dtype,
+    explicit_sharding,
     is_float,
     normalize_axes,
     not_mapped,
+    unshard_axes,
     zero_tangent,
 )
 
@@ -92,6 +94,7 @@ def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
 
 def canonical_sum(x: jax.Array, axes: tuple[int, ...], keepdims: bool) -> jax.Array:
     """``x`` summed over ``axes`` on the canonical tree, accumulating in the compute dtype."""
+    x = unshard_axes(x, axes)
     keep = [a for a in range(x.ndim) if a not in axes]
     xt = jnp.transpose(x, keep + list(axes)).astype(compute_dtype(x.dtype))
     n = math.prod(x.shape[a] for a in axes)
@@ -105,11 +108,12 @@ def _reduced_shape(shape, axes, keepdims):
     return tuple(1 if a in axes else d for a, d in enumerate(shape) if keepdims or a not in axes)
 
 
-def _expand_back(ct: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool):
-    """Broadcasts a reduction's cotangent back to the input shape."""
+def _expand_back(ct: jax.Array, like: jax.Array, axes: tuple[int, ...], keepdims: bool):
+    """Broadcasts a reduction's cotangent back to the type (shape, sharding) of ``like``."""
     if not keepdims:
         ct = jnp.expand_dims(ct, axes)
-    return jnp.broadcast_to(ct, shape)
+    aval = jax.typeof(like) if isinstance(like, jax.Array) else like
+    return jnp.broadcast_to(ct, aval.shape, out_sharding=explicit_sharding(aval))
 
 
 def _shift_axes(axes, bdim):
@@ -148,7 +152,7 @@ sum_op = Operator(
 def _sum_transpose(ct, x, *, axes, keepdims, deterministic):
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
-    return [_expand_back(ct, x.aval.shape, axes, keepdims)]
+    return [_expand_back(ct, x.aval, axes, keepdims)]
 
 
 ad.deflinear2(sum_op.prim, _sum_transpose)
@@ -196,7 +200,7 @@ def _max_jvp(primals, tangents, *, axes, keepdims):
     if type(t) is ad.Zero:
         return y, zero_tangent(y)
     # Ties share the derivative equally (as jax.numpy.max does).
-    hit = (x == _expand_back(y, x.shape, axes, keepdims)).astype(t.dtype)
+    hit = (x == _expand_back(y, x, axes, keepdims)).astype(t.dtype)
     count = sum(hit, axis=axes, keepdims=keepdims)
     return y, sum(t * hit, axis=axes, keepdims=keepdims) / count
 
