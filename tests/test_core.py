@@ -15,7 +15,8 @@ from tests._util import rand
 _seen = []
 
 
-def _kernel(x, *, interpret):
+def _kernel(spec, x, *, interpret):
+    del spec
     _seen.append(interpret)
 
     def body(x_ref, o_ref):
@@ -27,9 +28,7 @@ def _kernel(x, *, interpret):
 
 
 _op = Operator("test_double", reference=lambda x: x * 2, abstract_eval=lambda x: x)
-_op.add_kernel(
-    Kernel("pallas_double", _kernel, lambda avals, params, platform: None, platforms=("cuda",))
-)
+_op.add_kernel(Kernel("pallas_double", _kernel, lambda spec, avals: None, platforms=("cuda",)))
 
 
 def test_mode_selects_the_lowering_and_is_part_of_the_jit_key():
@@ -52,12 +51,61 @@ def test_pallas_mode_on_cpu_skips_cuda_only_kernels():
 
 def test_auto_mode_consults_prefer():
     op = Operator("test_prefer", reference=lambda x: x, abstract_eval=lambda x: x)
-    op.add_kernel(Kernel("k", _kernel, lambda a, p, pl_: None, prefer=lambda a, p: False))
-    op.add_kernel(Kernel("unsupported", _kernel, lambda a, p, pl_: "never"))
+    op.add_kernel(Kernel("k", _kernel, lambda s, a: None, prefer=lambda s, a: False))
+    op.add_kernel(Kernel("unsupported", _kernel, lambda s, a: "never"))
     assert op.select("cuda", [], {})[0] == "reference"
     with ts.kernel_mode("pallas"):
         assert op.select("cuda", [], {})[0] == "k"
     del OPERATORS["test_prefer"]
+
+
+def test_hardware_interpretable_and_reasons():
+    """Every kernel speaks one vocabulary: platforms and hardware decide where the compiled
+    kernel may run, interpretable whether interpret mode may run it, and reasons() says
+    why each kernel declined a case."""
+    op = Operator("test_vocab", reference=lambda x, **_: x, abstract_eval=lambda x, **_: x)
+    op.add_kernel(Kernel("old_gpu", _kernel, lambda s, a: None, hardware=lambda p: "too old"))
+    op.add_kernel(Kernel("peer", _kernel, lambda s, a: None, interpretable=False))
+    op.add_kernel(Kernel("small", _kernel, lambda s, a: None if s == (("n", 1),) else "n != 1"))
+    try:
+        with ts.kernel_mode("pallas"):
+            assert op.select("cuda", [], {"n": 2})[0] == "peer"
+            assert op.reasons("cuda", [], {"n": 2}) == {"old_gpu": "too old", "small": "n != 1"}
+        with ts.kernel_mode("interpret"):
+            assert op.select("cpu", [], {"n": 2})[0] == "old_gpu"  # hardware not asked
+            assert op.reasons("cpu", [], {"n": 2})["peer"] == "no interpreter runs it"
+        with ts.kernel_mode("pallas"):
+            assert op.reasons("cpu", [], {"n": 1})["small"] == "runs on cuda, not cpu"
+    finally:
+        del OPERATORS["test_vocab"]
+
+
+def test_operator_decodes_its_spec_once_for_every_kernel():
+    seen = []
+    op = Operator(
+        "test_spec",
+        reference=lambda x, **_: x,
+        abstract_eval=lambda x, **_: x,
+        spec=lambda params: ("decoded", params["k"]),
+    )
+    op.add_kernel(Kernel("k", _kernel, lambda s, a: seen.append(s)))
+    try:
+        with ts.kernel_mode("pallas"):
+            op.select("cuda", [], {"k": 3})
+        assert seen == [("decoded", 3)]
+    finally:
+        del OPERATORS["test_spec"]
+
+
+def test_eager_calls_take_a_cached_jitted_bind():
+    """Outside any trace, binding twice with the same parameters reuses one jitted function
+    (jax's C++ dispatch path); inside jit the primitive shows in the jaxpr as itself."""
+    x = rand((4,))
+    np.testing.assert_allclose(_op.bind(x), x * 2)
+    first = _op._eager(())
+    np.testing.assert_allclose(_op.bind(x + 1), (x + 1) * 2)
+    assert _op._eager(()) is first
+    assert "ts_test_double" in str(jax.make_jaxpr(_op.bind)(x))
 
 
 def test_bad_mode_and_duplicate_operator():

@@ -304,8 +304,8 @@ def normalize_axis(op: str, arg: str, axis: Any, ndim: int) -> int:
     """``axis`` as a non-negative int, or an error naming the operator and argument."""
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise TypeError(
-            f"{op}: {arg}={axis!r} must be a static int in [-{ndim}, {ndim}) "
-            f"(got {type(axis).__name__})"
+            f"{op}: {arg}={axis!r} must be an int (a static Python int in "
+            f"[-{ndim}, {ndim}); got {type(axis).__name__})"
         )
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: {arg}={axis} is out of range for an array of rank {ndim}")
