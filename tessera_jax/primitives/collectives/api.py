@@ -86,6 +86,15 @@ def _check_dtype(fn: str, x: jax.Array, op: str) -> None:
         raise TypeError(f"{fn}: x.dtype={dt} is not supported with op={op!r}; it needs {allowed}")
 
 
+def _as_array(fn: str, x: Any) -> jax.Array:
+    if isinstance(x, jax.Array) or hasattr(x, "__jax_array__"):
+        return as_array(fn, "x", x)
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: x={x!r} is not an array (nor convertible to one)") from None
+
+
 def _axis_names(fn: str, axis: Any) -> tuple[str, ...]:
     """``axis`` (None, a name, or a non-empty sequence of distinct names) as a tuple."""
     if axis is None:
@@ -109,7 +118,7 @@ def _prepare(fn: str, x: Any, axis: Any, mesh: Any, required: bool = False):
     if mesh is not None and not isinstance(mesh, (Mesh, jax.sharding.Mesh)):
         raise TypeError(f"{fn}: mesh={mesh!r} must be a ts.dist.Mesh or a jax.sharding.Mesh")
     dist = x if isinstance(x, DistTensor) else None
-    x = as_array(fn, "x", x.array if dist is not None else x)
+    x = _as_array(fn, x.array if dist is not None else x)
     names = _axis_names(fn, axis)
     if required and not names:
         raise TypeError(f"{fn}: axis={axis!r} must be a mesh axis name or a tuple of names")
