@@ -1,8 +1,8 @@
 """The deterministic all-reduce as one Mosaic GPU kernel over NVLink (Hopper, one process).
 
 ``all_reduce(x, axis)`` inside ``shard_map`` returns, on every part, the canonical
-pairwise tree over the parts in rank order (``primitives/collectives.py``), bit for bit
-what the XLA data path (all_to_all + local tree + all_gather) returns. The kernel moves
+pairwise tree over the parts in rank order (``primitives/collectives/algorithms.py``),
+bit for bit what the XLA data path (all_to_all + local tree + all_gather) returns. The kernel moves
 the same bytes as that path (and NCCL's ring), ``2(n-1)/n`` of the message out of each
 GPU, but in one launch and with every NVLink transfer a posted write:
 
@@ -23,10 +23,10 @@ another across GPUs): ``B`` is at most the number of SMs, one CTA per SM.
 
 Needs jax >= 0.11 (remote references with XLA's collective metadata in a single
 process), sm_90, and every device of the mesh in this process (``hardware``); the
-operator takes its XLA path elsewhere. The Mosaic GPU interpreter has no peer
-references or cross-device semaphores (jax 0.10.2 and 0.11), so the kernel is not
-interpretable (``INTERPRETABLE``): the CPU tests check the plan, the in-register tree
-and the lowering; the GPU benchmark (``benchmarks/allreduce.py``) checks the bits
+operator takes its XLA path elsewhere. The Mosaic GPU interpreter (jax 0.10.2) has no
+peer references and cannot allocate the kernel's cross-device semaphores, so the kernel
+is not interpretable (``INTERPRETABLE``): the CPU tests check the plan, the in-register
+tree and the lowering; the GPU benchmark (``benchmarks/allreduce.py``) checks the bits
 against the canonical tree.
 
 Dispatch vocabulary (the same as every kernel's): ``supports(spec, avals)``,
