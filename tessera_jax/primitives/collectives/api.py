@@ -13,6 +13,9 @@ its layout lays them out (a mesh axis its layout does not use holds a whole copy
 every part); the parts of a plain array are the slices of its dim 0. Meshes with
 Explicit axes (``jax.make_mesh``'s default from jax 0.10) are placed with
 ``device_put``, meshes with Auto axes with ``with_sharding_constraint``.
+
+Only ``all_reduce`` has a kernel (``dispatch.py``), and it cannot be interpreted: under
+``TESSERA_KERNELS=interpret`` every collective runs its XLA data path, as under ``xla``.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _check_deterministic(fn: str, deterministic: Any, algo: str | None) -> bool:
     return bool(deterministic)
 
 
-def _check_dtype(fn: str, x: jax.Array, op: str) -> None:
+def _check_dtype(fn: str, x: jax.Array, op: str | None) -> None:
     """Reductions take numbers: sums any, ``mean`` inexact ones, ``max``/``min`` ordered
     ones (not complex)."""
     dt = jnp.dtype(x.dtype)
@@ -83,7 +86,8 @@ def _check_dtype(fn: str, x: jax.Array, op: str) -> None:
     else:
         ok, allowed = jnp.issubdtype(dt, jnp.number), "a numeric (not bool) dtype"
     if not ok:
-        raise TypeError(f"{fn}: x.dtype={dt} is not supported with op={op!r}; it needs {allowed}")
+        with_op = f" with op={op!r}" if op is not None else ""
+        raise TypeError(f"{fn}: x.dtype={dt} is not supported{with_op}; it needs {allowed}")
 
 
 def _as_array(fn: str, x: Any) -> jax.Array:
@@ -303,7 +307,7 @@ def reduce_scatter(
     _check_choice("reduce_scatter", "algo", algo, SCATTER_ALGOS)
     det = _check_deterministic("reduce_scatter", deterministic, algo)
     x, axes, m, dist = _prepare("reduce_scatter", x, axis, mesh, required=True)
-    _check_dtype("reduce_scatter", x, "sum")
+    _check_dtype("reduce_scatter", x, None)
     dim = _dim("reduce_scatter", "dim", dim, x)
 
     def local(v):
