@@ -1,7 +1,8 @@
 """The NVLink all-reduce kernel (pallas_kernels/allreduce_mgpu.py) on the CPU: its tiling
 plan, its in-register tree against the canonical one, and where ``ts.op.all_reduce``
-lowers to it (a cuda lowering built here). Interpret mode cannot run peer references;
-the bits on GPUs are checked by ``benchmarks/allreduce.py`` (see docs/DISTRIBUTION.md)."""
+lowers to it (a cuda lowering built here), and its dispatch vocabulary. No interpreter
+runs peer references (the kernel is not interpretable: interpret mode takes the XLA
+tree); the bits on GPUs are checked by ``benchmarks/allreduce.py`` (docs/DISTRIBUTION.md)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import allreduce_mgpu as ar
+from tessera_jax.primitives import collectives as coll
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 from tests._util import cuda_lowering, mosaic_gpu_calls, rand
 
@@ -110,10 +112,62 @@ def test_where_all_reduce_lowers_to_the_kernel(
         assert "all-to-all" not in txt and "all_to_all" not in txt
 
 
-def test_kernel_needs_cuda_hopper_and_one_process():
-    assert not ar.eligible("cpu", jnp.float32, ("x",), 4, "sum")
-    assert not ar.eligible("cuda", jnp.float32, ("x",), 4, "sum")  # no Hopper GPU here
-    assert not ar.eligible("cuda", jnp.float32, ("x", "y"), 4, "sum")
+def _spec(axes=("x",), op="sum", n=4, deterministic=True, algo="auto"):
+    return coll.AllReduceSpec(axes=axes, op=op, algo=algo, deterministic=deterministic, n=n)
+
+
+F32 = jax.ShapeDtypeStruct((1024,), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "spec,aval,why",
+    [
+        (_spec(), F32, None),
+        (_spec(op="mean"), jax.ShapeDtypeStruct((3, 5), jnp.bfloat16), None),
+        (_spec(op="max"), F32, "op='max'"),
+        (_spec(axes=("x", "y")), F32, "one mesh axis"),
+        (_spec(deterministic=False), F32, "deterministic=False"),
+        (_spec(n=1), F32, "fewer than 2"),
+        (_spec(), jax.ShapeDtypeStruct((8,), jnp.int32), "dtype int32"),
+    ],
+)
+def test_kernel_supports_names_the_reason(spec, aval, why):
+    got = ar.supports(spec, (aval,))
+    assert got is None if why is None else why in got
+
+
+def test_kernel_hardware_and_dispatch_vocabulary(hopper):
+    assert "not cuda" in ar.hardware("cpu")
+    assert ar.hardware("cuda") is None  # the fixture's Hopper with a peer-capable jax
+    k = coll.dispatch.NVLINK
+    assert (k.name, k.platforms, k.interpretable) == ("nvlink", ("cuda",), False)
+    assert (k.fn, k.supports, k.prefer, k.hardware) == (ar.fn, ar.supports, ar.prefer, ar.hardware)
+    big = jax.ShapeDtypeStruct((ar.MIN_BYTES // 4,), jnp.float32)
+    assert ar.prefer(_spec(), (big,)) and not ar.prefer(_spec(), (F32,))
+    with pytest.raises(ValueError, match="no interpreter runs peer references"):
+        ar.fn(_spec(), jnp.ones(8), interpret=True)
+
+
+def test_kernel_hardware_off_hopper():
+    if ar.device.is_sm90():
+        pytest.skip("this machine has Hopper GPUs")
+    why = ar.hardware("cuda")
+    assert why is not None and ("Hopper" in why or "jax >= 0.11" in why)
+
+
+@pytest.mark.parametrize("mode", ["xla", "pallas", "auto", "interpret"])
+@pytest.mark.parametrize("platform", ["cuda", "cpu", None])
+def test_select_kernel_follows_the_modes(hopper, mode, platform):
+    """pallas/auto take the kernel compiled on cuda (auto: where it is preferred or asked
+    for by name); xla never; interpret never, as no interpreter runs it."""
+    big = jax.ShapeDtypeStruct((ar.MIN_BYTES // 4,), jnp.float32)
+    with ts.kernel_mode(mode):
+        for algo, aval in [("nvlink", F32), ("auto", big), ("auto", F32), ("ring", big)]:
+            got = coll.select_kernel(_spec(algo=algo), (aval,), platform)
+            want = platform == "cuda" and mode in ("pallas", "auto") and algo != "ring"
+            if mode == "auto" and algo == "auto" and aval is F32:
+                want = False  # under MIN_BYTES
+            assert got == ((coll.dispatch.NVLINK, False) if want else None), (algo, aval)
 
 
 def test_nvlink_off_gpu_is_binary_tree_bit_for_bit():

@@ -713,3 +713,494 @@ def test_sum_of_products_mesh_size_invariance():
         s = NamedSharding(m.jax_mesh, P("dp"))
         xs, ws = jax.device_put(x, s), jax.device_put(w, s)
         assert bits_equal(f(xs, ws), e1) and bits_equal(g(xs, ws), e2), f"{n} devices"
+
+
+# --- the global view follows a DistTensor's layout, on Auto and Explicit meshes ------------
+
+
+def mesh_2x4(kind):
+    """The 2x4 (dp, tp) mesh with Auto axes (ts.dist.Mesh) or Explicit ones (what
+    jax.make_mesh gives from jax 0.10 on)."""
+    if kind == "auto":
+        return mesh_of("2x4").jax_mesh
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=explicit)
+
+
+def np_global_all_reduce(x, entries, axes, combine):
+    """The reference of a global all_reduce over ``axes`` of ``x`` laid out on the 2x4
+    (dp, tp) mesh by ``entries`` (the mesh axes of each dim): the blocks of the devices
+    that differ only along ``axes``, stacked in rank order and combined, placed where the
+    layout without ``axes`` puts them."""
+    sizes = {"dp": 2, "tp": 4}
+    x = np.asarray(x)
+
+    def index(coord, names):  # row-major over names
+        i = 0
+        for a in names:
+            i = i * sizes[a] + coord[a]
+        return i
+
+    def block(coord, ents):
+        sl = []
+        for s, e in zip(x.shape, ents):
+            b = s // math.prod(sizes[a] for a in e)
+            sl.append(slice(index(coord, e) * b, (index(coord, e) + 1) * b))
+        return tuple(sl)
+
+    out_ents = [tuple(a for a in e if a not in axes) for e in entries]
+    out_shape = [s // math.prod(sizes[a] for a in e if a in axes) for s, e in zip(x.shape, entries)]
+    out = np.zeros(out_shape, x.dtype)
+    others = [a for a in sizes if a not in axes]
+    for co in np.ndindex(*(sizes[a] for a in others)):
+        fixed = dict(zip(others, co))
+        group = [
+            x[block({**fixed, **dict(zip(axes, ca))}, entries)]
+            for ca in np.ndindex(*(sizes[a] for a in axes))
+        ]
+        where = [
+            slice(index(fixed, e) * (s // math.prod(sizes[a] for a in e)), None)
+            for s, e in zip(out_shape, out_ents)
+        ]
+        res = combine(np.stack(group))
+        where = tuple(slice(w.start, w.start + r) for w, r in zip(where, res.shape))
+        out[where] = res
+    return out
+
+
+LAYOUTS = {  # name: (ShardSpec, the mesh axes of each dim of an (8, 12) tensor)
+    "replicated": (ts.ShardSpec(), [(), ()]),
+    "rows_dp": (ts.ShardSpec((0,), ("dp",)), [("dp",), ()]),
+    "cols_tp": (ts.ShardSpec((1,), ("tp",)), [(), ("tp",)]),
+    "rows_dp_cols_tp": (ts.ShardSpec((0, 1), ("dp", "tp")), [("dp",), ("tp",)]),
+    "rows_dp_tp": (ts.ShardSpec((0,), (("dp", "tp"),)), [("dp", "tp"), ()]),
+}
+COMBINE = {
+    "sum": np_tree,
+    "max": lambda s: np.max(s, axis=0),
+    "mean": lambda s: np_tree(s) / np.asarray(s.shape[0], s.dtype),
+}
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("axes", [("tp",), ("dp",), ("dp", "tp")])
+def test_global_all_reduce_follows_the_layout(kind, layout, axes):
+    jm = mesh_2x4(kind)
+    spec, entries = LAYOUTS[layout]
+    x = rand((8, 12))
+    X = ts.dist.tensor(x.shape, spec, jm, "f32", x)
+    want = np_global_all_reduce(x, entries, axes, np_tree)
+    for f in (op.all_reduce, jax.jit(op.all_reduce, static_argnums=(1, 2))):
+        y = f(X, "sum", axes)
+        assert y.shape == want.shape and bits_equal(y, want), (layout, axes)
+    out = tuple(tuple(a for a in e if a not in axes) for e in entries)
+    assert y.sharding.is_equivalent_to(
+        NamedSharding(y.sharding.mesh, P(*(coll.partition_entry(e) for e in out))), 2
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,reduce_op",
+    [
+        (d, o)
+        for d in (jnp.float32, jnp.bfloat16, jnp.int32)
+        for o in COMBINE
+        if not (o == "mean" and d == jnp.int32)  # an error: test_collective_bad_arguments
+    ],
+)
+def test_global_all_reduce_of_a_dist_tensor_dtypes(dtype, reduce_op):
+    m = mesh_of("2x4")
+    spec, entries = LAYOUTS["rows_dp_cols_tp"]
+    x = (rand((8, 12)) * 100).astype(dtype)
+    X = ts.dist.tensor(x.shape, spec, m, dtype, x)
+    y = op.all_reduce(X, reduce_op, "tp")
+    want = np_global_all_reduce(x, entries, ("tp",), COMBINE[reduce_op])
+    assert bits_equal(y, want)
+    exact = {"sum": lambda s: s.sum(0), "max": lambda s: s.max(0), "mean": lambda s: s.mean(0)}
+    assert_close(y, np_global_all_reduce(f64(x), entries, ("tp",), exact[reduce_op]), dtype)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_global_reduce_scatter_follows_the_layout(kind):
+    jm = mesh_2x4(kind)
+    x = rand((8, 12))
+    X = ts.dist.tensor(x.shape, ts.ShardSpec((1,), ("tp",)), jm, "f32", x)
+    y = op.reduce_scatter(X, "tp", dim=0)  # the 4 column blocks summed, rows split over tp
+    assert bits_equal(y, np_tree(np.stack(np.split(np.asarray(x), 4, axis=1))))
+    assert y.sharding.is_equivalent_to(NamedSharding(y.sharding.mesh, P("tp")), 2)
+    rows = ts.dist.tensor(x.shape, ts.ShardSpec((0,), ("dp",)), jm, "f32", x)
+    y = jax.jit(lambda v: op.reduce_scatter(v, "dp", dim=1))(rows)
+    assert bits_equal(y, np_tree(np.asarray(x).reshape(2, 4, 12)))
+    assert y.sharding.is_equivalent_to(NamedSharding(y.sharding.mesh, P(None, "dp")), 2)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_global_views_on_auto_and_explicit_meshes(kind, jit):
+    jm = mesh_2x4(kind)
+    x = rand((16, 24))
+    placed = jax.device_put(x, NamedSharding(jm, P(None, "tp")))  # columns over tp
+
+    def run(v):
+        return (
+            op.all_reduce(v, axis="tp", mesh=jm),
+            op.reduce_scatter(v, "tp", dim=1, mesh=jm),
+            op.all_gather(v, "tp", mesh=jm),
+            op.scatter(v, "tp", dim=1, mesh=jm),
+            op.all_to_all(v, "tp", split_dim=0, concat_dim=1, mesh=jm),
+        )
+
+    f = jax.jit(run) if jit else run
+    for v in (x, placed):
+        ar, rs, ag, sc, a2a = f(v)
+        parts = np.asarray(x).reshape(4, 4, 24)  # dim 0 holds the 4 parts along tp
+        assert bits_equal(ar, np_tree(parts))
+        assert bits_equal(rs, np_tree(parts))
+        for got, spec in [(ag, P()), (sc, P(None, "tp")), (a2a, P("tp"))]:
+            np.testing.assert_array_equal(got, x)
+            assert got.sharding.is_equivalent_to(NamedSharding(jm, spec), 2)
+        assert ar.sharding.is_equivalent_to(NamedSharding(jm, P()), 2)
+        assert rs.sharding.is_equivalent_to(NamedSharding(jm, P(None, "tp")), 2)
+
+
+# --- dispatch: algorithm names, interpret mode ---------------------------------------------
+
+
+def test_every_algorithm_dispatch_picks_is_documented():
+    doc = coll.algorithms.__doc__
+    for name in coll.ALGORITHMS:
+        assert f'``"{name}"``' in doc, name
+    assert set(coll.ALGOS) - {"auto"} <= set(coll.ALGORITHMS)
+    picked = set()
+    for algo in coll.ALGOS:
+        for dtype, n, reduce_op in [(jnp.float32, 4, "sum"), (jnp.int32, 4, "max")]:
+            for shape in [(3,), (1 << 20,)]:
+                spec = coll.AllReduceSpec(("x",), reduce_op, algo, True, n)
+                for platform in ("cpu", "cuda", None):
+                    got = coll.choose_algo(spec, jax.ShapeDtypeStruct(shape, dtype), platform)
+                    picked.add(got)
+                    assert got in coll.ALGORITHMS and (algo in ("auto", "nvlink") or got == algo)
+    assert {"psum", "gather", "binary_tree"} <= picked
+
+
+@pytest.mark.parametrize("algo", ["auto", "nvlink", "gather", "binary_tree"])
+def test_interpret_mode_takes_the_tree(algo):
+    """No all-reduce kernel can be interpreted: interpret mode gives the XLA tree's bits."""
+    m = mesh_of("8")
+    x = rand((8 * 3, 37))
+    with ts.kernel_mode("interpret"):
+        y = jax.jit(lambda v: op.all_reduce(v, axis="dp", algo=algo, mesh=m))(x)
+    assert bits_equal(y, np_tree(np.asarray(x).reshape(8, 3, 37)))
+
+
+# --- bad arguments: a ValueError/TypeError naming the function, argument and value ---------
+
+
+def _in_launch(fn):
+    """``fn`` on one (2, 6) block per device of the 2x4 mesh, inside jax.shard_map."""
+    return lambda: spmd(mesh_of("2x4"), lambda v: fn(v[0]), EVERY_PART)(jnp.ones((8, 2, 6)))
+
+
+def _in_index_launch(fn):
+    """``fn`` on one (2, 6) block per device of the 2x4 mesh, inside ts.index_launch."""
+
+    def call():
+        x = jnp.ones((8, 2, 6))
+        X = ts.dist.tensor(x.shape, ts.ShardSpec((0,), (("dp", "tp"),)), mesh_of("2x4"), "f32", x)
+        return ts.index_launch(axis="tp")(lambda p: fn(p[0]))(X.parts(("dp", "tp")))
+
+    return call
+
+
+def _global(fn, mesh="2x4"):
+    return lambda: fn(jnp.ones((8, 6)), mesh_of(mesh))
+
+
+BAD = {  # name: (call, exception, the message it must contain)
+    # all_reduce
+    "ar_x": (
+        lambda: op.all_reduce(object(), axis="dp", mesh=mesh_of("8")),
+        TypeError,
+        "all_reduce: x",
+    ),
+    "ar_x_bool": (
+        _global(lambda x, m: op.all_reduce(x > 0, axis="dp", mesh=m)),
+        TypeError,
+        "all_reduce: x.dtype=bool",
+    ),
+    "ar_x_int_mean": (
+        _global(lambda x, m: op.all_reduce(x.astype(jnp.int32), "mean", "dp", mesh=m)),
+        TypeError,
+        "all_reduce: x.dtype=int32 is not supported with op='mean'",
+    ),
+    "ar_x_int_mean_spmd": (
+        _in_launch(lambda v: op.all_reduce(v.astype(jnp.int32), "mean", "tp")),
+        TypeError,
+        "op='mean'",
+    ),
+    "ar_x_complex_max": (
+        _global(lambda x, m: op.all_reduce(x.astype(jnp.complex64), "max", "dp", mesh=m)),
+        TypeError,
+        "x.dtype=complex64",
+    ),
+    "ar_x_scalar": (
+        lambda: op.all_reduce(jnp.float32(1), axis="dp", mesh=mesh_of("8")),
+        ValueError,
+        "got a scalar",
+    ),
+    "ar_x_shape": (
+        _global(lambda x, m: op.all_reduce(x[:6], axis="tp", mesh=m)),
+        ValueError,
+        "all_reduce: x.shape[0]=6 must be a multiple of the 4 parts along ('tp',)",
+    ),
+    "ar_op": (
+        _global(lambda x, m: op.all_reduce(x, "prod", "dp", mesh=m)),
+        ValueError,
+        "all_reduce: op='prod' must be one of",
+    ),
+    "ar_op_type": (_in_launch(lambda v: op.all_reduce(v, 3, "tp")), ValueError, "op=3"),
+    "ar_axis_type": (
+        _global(lambda x, m: op.all_reduce(x, axis=0, mesh=m)),
+        TypeError,
+        "all_reduce: axis=0 must be a mesh axis name",
+    ),
+    "ar_axis_missing": (
+        _global(lambda x, m: op.all_reduce(x, axis="pp", mesh=m)),
+        ValueError,
+        "all_reduce: axis='pp' is not an axis of the mesh",
+    ),
+    "ar_axis_twice": (
+        _global(lambda x, m: op.all_reduce(x, axis=("dp", "dp"), mesh=m)),
+        ValueError,
+        "names a mesh axis twice",
+    ),
+    "ar_axis_unbound": (
+        _in_launch(lambda v: op.all_reduce(v, axis=("tp", "pp"))),
+        ValueError,
+        "'pp'",
+    ),
+    "ar_no_mesh": (
+        lambda: op.all_reduce(jnp.ones(8), axis="dp"),
+        ValueError,
+        "all_reduce: no mesh",
+    ),
+    "ar_mesh_type": (
+        lambda: op.all_reduce(jnp.ones(8), axis="dp", mesh="dp"),
+        TypeError,
+        "all_reduce: mesh='dp' must be",
+    ),
+    "ar_mesh_in_launch": (
+        _in_launch(lambda v: op.all_reduce(v, axis="tp", mesh=mesh_of("2x4"))),
+        ValueError,
+        "global view",
+    ),
+    "ar_algo": (
+        _global(lambda x, m: op.all_reduce(x, axis="dp", mesh=m, algo="fast")),
+        ValueError,
+        "all_reduce: algo='fast' must be one of",
+    ),
+    "ar_algo_psum": (
+        _in_launch(lambda v: op.all_reduce(v, axis="tp", algo="psum")),
+        ValueError,
+        "algo='psum'",
+    ),
+    "ar_algo_nondet": (
+        _in_launch(lambda v: op.all_reduce(v, axis="tp", algo="ring", deterministic=False)),
+        ValueError,
+        "all_reduce: algo='ring'",
+    ),
+    "ar_algo_nondet_global": (
+        _global(
+            lambda x, m: op.all_reduce(x, axis="dp", mesh=m, algo="nvlink", deterministic=False)
+        ),
+        ValueError,
+        "deterministic=False",
+    ),
+    "ar_deterministic": (
+        _global(lambda x, m: op.all_reduce(x, axis="dp", mesh=m, deterministic="yes")),
+        TypeError,
+        "all_reduce: deterministic='yes' must be",
+    ),
+    "ar_dist_mesh": (
+        lambda: op.all_reduce(
+            ts.dist.tensor((8, 2), None, mesh_of("8"), "f32", jnp.ones((8, 2))),
+            axis="dp",
+            mesh=mesh_of("2x4"),
+        ),
+        ValueError,
+        "is not the mesh",
+    ),
+    "ar_op_launch": (
+        _in_index_launch(lambda v: op.all_reduce(v, "any", "tp")),
+        ValueError,
+        "all_reduce: op='any' must be one of",
+    ),
+    # all_gather
+    "ag_x": (lambda: op.all_gather("abc", "dp", mesh=mesh_of("8")), TypeError, "all_gather: x"),
+    "ag_x_scalar": (
+        _in_launch(lambda v: op.all_gather(v[0, 0], "tp")),
+        ValueError,
+        "all_gather: x must have at least one dim",
+    ),
+    "ag_axis_none": (
+        _global(lambda x, m: op.all_gather(x, None, mesh=m)),
+        TypeError,
+        "all_gather: axis=None",
+    ),
+    "ag_axis_missing": (
+        _global(lambda x, m: op.all_gather(x, "pp", mesh=m)),
+        ValueError,
+        "all_gather: axis='pp'",
+    ),
+    "ag_dim": (
+        _in_launch(lambda v: op.all_gather(v, "tp", dim=2)),
+        ValueError,
+        "all_gather: dim=2 is out of range",
+    ),
+    "ag_dim_type": (
+        _in_launch(lambda v: op.all_gather(v, "tp", dim="0")),
+        TypeError,
+        "all_gather: dim='0' must be an int",
+    ),
+    "ag_deterministic": (
+        _in_launch(lambda v: op.all_gather(v, "tp", deterministic=None)),
+        TypeError,
+        "all_gather: deterministic=None",
+    ),
+    "ag_mesh_type": (
+        lambda: op.all_gather(jnp.ones(8), "dp", mesh=8),
+        TypeError,
+        "all_gather: mesh=8",
+    ),
+    "ag_dim_launch": (
+        _in_index_launch(lambda v: op.all_gather(v, "tp", dim=5)),
+        ValueError,
+        "all_gather: dim=5 is out of range",
+    ),
+    # reduce_scatter
+    "rs_x_bool": (
+        _in_launch(lambda v: op.reduce_scatter(v > 0, "tp", dim=1)),
+        TypeError,
+        "reduce_scatter: x.dtype=bool",
+    ),
+    "rs_x_shape": (
+        _in_launch(lambda v: op.reduce_scatter(v, "tp", dim=0)),
+        ValueError,
+        "reduce_scatter: x.shape[0]=2 must be a multiple of the 4 parts",
+    ),
+    "rs_x_shape_global": (
+        _global(lambda x, m: op.reduce_scatter(x, "tp", dim=1, mesh=m)),
+        ValueError,
+        "reduce_scatter: the part's shape[1]=6 must be a multiple of the 4",
+    ),
+    "rs_axis_type": (
+        _in_launch(lambda v: op.reduce_scatter(v, ["tp", 1], dim=1)),
+        TypeError,
+        "reduce_scatter: axis=['tp', 1]",
+    ),
+    "rs_dim": (
+        _in_launch(lambda v: op.reduce_scatter(v, "tp", dim=-3)),
+        ValueError,
+        "reduce_scatter: dim=-3 is out of range",
+    ),
+    "rs_algo": (
+        _in_launch(lambda v: op.reduce_scatter(v, "tp", dim=1, algo="nvlink")),
+        ValueError,
+        "reduce_scatter: algo='nvlink' must be one of",
+    ),
+    "rs_algo_nondet": (
+        _in_launch(lambda v: op.reduce_scatter(v, "tp", dim=1, algo="ring", deterministic=False)),
+        ValueError,
+        "reduce_scatter: algo='ring'",
+    ),
+    "rs_deterministic": (
+        _global(lambda x, m: op.reduce_scatter(x, "dp", dim=1, mesh=m, deterministic=1)),
+        TypeError,
+        "reduce_scatter: deterministic=1",
+    ),
+    "rs_algo_launch": (
+        _in_index_launch(lambda v: op.reduce_scatter(v, "tp", dim=1, algo="gather")),
+        ValueError,
+        "reduce_scatter: algo='gather' must be one of",
+    ),
+    # scatter
+    "sc_x": (
+        lambda: op.scatter(None, "dp", mesh=mesh_of("8")),
+        TypeError,
+        "scatter: x=None is not an array",
+    ),
+    "sc_x_shape": (
+        _in_launch(lambda v: op.scatter(v, "tp", dim=1)),
+        ValueError,
+        "scatter: x.shape[1]=6 must be a multiple of the 4 parts",
+    ),
+    "sc_x_shape_global": (
+        _global(lambda x, m: op.scatter(x, "tp", dim=1, mesh=m)),
+        ValueError,
+        "scatter: x.shape[1]=6 must be a multiple of the 4",
+    ),
+    "sc_axis": (
+        _in_launch(lambda v: op.scatter(v, ("tp", "zz"), dim=0)),
+        ValueError,
+        "scatter: axis=('tp', 'zz')",
+    ),
+    "sc_dim": (
+        _global(lambda x, m: op.scatter(x, "dp", dim=2, mesh=m)),
+        ValueError,
+        "scatter: dim=2 is out of range",
+    ),
+    "sc_dim_type": (
+        _global(lambda x, m: op.scatter(x, "dp", dim=1.0, mesh=m)),
+        TypeError,
+        "scatter: dim=1.0 must be an int",
+    ),
+    "sc_mesh": (
+        lambda: op.scatter(jnp.ones(8), "dp", mesh=["dp"]),
+        TypeError,
+        "scatter: mesh=['dp']",
+    ),
+    "sc_x_shape_launch": (
+        _in_index_launch(lambda v: op.scatter(v, "tp", dim=0)),
+        ValueError,
+        "scatter: x.shape[0]=2 must be a multiple of the 4 parts",
+    ),
+    # all_to_all
+    "a2a_x_shape": (
+        _in_launch(lambda v: op.all_to_all(v, "tp", split_dim=0, concat_dim=1)),
+        ValueError,
+        "all_to_all: x.shape[0]=2 must be a multiple of the 4 parts",
+    ),
+    "a2a_concat_dim_launch": (
+        _in_index_launch(lambda v: op.all_to_all(v, "tp", split_dim=1, concat_dim="1")),
+        TypeError,
+        "all_to_all: concat_dim='1' must be an int",
+    ),
+    "a2a_split_dim": (
+        _in_launch(lambda v: op.all_to_all(v, "tp", split_dim=2)),
+        ValueError,
+        "all_to_all: split_dim=2 is out of range",
+    ),
+    "a2a_concat_dim": (
+        _global(lambda x, m: op.all_to_all(x, "dp", concat_dim=-5, mesh=m)),
+        ValueError,
+        "all_to_all: concat_dim=-5 is out of range",
+    ),
+    "a2a_axis": (
+        _global(lambda x, m: op.all_to_all(x, 7, mesh=m)),
+        TypeError,
+        "all_to_all: axis=7",
+    ),
+    "a2a_mesh": (
+        lambda: op.all_to_all(jnp.ones(8), "dp", mesh=object()),
+        TypeError,
+        "all_to_all: mesh=",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_collective_bad_arguments(name):
+    call, exc, message = BAD[name]
+    with pytest.raises(exc, match=re.escape(message)):
+        call()

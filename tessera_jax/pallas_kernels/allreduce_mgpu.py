@@ -1,8 +1,8 @@
 """The deterministic all-reduce as one Mosaic GPU kernel over NVLink (Hopper, one process).
 
 ``all_reduce(x, axis)`` inside ``shard_map`` returns, on every part, the canonical
-pairwise tree over the parts in rank order (``primitives/collectives.py``), bit for bit
-what the XLA data path (all_to_all + local tree + all_gather) returns. The kernel moves
+pairwise tree over the parts in rank order (``primitives/collectives/algorithms.py``),
+bit for bit what the XLA data path (all_to_all + local tree + all_gather) returns. The kernel moves
 the same bytes as that path (and NCCL's ring), ``2(n-1)/n`` of the message out of each
 GPU, but in one launch and with every NVLink transfer a posted write:
 
@@ -22,21 +22,32 @@ the two phases overlap across CTAs. All CTAs must be resident at once (they wait
 another across GPUs): ``B`` is at most the number of SMs, one CTA per SM.
 
 Needs jax >= 0.11 (remote references with XLA's collective metadata in a single
-process), sm_90, and every device of the mesh in this process; the operator falls back
-to the XLA path elsewhere. Interpret mode cannot run remote references, so the CPU tests
-check the plan and the lowering; the GPU probe (``benchmarks/allreduce.py``) checks the
-bits against the canonical tree.
+process), sm_90, and every device of the mesh in this process (``hardware``); the
+operator takes its XLA path elsewhere. The Mosaic GPU interpreter (jax 0.10.2) has no
+peer references and cannot allocate the kernel's cross-device semaphores, so the kernel
+is not interpretable (``INTERPRETABLE``): the CPU tests check the plan, the in-register
+tree and the lowering; the GPU benchmark (``benchmarks/allreduce.py``) checks the bits
+against the canonical tree.
+
+Dispatch vocabulary (the same as every kernel's): ``supports(spec, avals)``,
+``prefer(spec, avals)``, ``hardware(platform)`` and ``fn(spec, x, interpret=...)``.
+``spec`` is the operator's frozen all-reduce description; the kernel reads its
+``axes``, ``op``, ``deterministic`` and ``n`` (the number of parts) and nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import device
@@ -107,48 +118,68 @@ def canonical_tree(vals: list) -> Any:
     return vals[0]
 
 
-def supported(dtype: Any, n: int, op: str) -> str | None:
-    """Why the kernel cannot run this all-reduce (None when it can)."""
-    if op not in ("sum", "mean"):
-        return f"op={op!r} (the kernel sums)"
-    if np.dtype(dtype) not in _DTYPES:
-        return f"dtype {np.dtype(dtype)} (the kernel takes f32, bf16, f16)"
-    if n < 2:
+def supports(spec: Any, avals: Sequence[Any]) -> str | None:
+    """Why the kernel cannot run this all-reduce (None when it can): it computes the
+    canonical-tree sum (and mean) of an f32/bf16/f16 message over one mesh axis."""
+    (x,) = avals
+    if not spec.deterministic:
+        return "deterministic=False (the kernel is the canonical tree)"
+    if spec.op not in ("sum", "mean"):
+        return f"op={spec.op!r} (the kernel sums)"
+    if len(spec.axes) != 1:
+        return f"axes={spec.axes} (the kernel reduces over one mesh axis)"
+    if np.dtype(x.dtype) not in _DTYPES:
+        return f"dtype {np.dtype(x.dtype)} (the kernel takes f32, bf16, f16)"
+    if spec.n < 2:
         return "fewer than 2 parts"
     return None
 
 
-def eligible(platform: str | None, dtype: Any, axes: tuple[str, ...], n: int, op: str) -> bool:
-    """Whether the kernel can run this all-reduce here: cuda on Hopper, a jax that runs
-    peer kernels, every device in this process, one mesh axis, a supported dtype and op."""
-    if platform != "cuda" or not _compat.MGPU_PEER_KERNELS or len(axes) != 1:
-        return False
-    if supported(dtype, n, op) is not None or jax.process_count() != 1:
-        return False
-    return device.is_sm90()
+def hardware(platform: str) -> str | None:
+    """Why this machine cannot run the kernel compiled (None when it can)."""
+    if platform != "cuda":
+        return f"platform {platform!r} is not cuda"
+    if not _compat.MGPU_PEER_KERNELS:
+        return "this jax cannot run peer kernels in one process (needs jax >= 0.11)"
+    if jax.process_count() != 1:
+        return "the devices span several processes (the kernel needs them all in one)"
+    if not device.is_sm90():
+        return "not a Hopper (sm_90) GPU"
+    return None
 
 
-# Per-rank messages from this size take the kernel in ``auto``. 4xH200, three runs of
-# benchmarks/allreduce.py (results/allreduce-nvidia-h200-x4{-run1,-run2,}.json): at 32 MiB
-# the kernel read 0.91-0.98x psum and binary_tree 0.86-1.03x (a tie); at 64 MiB the kernel
-# 1.04-1.17x, binary_tree 0.90-0.97x. The launch costs ~0.2 ms (XLA's cross-device barrier
-# and collective-metadata set-up before a multi-device kernel), which loses below.
+# No interpreter runs peer references (module docstring).
+INTERPRETABLE = False
+
+# Per-rank messages from this size take the kernel in ``auto``: below it the launch's
+# fixed cost (XLA's cross-device barrier and collective-metadata set-up before a
+# multi-device kernel) loses to the XLA paths. The measurements behind it are in
+# benchmarks/results/allreduce-nvidia-h200-x4*.json.
 MIN_BYTES = 32 << 20
 
 
-def prefer(x: Any) -> bool:
-    """Whether the kernel is expected to beat the XLA paths on ``x`` (``auto`` mode)."""
-    return x.size * np.dtype(x.dtype).itemsize >= MIN_BYTES
+def prefer(spec: Any, avals: Sequence[Any]) -> bool:
+    """Whether the kernel is expected to beat the XLA paths (``auto`` mode)."""
+    (x,) = avals
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize >= MIN_BYTES
+
+
+def fn(spec: Any, x: jax.Array, *, interpret: bool) -> jax.Array:
+    """The all-reduce ``spec`` of ``x`` by the kernel: the canonical-tree sum, divided
+    by the part count for a mean (in ``x``'s dtype, as the reference rounds)."""
+    if interpret:
+        raise ValueError("all_reduce kernel: no interpreter runs peer references")
+    if (why := supports(spec, (x,))) is not None:
+        raise ValueError(f"all_reduce kernel: unsupported {why}")
+    y = all_reduce(x, spec.axes[0], spec.n)
+    return y / jnp.asarray(spec.n, y.dtype) if spec.op == "mean" else y
 
 
 def all_reduce(x: jax.Array, axis_name: Any, n: int, num_sms: int | None = None) -> jax.Array:
     """The canonical-tree sum of ``x`` over ``axis_name`` (bound, of size ``n``), by the
     kernel. Called inside ``shard_map``; every rank must call it with the same shape."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if (why := supported(x.dtype, n, "sum")) is not None:
-        raise ValueError(f"all_reduce kernel: unsupported {why}")
+    if np.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"all_reduce kernel: unsupported dtype {np.dtype(x.dtype)}")
     size = x.size
     p = plan(size, n, x.dtype, num_sms or device.num_sms())
     flat = x.reshape(-1)
