@@ -241,7 +241,7 @@ def zero_tangent(primal: Any) -> Any:
     return ad.Zero(jax.typeof(primal).to_tangent_aval())
 
 
-# --- distribution (tessera_jax.sharding, primitives/collectives.py) ----------------------
+# --- distribution (tessera_jax.sharding, primitives/collectives/) ----------------------
 
 
 def make_mesh(devices: Any, axis_names: tuple[str, ...]) -> jax.sharding.Mesh:

@@ -6,7 +6,9 @@
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).
 
-Kernels know nothing about primitives; ``tessera_jax/primitives/matmul.py`` and
-``collectives.py`` call them. (So the all-reduce kernel carries its own copy of the
-canonical tree, tested bit for bit against ``primitives.reductions.pairwise_tree_sum``.)
+Every kernel module offers the same vocabulary (``fn(spec, *operands, interpret)``,
+``supports``, ``prefer``, ``hardware``; see ``primitives/_core.Kernel``). Kernels import
+operator contracts (``tessera_jax/contracts/``), never ``tessera_jax.primitives``, whose
+``matmul.py`` and ``collectives/`` call them; so the all-reduce kernel carries its own copy
+of the canonical tree, tested bit for bit against ``primitives.reductions.pairwise_tree_sum``.
 """

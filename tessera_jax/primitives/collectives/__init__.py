@@ -52,7 +52,6 @@ from tessera_jax.primitives.collectives.api import partition_entry as partition_
 from tessera_jax.primitives.collectives.api import reduce_scatter as reduce_scatter
 from tessera_jax.primitives.collectives.api import scatter as scatter
 from tessera_jax.primitives.collectives.dispatch import AllReduceSpec as AllReduceSpec
-from tessera_jax.primitives.collectives.dispatch import Kernel as Kernel
 from tessera_jax.primitives.collectives.dispatch import select_kernel as select_kernel
 from tessera_jax.primitives.collectives.primitives import all_gather_p as all_gather_p
 from tessera_jax.primitives.collectives.primitives import all_reduce_p as all_reduce_p

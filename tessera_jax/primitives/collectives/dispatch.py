@@ -23,38 +23,12 @@ XLA algorithm named by ``algo`` always runs as named.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tessera_jax._config import get_kernel_mode
 from tessera_jax.pallas_kernels import allreduce_mgpu
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """A kernel implementation of an operator (the fields of ``primitives._core.Kernel``
-    in its spec form; this package's copy until that record carries them all).
-
-    Attributes:
-      name: shown in errors and benchmark records; for the all-reduce also the ``algo``
-        name that asks for it.
-      fn: ``fn(spec, *operands, interpret: bool)`` returning what the reference returns.
-      supports: ``supports(spec, avals) -> None``, or the reason it cannot run the case.
-      prefer: in ``auto`` mode, whether the kernel is expected to beat XLA here
-        (``None``: always).
-      platforms: the platforms the compiled kernel runs on.
-      hardware: ``hardware(platform) -> None``, or why this machine cannot run it
-        compiled; not asked in interpret mode.
-      interpretable: False where no interpreter can run the kernel.
-    """
-
-    name: str
-    fn: Callable[..., Any]
-    supports: Callable[[Any, Sequence[Any]], str | None]
-    prefer: Callable[[Any, Sequence[Any]], bool] | None = None
-    platforms: tuple[str, ...] = ("cuda",)
-    hardware: Callable[[str], str | None] | None = None
-    interpretable: bool = True
+from tessera_jax.primitives._core import Kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +76,10 @@ def select_kernel(
     for k in KERNELS:
         if spec.algo not in ("auto", k.name):
             continue
-        if mode == "interpret":
-            if k.interpretable and k.supports(spec, avals) is None:
-                return k, True
-            continue
-        if platform not in k.platforms or k.supports(spec, avals) is not None:
-            continue
-        if k.hardware is not None and k.hardware(platform) is not None:
+        if k.unavailable(mode, platform) is not None or k.supports(spec, avals) is not None:
             continue
         if mode == "auto" and spec.algo == "auto" and k.prefer is not None:
             if not k.prefer(spec, avals):
                 continue
-        return k, False
+        return k, mode == "interpret"
     return None
