@@ -90,7 +90,7 @@ def test_shardspec_errors():
     with pytest.raises(ValueError, match="rank 1"):
         ts.ShardSpec(("col",), ("tp",)).partition_spec(1)
     m = ts.dist.Mesh(axes=["dp"], devices=range(2))
-    with pytest.raises(ValueError, match="not in the mesh"):
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
         ts.ShardSpec(("row",), ("tp",)).named_sharding(m, 2)
 
 
