@@ -1,4 +1,4 @@
-"""Domains and distributions (seed 002 §4.5): ``ts.domain.Rect``, ``ts.dist.Block``,
+"""Domains and distributions: ``ts.domain.Rect``, ``ts.dist.Block``,
 ``ts.array.from_domain``.
 
 A domain is a global index space; a distribution says how it is partitioned over a

@@ -9,7 +9,7 @@ each instance receiving its own blocks:
 
 Every instance owns its arguments, as the tasks of an index launch do: inside,
 they are typed as varying along the launch axis, so ``jax.grad`` inside ``fn``
-gives each part its local gradient (seed 001's ``local_grads``), and the
+gives each part its local gradient (a per-part ``local_grads``), and the
 gradient of a launch with respect to a replicated argument adds the parts'
 contributions on the canonical tree.
 
@@ -138,10 +138,13 @@ def index_launch(
                 # each part's own copy of its arguments (its block of partitioned ones)
                 vals[i] = v if id(flat_args[i]) in keep else replicate(v, launch_axes)
             pos, kw = jax.tree_util.tree_unflatten(treedef, vals)
-            if not privs:
-                return fn(*pos, **kw)
-            b = _regions.bind_arguments(fn, pos, kw)
-            res, proxies = _regions.run_body(fn, privs, b)
+            # The launch's mesh is the current one inside: a collective over an axis it
+            # does not have is reported against this mesh.
+            with m:
+                if not privs:
+                    return fn(*pos, **kw)
+                b = _regions.bind_arguments(fn, pos, kw)
+                res, proxies = _regions.run_body(fn, privs, b)
             new = []
             for name, priv, proxy in proxies:
                 if priv is _regions.write:

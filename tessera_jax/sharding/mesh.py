@@ -213,11 +213,14 @@ class Mesh:
                 )
 
     def __enter__(self) -> Mesh:
-        self._token = _current.set((*_current.get(), self))
+        # A stack of tokens: the same mesh may be entered again inside itself (an index
+        # launch makes its mesh current while it traces the body).
+        token = _current.set((*_current.get(), self))
+        self.__dict__.setdefault("_tokens", []).append(token)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _current.reset(self._token)
+        _current.reset(self.__dict__["_tokens"].pop())
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Mesh) and self.jax_mesh == other.jax_mesh
@@ -235,7 +238,8 @@ def mesh(
     axes: Sequence[str] | str = ("dp",),
     shape: Sequence[int] | None = None,
 ) -> Mesh:
-    """``ts.dist.mesh(devices=[...], axes=("dp",), shape=(4,))``: the seeds' spelling."""
+    """``ts.dist.mesh(devices=[...], axes=("dp",), shape=(4,))``: ``Mesh`` with the
+    devices first."""
     return Mesh(axes=axes, devices=devices, shape=shape)
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a mesh axis: ``ts.dist.pipeline`` (seeds 001, 004).
+"""Pipeline parallelism over a mesh axis: ``ts.dist.pipeline``.
 
 ``pipe = ts.dist.pipeline(layer, microbatches=4, schedule="gpipe", mesh=mesh, axis="pp")``
 places consecutive layers on the devices of ``axis`` (stage s on the s-th

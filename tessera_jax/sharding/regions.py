@@ -1,4 +1,4 @@
-"""Region privileges (seed 002 §4.6): ``ts.Region[ts.read | ts.write | ts.reduce_sum]``.
+"""Region privileges: ``ts.Region[ts.read | ts.write | ts.reduce_sum]``.
 
 Annotating a parameter of a ``@ts.jit`` function (or of a function launched by
 ``ts.index_launch``) declares how the launch uses that region, as Regent's
@@ -8,7 +8,9 @@ privileges do:
 * ``Region[write]``: an output. The body assigns it (``Y[:] = value`` or
   ``Y[idx] = value``) and may read back what it wrote, not the old contents.
   Its new value is returned, with the argument's sharding (a DistTensor
-  argument gives a DistTensor of the same layout).
+  argument gives a DistTensor of the same layout). A written region reads
+  through ``Y[idx]``, arithmetic and ``jnp.asarray(Y)`` (jax functions traced
+  under ``jit`` do not convert such objects themselves: ``jnp.sum(jnp.asarray(Y))``).
 * ``Region[reduce_sum]``: the body only accumulates into it (``Y += value``); the
   new value, old + contributions, is returned. Under ``ts.index_launch`` the
   contributions of all parts are combined with the deterministic all-reduce
@@ -48,6 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tessera_jax.sharding.mesh import constrain
 from tessera_jax.sharding.tensor import DistTensor, Parts
@@ -141,6 +144,8 @@ def _check_value(name: str, priv: str, target: Any, value: Any, what: str) -> ja
     """``value`` as an array broadcastable to ``target`` (a ShapeDtypeStruct), or a
     RegionError naming the region and both shapes."""
     try:
+        if isinstance(value, (str, bytes)):  # jnp.asarray would read a str as a dtype name
+            raise TypeError(type(value).__name__)
         value = jnp.asarray(_arr(value))
     except (TypeError, ValueError) as e:
         raise TypeError(
@@ -160,6 +165,26 @@ def _check_value(name: str, priv: str, target: Any, value: Any, what: str) -> ja
     return value
 
 
+def _check_index(name: str, idx: Any, shape: tuple[int, ...]) -> None:
+    """RegionError for a static int index outside ``shape``: ``.at[i].set`` would drop
+    the write silently."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    if any(p is Ellipsis or p is None for p in parts):
+        return
+    if len(parts) > len(shape):
+        raise RegionError(
+            f"region {name!r} is Region[write] of shape {shape}: index {idx!r} has "
+            f"{len(parts)} entries for {len(shape)} dims"
+        )
+    for d, p in enumerate(parts):
+        if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
+            if not -shape[d] <= p < shape[d]:
+                raise RegionError(
+                    f"region {name!r} is Region[write] of shape {shape}: index {idx!r} must "
+                    f"be in [-{shape[d]}, {shape[d]}) along dim {d}"
+                )
+
+
 class WriteRegion:
     """A ``Region[write]`` inside the body: assign with ``Y[:] = v`` / ``Y[idx] = v``;
     once written, it reads (``Y[idx]``, arithmetic) as the values written."""
@@ -177,6 +202,7 @@ class WriteRegion:
             self._new = jnp.broadcast_to(value, self.shape).astype(self.dtype)
             return
         base = self._new if self._new is not None else self._old
+        _check_index(self._name, idx, tuple(self.shape))
         try:
             target = jax.eval_shape(lambda b: b[idx], base)
         except (IndexError, TypeError, ValueError) as e:
