@@ -662,6 +662,12 @@ REGIONS = [
         "read before being written",
     ),
     (
+        "write-read-jnp",
+        lambda m: _jit_write(lambda X, Y: _set(Y, ..., jnp.sum(Y) * X))(X4, Y4),
+        RegionError,
+        "region 'Y' is Region[write]: it is read before being written",
+    ),
+    (
         "write-iadd",
         lambda m: _jit_write(lambda X, Y: _add(Y, X))(X4, Y4),
         RegionError,
@@ -705,6 +711,12 @@ REGIONS = [
         "not read",
     ),
     (
+        "reduce-read-jnp",
+        lambda m: _jit_reduce(lambda X, Y: jnp.mean(Y))(X4, Y4),
+        RegionError,
+        "region 'Y' is Region[reduce_sum]: it may only be accumulated into with `+=`",
+    ),
+    (
         "reduce-shape",
         lambda m: _jit_reduce(lambda X, Y: _add(Y, jnp.ones(7)))(X4, Y4),
         RegionError,
@@ -738,14 +750,14 @@ def test_region_bad_arguments(m, call, exc, fragment):
 
 def test_write_region_reads_what_was_written():
     """After a write, the region reads as the written values (arithmetic with Python
-    numbers, indexing, jnp.asarray), so the errors above are about order, not syntax."""
+    numbers, indexing, jnp functions), so the errors above are about order, not syntax."""
 
     @ts.jit
     def step(X: ts.Region[ts.read], Y: ts.Region[ts.write]):
         Y[:] = X * 2.0
         Y[1] = 1.0 + Y[0]
         Y[2] = 3.0 * Y[2] - Y[3]
-        return jnp.sum(jnp.asarray(Y)) + Y[0]
+        return jnp.sum(Y) + Y[0]
 
     x = np.random.default_rng(0).normal(size=4).astype(np.float32)
     out, y = step(x, np.zeros(4, np.float32))

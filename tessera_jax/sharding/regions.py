@@ -9,8 +9,7 @@ privileges do:
   ``Y[idx] = value``) and may read back what it wrote, not the old contents.
   Its new value is returned, with the argument's sharding (a DistTensor
   argument gives a DistTensor of the same layout). A written region reads
-  through ``Y[idx]``, arithmetic and ``jnp.asarray(Y)`` (jax functions traced
-  under ``jit`` do not convert such objects themselves: ``jnp.sum(jnp.asarray(Y))``).
+  as the values written: ``Y[idx]``, arithmetic, ``jnp`` functions.
 * ``Region[reduce_sum]``: the body only accumulates into it (``Y += value``); the
   new value, old + contributions, is returned. Under ``ts.index_launch`` the
   contributions of all parts are combined with the deterministic all-reduce
@@ -185,12 +184,24 @@ def _check_index(name: str, idx: Any, shape: tuple[int, ...]) -> None:
                 )
 
 
+@jax.tree_util.register_pytree_node_class
 class WriteRegion:
     """A ``Region[write]`` inside the body: assign with ``Y[:] = v`` / ``Y[idx] = v``;
-    once written, it reads (``Y[idx]``, arithmetic) as the values written."""
+    once written, it reads (``Y[idx]``, arithmetic, ``jnp`` functions) as the values
+    written. A pytree (the old and new values), so that ``jnp`` functions traced under
+    ``jit`` convert it through ``__jax_array__`` and see the RegionError of an early read."""
 
     def __init__(self, name: str, old: Any):
         self._name, self._old, self._new = name, _arr(old), None
+
+    def tree_flatten(self):
+        return (self._old, self._new), self._name
+
+    @classmethod
+    def tree_unflatten(cls, name, children):
+        self = object.__new__(cls)
+        self._name, (self._old, self._new) = name, children
+        return self
 
     shape = property(lambda self: self._old.shape)
     dtype = property(lambda self: self._old.dtype)
@@ -258,12 +269,23 @@ for _name, _op in {
 WriteRegion.__neg__ = lambda self: -self.__jax_array__()
 
 
+@jax.tree_util.register_pytree_node_class
 class ReduceRegion:
-    """A ``Region[reduce_sum]`` inside the body: accumulate with ``Y += v`` only."""
+    """A ``Region[reduce_sum]`` inside the body: accumulate with ``Y += v`` only (a
+    pytree of the accumulated value, as WriteRegion is)."""
 
     def __init__(self, name: str, like: Any):
         like = _arr(like)
         self._name, self._shape, self._dtype, self._acc = name, like.shape, like.dtype, None
+
+    def tree_flatten(self):
+        return (self._acc,), (self._name, tuple(self._shape), self._dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        self = object.__new__(cls)
+        (self._name, self._shape, self._dtype), (self._acc,) = aux, children
+        return self
 
     shape = property(lambda self: self._shape)
     dtype = property(lambda self: self._dtype)
