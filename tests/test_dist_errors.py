@@ -233,6 +233,12 @@ SPEC = [
         "ShardSpec: mesh_axes entry ()",
     ),
     (
+        "from_partition_spec-int",
+        lambda m: ts.ShardSpec.from_partition_spec(5),
+        TypeError,
+        "ShardSpec.from_partition_spec: spec=5 must be a jax PartitionSpec",
+    ),
+    (
         "lengths",
         lambda m: ts.ShardSpec(partition=(0, 1), mesh_axes=("tp",)),
         ValueError,
@@ -428,6 +434,18 @@ TENSOR = [
         lambda m: _tensor(m).parts("tp")[1.5],
         TypeError,
         "parts[i]: i=1.5 must be an int",
+    ),
+    (
+        "parts-of-int",
+        lambda m: ts.dist.Parts(5, "tp"),
+        TypeError,
+        "parts: tensor=5 must be a ts.dist.tensor",
+    ),
+    (
+        "with_array-shape",
+        lambda m: _tensor(m).with_array(jnp.ones(8)),
+        ValueError,
+        "DistTensor.with_array: array of shape (8,) must have this tensor's shape (8, 8)",
     ),
     (
         "astype-unknown",
@@ -862,6 +880,26 @@ PIPELINE = [
         lambda m: _pipe(m, microbatches=3)(PARAMS, XB),
         ValueError,
         "batch size 8 is not a multiple of microbatches=3",
+    ),
+    (
+        "loss-not-scalar",
+        lambda m: _pipe(m, loss=lambda y, t: (y - t) ** 2)(PARAMS, XB, XB),
+        ValueError,
+        "pipeline: loss(y, targets) must return a scalar per microbatch; it returned shape (4, 4)",
+    ),
+    (
+        "loss-not-scalar-1f1b",
+        lambda m: jax.grad(_pipe(m, schedule="1f1b", loss=lambda y, t: (y - t) ** 2))(
+            PARAMS, XB, XB
+        ),
+        ValueError,
+        "must return a scalar per microbatch",
+    ),
+    (
+        "targets-batch",
+        lambda m: _pipe(m, loss=ts.mse)(PARAMS, XB, XB[:6]),
+        ValueError,
+        "pipeline: targets of shape (6, 4) must have x's batch size 8 as their leading dim",
     ),
     (
         "targets-without-loss",

@@ -143,7 +143,8 @@ class Mesh:
                 "or 'cuda:i' strings"
             )
         else:
-            devs = list(devices)
+            # an ndarray of devices (as jax meshes hold them) is taken in row-major order
+            devs = list(np.ravel(devices)) if isinstance(devices, np.ndarray) else list(devices)
         if not devs:
             raise ValueError(
                 f"Mesh: devices={devices!r} is empty; a mesh needs at least one device"

@@ -135,7 +135,7 @@ class Pipeline:
 
     # --- the pipeline ----------------------------------------------------------------------
 
-    def _setup(self, params: Any, x: jax.Array):
+    def _setup(self, params: Any, x: jax.Array, targets: Any = None):
         m = resolve_mesh("pipeline", self.mesh)
         m.check_axes("pipeline", f"axis={self.axis!r}", (self.axis,))
         n = m.axis_size(self.axis)
@@ -189,7 +189,28 @@ class Pipeline:
                     f"{getattr(out, 'shape', out)} {getattr(out, 'dtype', '')}; every stage must "
                     "keep the activation shape and dtype"
                 )
+        if targets is not None:
+            self._check_targets(mb, targets, x.shape[0])
         return m, n, n_layers // n
+
+    def _check_targets(self, mb: jax.ShapeDtypeStruct, targets: Any, batch: int) -> None:
+        """Targets split into the same microbatches as x; the loss of one is a scalar."""
+        for t in jax.tree.leaves(targets):
+            if jnp.ndim(t) < 1 or jnp.shape(t)[0] != batch:
+                raise ValueError(
+                    f"pipeline: targets of shape {jnp.shape(t)} must have x's batch size "
+                    f"{batch} as their leading dim"
+                )
+        t_mb = jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct((mb.shape[0], *jnp.shape(t)[1:]), jnp.result_type(t)),
+            targets,
+        )
+        out = jax.eval_shape(self.loss, mb, t_mb)
+        if getattr(out, "shape", None) != ():
+            raise ValueError(
+                f"pipeline: loss(y, targets) must return a scalar per microbatch; it returned "
+                f"shape {getattr(out, 'shape', type(out).__name__)}"
+            )
 
     def _stage_fn(self, per: int) -> Callable[..., Any]:
         """``apply(local_params, h, stage)``: this stage's ``per`` layers in order."""
@@ -250,7 +271,7 @@ class Pipeline:
 
     def _forward(self, params: Any, x: jax.Array, targets: Any) -> Any:
         """GPipe: the forward tick loop (its reverse under jax.grad is GPipe's backward)."""
-        m, n, per = self._setup(params, x)
+        m, n, per = self._setup(params, x, targets)
         M, axis, apply = self.microbatches, self.axis, self._stage_fn(per)
         loss_fn = self.loss
 
@@ -289,7 +310,7 @@ class Pipeline:
 
     def _one_f_one_b(self, params: Any, x: jax.Array, targets: Any):
         """The interleaved schedule: (loss, d loss / d params, d loss / d x)."""
-        m, n, per = self._setup(params, x)
+        m, n, per = self._setup(params, x, targets)
         M, axis, apply, loss_fn = self.microbatches, self.axis, self._stage_fn(per), self.loss
         K = min(M, 2 * n - 1)  # stash slots (module docstring)
         stacked = self.stacked

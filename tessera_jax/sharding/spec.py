@@ -102,6 +102,10 @@ class ShardSpec:
 
     @classmethod
     def from_partition_spec(cls, spec: PartitionSpec) -> ShardSpec:
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"ShardSpec.from_partition_spec: spec={spec!r} must be a jax PartitionSpec"
+            )
         dims = tuple(i for i, e in enumerate(spec) if e is not None)
         return cls(partition=dims, mesh_axes=tuple(spec[i] for i in dims))
 

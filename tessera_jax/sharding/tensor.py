@@ -109,6 +109,12 @@ class DistTensor:
         return Parts(self, axis)
 
     def with_array(self, array: Any) -> DistTensor:
+        """A DistTensor of the same layout and mesh around ``array`` (of this shape)."""
+        if tuple(getattr(array, "shape", ())) != self.shape:
+            raise ValueError(
+                f"DistTensor.with_array: array of shape {getattr(array, 'shape', None)} must "
+                f"have this tensor's shape {self.shape}"
+            )
         return DistTensor(array, self.layout, self.mesh)
 
     @property
@@ -165,6 +171,8 @@ class Parts:
     """
 
     def __init__(self, tensor: DistTensor, axis: str | Sequence[str]):
+        if not isinstance(tensor, DistTensor):
+            raise TypeError(f"parts: tensor={tensor!r:.60} must be a ts.dist.tensor")
         axes = axis_names("parts", "axis", axis)
         tensor.mesh.check_axes("parts", f"axis={axis!r}", axes)
         dims = [
