@@ -74,10 +74,11 @@ def test_index_launch_values_and_grad(jm):
     x, w = rand((8, 12)), rand((12,))
     X = ts.dist.tensor((8, 12), ts.ShardSpec(("col",), ("tp",)), jm, "f32", x)
 
-    # A replicated argument: every part gets all of it and picks its block of columns.
-    w_blocks = jnp.asarray(w).reshape(4, 3)
+    # A plain array argument (here laid out over tp): every part gets all of it and picks
+    # its block of columns.
+    w_blocks = jax.device_put(jnp.asarray(w).reshape(4, 3), NamedSharding(jm, P("tp")))
 
-    @ts.index_launch(axis="tp")
+    @ts.index_launch(axis="tp", mesh=jm)  # a jax mesh passed as it is
     def blockwise(p, wb):
         i = jax.lax.axis_index("tp")
         return ts.op.all_reduce(ts.op.sum((p * wb[i][None, :]) ** 2), axis="tp")

@@ -22,7 +22,7 @@ from tessera_jax.sharding.tensor import tensor as _tensor
 
 @dataclasses.dataclass(frozen=True)
 class Rect:
-    """A rectangular index space ``[0, shape[0]) × … × [0, shape[-1])``."""
+    """A rectangular index space ``[0, shape[0]) × … × [0, shape[-1])`` (positive sizes)."""
 
     shape: tuple[int, ...]
 

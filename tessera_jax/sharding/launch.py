@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
 from tessera_jax.sharding import regions as _regions
-from tessera_jax.sharding.mesh import Mesh, as_mesh, axis_names, current_mesh
+from tessera_jax.sharding.mesh import Mesh, as_mesh, axis_names, constrain, current_mesh
 from tessera_jax.sharding.spec import ShardSpec, as_partition_spec, entry_axes, spec_axes
 from tessera_jax.sharding.tensor import DistTensor, Parts
 
@@ -240,9 +240,17 @@ def _place(a: Any, m: Mesh) -> tuple[Any, P]:
     if isinstance(t, DistTensor):
         if t.mesh != m:
             raise ValueError("index_launch: a DistTensor argument lives on another mesh")
-        return t.array, t.partition_spec
-    arr = a.__jax_array__() if hasattr(a, "__jax_array__") and not isinstance(a, jax.Array) else a
-    return jnp.asarray(arr), P()
+        arr, spec = t.array, t.partition_spec
+    else:
+        arr = (
+            a.__jax_array__() if hasattr(a, "__jax_array__") and not isinstance(a, jax.Array) else a
+        )
+        arr, spec = jnp.asarray(arr), P()
+    if m.explicit:
+        # On Explicit axes shard_map takes an input only in the layout its in_spec names
+        # (a sharding is part of the type); Auto axes reshard by themselves.
+        arr = constrain(arr, NamedSharding(m.jax_mesh, spec))
+    return arr, spec
 
 
 def _check_writers(fn, privs, arguments, launch_axes) -> None:

@@ -122,8 +122,10 @@ class Mesh:
 
     Arguments:
       axes: axis names, e.g. ``("dp", "tp", "pp")``.
-      devices: device indices, jax devices or ``"cuda:i"`` strings (default: all).
-      shape: the size of each axis; its product must equal the device count.
+      devices: device indices, jax devices or ``"cuda:i"`` strings, at least one
+        (default: all).
+      shape: the size of each axis, positive ints; its product must equal the device
+        count.
         Without it a mesh of one axis takes all devices; with several axes it is
         required.
     """

@@ -282,7 +282,7 @@ def tensor(
     """A DistTensor of ``shape`` laid out on ``mesh`` by ``layout``.
 
     Arguments:
-      shape: the global shape.
+      shape: the global shape: positive ints (an int for one dim).
       layout: a ``ts.ShardSpec`` (None: replicated).
       mesh: a ``ts.dist.Mesh`` (default: the current ``with mesh:``).
       dtype: a ts dtype, a policy, a numpy/jnp dtype or a name (``"bf16"``, ``"fp8_e4m3"``).
