@@ -403,6 +403,12 @@ TENSOR = [
         "dist.tensor: key=5 must be a PRNG key",
     ),
     (
+        "key-without-callable-init",
+        lambda m: _tensor(m, init=np.ones((8, 8), np.float32), key=jax.random.key(0)),
+        ValueError,
+        "dist.tensor: key= is only used by a callable init(key, shape, dtype); init is ndarray",
+    ),
+    (
         "parts-unknown-axis",
         lambda m: _tensor(m).parts("zz"),
         ValueError,

@@ -303,11 +303,17 @@ def tensor(
         # np.dtype(None) would quietly mean float64.
         raise TypeError("dist.tensor: dtype=None must be a dtype such as 'f32' or jnp.bfloat16")
     dt = _dtype("dist.tensor", dtype)
+    init_fn = callable(init) and not hasattr(init, "shape")
     if key is not None:
+        if not init_fn:
+            raise ValueError(
+                f"dist.tensor: key= is only used by a callable init(key, shape, dtype); "
+                f"init is {type(init).__name__}"
+            )
         key = _check_key(key)
     if init is None:
         array = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
-    elif callable(init) and not hasattr(init, "shape"):
+    elif init_fn:
         k = jax.random.key(0) if key is None else key
         out = jax.eval_shape(lambda k: init(k, shape, dt), k)
         if tuple(out.shape) != shape:
