@@ -30,14 +30,15 @@ _current: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
 )
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is not a size or an index)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def positive_int(op: str, name: str, value: Any) -> int:
     """``value`` as an int >= 1: a TypeError for bools, floats (no silent truncation of
     8.7 to 8) and non-numbers, a ValueError for 0 and negative sizes."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{op}: {name}={value!r} must be a positive int")
     if value < 1:
         raise ValueError(f"{op}: {name}={value!r} must be a positive int")
@@ -46,13 +47,13 @@ def positive_int(op: str, name: str, value: Any) -> int:
 
 def positive_shape(op: str, name: str, shape: Any) -> tuple[int, ...]:
     """A shape (an int, or a sequence of them) as a tuple of positive ints."""
-    if _is_int(shape):
+    if is_int(shape):
         shape = (shape,)
     if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
         raise TypeError(f"{op}: {name}={shape!r} must be a sequence of positive ints")
     for i, s in enumerate(shape):
-        if not _is_int(s) or s < 1:
-            raise (ValueError if _is_int(s) else TypeError)(
+        if not is_int(s) or s < 1:
+            raise (ValueError if is_int(s) else TypeError)(
                 f"{op}: {name}={tuple(shape)!r} must be a sequence of positive ints; "
                 f"entry {i} is {s!r}"
             )
@@ -80,7 +81,7 @@ def axis_names(op: str, name: str, axes: Any) -> tuple[str, ...]:
 
 def _device(spec: Any, index: int) -> Any:
     """One device from an int, a jax device or a ``"platform:i"`` string."""
-    if _is_int(spec):
+    if is_int(spec):
         devs = jax.devices()
         if not 0 <= spec < len(devs):
             raise ValueError(

@@ -49,9 +49,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from tessera_jax.sharding.mesh import constrain
+from tessera_jax.sharding.mesh import constrain, is_int
 from tessera_jax.sharding.tensor import DistTensor, Parts
 
 
@@ -152,7 +151,6 @@ def _check_value(name: str, priv: str, target: Any, value: Any, what: str) -> ja
             f"is not an array"
         ) from e
     try:
-        jnp.broadcast_shapes(value.shape, target.shape)
         fits = jnp.broadcast_shapes(value.shape, target.shape) == tuple(target.shape)
     except ValueError:
         fits = False
@@ -176,12 +174,11 @@ def _check_index(name: str, idx: Any, shape: tuple[int, ...]) -> None:
             f"{len(parts)} entries for {len(shape)} dims"
         )
     for d, p in enumerate(parts):
-        if isinstance(p, (int, np.integer)) and not isinstance(p, bool):
-            if not -shape[d] <= p < shape[d]:
-                raise RegionError(
-                    f"region {name!r} is Region[write] of shape {shape}: index {idx!r} must "
-                    f"be in [-{shape[d]}, {shape[d]}) along dim {d}"
-                )
+        if is_int(p) and not -shape[d] <= p < shape[d]:
+            raise RegionError(
+                f"region {name!r} is Region[write] of shape {shape}: index {idx!r} must "
+                f"be in [-{shape[d]}, {shape[d]}) along dim {d}"
+            )
 
 
 @jax.tree_util.register_pytree_node_class

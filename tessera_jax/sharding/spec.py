@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tessera_jax.sharding.mesh import as_mesh
+from tessera_jax.sharding.mesh import as_mesh, is_int
 
 _DIM_NAMES = {"row": 0, "batch": 0, "col": 1}
 
@@ -47,10 +46,6 @@ def entries(op: str, mesh_axes: Any) -> tuple[Entry, ...]:
     return tuple(_entry(a, op) for a in mesh_axes)
 
 
-def _is_dim(p: Any) -> bool:
-    return isinstance(p, (int, np.integer)) and not isinstance(p, bool)
-
-
 def entry_axes(e: Entry) -> tuple[str, ...]:
     """A PartitionSpec entry as a tuple of axis names."""
     if e is None:
@@ -72,21 +67,21 @@ class ShardSpec:
 
     def __post_init__(self):
         part = self.partition
-        if isinstance(part, str) or _is_dim(part):
+        if isinstance(part, str) or is_int(part):
             part = (part,)
         if not isinstance(part, (tuple, list)):
             raise TypeError(
                 f"ShardSpec: partition={part!r} must be a sequence of dims ('row', 'col', "
                 "'batch' or ints)"
             )
-        part = tuple(int(p) if _is_dim(p) else p for p in part)
+        part = tuple(int(p) if is_int(p) else p for p in part)
         axes = entries("ShardSpec", self.mesh_axes)
         for p in part:
             if isinstance(p, str) and p not in _DIM_NAMES:
                 raise ValueError(
                     f"ShardSpec: partition entry {p!r} must be 'row', 'col', 'batch' or an int"
                 )
-            if not isinstance(p, str) and not _is_dim(p):
+            if not isinstance(p, str) and not is_int(p):
                 raise TypeError(
                     f"ShardSpec: partition entry {p!r} must be 'row', 'col', 'batch' or an int"
                 )

@@ -25,6 +25,7 @@ from tessera_jax.sharding.mesh import (
     as_mesh,
     axis_names,
     constrain,
+    is_int,
     positive_shape,
     resolve_mesh,
 )
@@ -203,7 +204,7 @@ class Parts:
 
     def __getitem__(self, i: int) -> jax.Array:
         n = len(self)
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+        if not is_int(i):
             raise TypeError(f"parts[i]: i={i!r} must be an int in [-{n}, {n})")
         if not -n <= i < n:
             raise ValueError(f"parts[i]: i={i} must be an int in [-{n}, {n}) ({n} parts)")
