@@ -30,15 +30,19 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    normal,
+    results_path,
+    time_interleaved,
+    write_records,
+)
 
 MIB = 1 << 20
 
@@ -48,22 +52,18 @@ def bus_bandwidth(n: int, nbytes: int, ms: float) -> float:
     return 2 * (n - 1) / n * nbytes / (ms * 1e-3) / 1e9
 
 
-# --- shared with benchmarks/probes/allreduce_*.py ------------------------------------------
+# --- the all-reduce's data and bit checks --------------------------------------------------
 
 
 def sharded_normal(mesh, nbytes: int, dtype="float32"):
     """``(n, m)`` normal values in ``dtype`` (``nbytes`` per rank), row r on rank r."""
-    import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     n = mesh.devices.size
     m = nbytes // jnp.dtype(dtype).itemsize
-    make = lambda k: jax.random.normal(k, (n, m), jnp.float32).astype(dtype)
-    return jax.jit(make, out_shardings=NamedSharding(mesh, P(mesh.axis_names)))(
-        jax.random.key(nbytes)
-    )
+    return normal(nbytes, (n, m), dtype, sharding=NamedSharding(mesh, P(mesh.axis_names)))
 
 
 def sha(a) -> str:
@@ -84,39 +84,6 @@ def canonical_digest(x, device) -> str:
     from tessera_jax.primitives.collectives import tree_over_ranks
 
     return sha(jax.jit(tree_over_ranks)(jax.device_put(x, device)))
-
-
-def _loop(fn, x, k: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(k):
-        y = fn(x)
-    y.block_until_ready()
-    return (time.perf_counter() - t0) / k * 1e3
-
-
-def timed_interleaved(
-    fns: dict, x, repeats: int = 5, iters: int = 10, warmup_ms: float = 200
-) -> dict[str, float]:
-    """Median ms per call of each of ``fns``, their repeats interleaved (the same clocks
-    and temperature for all), each repeat at least ``iters`` calls and ~20 ms, after
-    ``warmup_ms`` of calls each. On CPU devices: one warm-up call and ``iters`` calls a
-    repeat (many calls in flight starve the CPU collectives' threads)."""
-    if next(iter(x.devices())).platform == "cpu":
-        warmup_ms = 0
-    est = {}
-    for name, f in fns.items():
-        f(x).block_until_ready()
-        t, k = 0.0, 1
-        while t * k < warmup_ms:
-            t = _loop(f, x, k)
-            k *= 2
-        est[name] = t
-    k = max(iters, int(20 / min(est.values())) + 1) if warmup_ms else iters
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            times[name].append(_loop(f, x, k))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _parse() -> argparse.Namespace:
@@ -148,8 +115,7 @@ def main() -> int:
     devices = jax.devices()
     n = len(devices)
     mesh = _compat.make_mesh(np.array(devices), ("x",))
-    kind = devices[0].device_kind if devices[0].platform != "cpu" else "cpu"
-    device = f"{kind.lower().replace(' ', '-')}-x{n}"
+    device = device_name(count=True)
     if args.sizes_mib:
         sizes = [int(s * MIB) for s in args.sizes_mib]
     elif args.smoke:
@@ -184,7 +150,13 @@ def main() -> int:
             across = len({r[0] for r in runs}) == 1
             canonical = runs[0][0] == ref_digest
             # Each algorithm against its own psum timing, repeats interleaved.
-            t = timed_interleaved({"ours": ours, "psum": psum}, x, repeats, iters)
+            t = time_interleaved(
+                {"ours": ours, "psum": psum},
+                (x,),
+                repeats=repeats,
+                min_iters=iters,
+                target_ms=20,
+            )
             t, t_psum = t["ours"], t["psum"]
             bus = functools.partial(bus_bandwidth, n, nbytes)
             rec = {
@@ -209,10 +181,7 @@ def main() -> int:
             records.append(rec)
             rows.append(rec)
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"allreduce-{device}.json"
-    path.write_text(json.dumps(records, indent=1) + "\n")
+    path = write_records(results_path(f"allreduce-{device}.json"), records)
 
     print(f"\nwrote {path}")
     head = (

@@ -10,7 +10,8 @@ fused expression), the Mosaic GPU kernel with its heuristic config
 (``impl = "mosaic_gpu"``) and ``ts.op.matmul`` in the default ``auto`` mode (what a
 user gets: the kernel where ``prefer`` picks it, XLA elsewhere). ``--sweep`` first
 times every named candidate config (``matmul_configs.CANDIDATES``) on the large shapes.
-Timing: ``block_until_ready`` around loops of calls after warm-up, median of 5 repeats.
+Timing: ``benchmarks/_common.time_interleaved`` (a timed warm-up, then all
+implementations in turn in each of 5 repeats, the median).
 Prints a table last and writes JSON records ``{suite, case, device, jax, impl, baseline,
 ms, baseline_ms, ratio = baseline_ms / ms, tflops, rel_err}``.
 """
@@ -18,63 +19,30 @@ ms, baseline_ms, ratio = baseline_ms / ms, tflops, rel_err}``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
-import time
 import traceback
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import tessera_jax as ts  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    results_path,
+    time_interleaved,
+    write_records,
+)
+from benchmarks._common import normal as rand  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_configs as mc  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_mgpu as mg  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-
-def device_slug() -> str:
-    kind = jax.devices()[0].device_kind.lower()
-    for name in ("h100", "h200", "a100", "b200"):
-        if name in kind:
-            return name
-    return kind.replace(" ", "-")
-
-
-def _iters(f, args, target_s: float) -> int:
-    out = f(*args)
-    jax.block_until_ready(out)
-    t = time.perf_counter()
-    for _ in range(3):
-        out = f(*args)
-    jax.block_until_ready(out)
-    est = (time.perf_counter() - t) / 3
-    return max(10, min(2000, int(target_s / max(est, 1e-6))))
-
-
-def time_interleaved(fns: dict, args, reps: int = 5, target_s: float = 0.04) -> dict:
-    """Median ms per call of each function, the functions timed in turn in every repeat.
-
-    Interleaving puts clock and temperature drift on all of them alike, so the
-    ratios stay meaningful even when absolute numbers move between repeats.
-    """
-    iters = {k: _iters(f, args, target_s) for k, f in fns.items()}
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            for _ in range(iters[k]):
-                out = f(*args)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t) / iters[k] * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def telemetry() -> str:
@@ -111,10 +79,6 @@ def checked(fns: dict, args, ref, label: str) -> dict:
             print(f"!! {label} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             del fns[name]
     return errs
-
-
-def rand(key, shape, dtype, scale=1.0):
-    return (jax.random.normal(jax.random.key(key), shape, F32) * scale).astype(dtype)
 
 
 def ref_dot(a, b, ta=False, tb=False):
@@ -221,7 +185,7 @@ def record(case, impl, baseline, ms, baseline_ms, flops, err):
     return dict(
         suite="matmul",
         case=case,
-        device=device_slug(),
+        device=device_name(family=True),
         jax=jax.__version__,
         impl=impl,
         baseline=baseline,
@@ -244,7 +208,7 @@ def run_cases(selected):
             if tsf is not None:
                 fns["ts.op.matmul[auto]"] = jax.jit(tsf)
             errs = checked(fns, ops, ref, case)
-            ms = time_interleaved(fns, ops)
+            ms = time_interleaved(fns, ops, target_ms=40)
             base_ms = ms[bname]
             print(f"   {case} {telemetry()}", flush=True)
             for name in fns:
@@ -291,7 +255,7 @@ def run_sweep():
                 )
         ref = ref_dot(a, b)
         errs = checked(fns, (a, b), ref, "sweep")
-        ms = time_interleaved(fns, (a, b), reps=3, target_s=0.03)
+        ms = time_interleaved(fns, (a, b), repeats=3, target_ms=30)
         flops = 2.0 * m * n * k
         case = f"sweep-{dt_name}-{m}x{n}x{k}"
         print(f"== {case} {telemetry()}", flush=True)
@@ -320,7 +284,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="time every candidate config first")
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
-    p.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    p.add_argument(
+        "--json", default=None, help="output path (default $OUT/ or benchmarks/results/)"
+    )
     p.add_argument("--no-cases", action="store_true")
     args = p.parse_args()
     dev = jax.devices()[0]
@@ -330,13 +296,10 @@ def main():
     )
     sweep = run_sweep() if args.sweep else []
     recs = [] if args.no_cases else run_cases(args.only)
-    path = args.json or os.path.join(ROOT, "benchmarks", "results", f"matmul-{device_slug()}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(recs, f, indent=1)
+    path = Path(args.json or results_path(f"matmul-{device_name(family=True)}.json"))
+    write_records(path, recs)
     if sweep:
-        with open(path.replace(".json", "-sweep.json"), "w") as f:
-            json.dump(sweep, f, indent=1)
+        write_records(path.with_name(path.stem + "-sweep.json"), sweep)
     print(f"\n{'case':29s} {'impl':22s} {'ms':>8s} {'TF/s':>7s}  vs-baseline  rel_err")
     for r in recs:
         print(

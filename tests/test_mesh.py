@@ -31,6 +31,9 @@ def test_mesh_device_spellings():
     by_device = ts.dist.Mesh(axes=["dp"], devices=devs[:4])
     by_string = ts.dist.mesh(devices=[f"cpu:{i}" for i in range(4)], axes=("dp",), shape=(4,))
     assert by_index == by_device == by_string
+    # an ndarray of devices, as jax meshes hold them, in row-major order
+    grid = ts.dist.Mesh(axes=("a", "b"), devices=np.array(devs[:8]).reshape(2, 4), shape=(2, 4))
+    assert grid == ts.dist.Mesh(axes=("a", "b"), devices=range(8), shape=(2, 4))
     assert list(by_string.devices.flat) == devs[:4]
     whole = ts.dist.Mesh(axes="dp")  # all devices on one axis
     assert whole.shape == (8,)
@@ -90,7 +93,7 @@ def test_shardspec_errors():
     with pytest.raises(ValueError, match="rank 1"):
         ts.ShardSpec(("col",), ("tp",)).partition_spec(1)
     m = ts.dist.Mesh(axes=["dp"], devices=range(2))
-    with pytest.raises(ValueError, match="not in the mesh"):
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
         ts.ShardSpec(("row",), ("tp",)).named_sharding(m, 2)
 
 

@@ -1,4 +1,4 @@
-"""Domains and distributions (seed 002 §4.5): ``ts.domain.Rect``, ``ts.dist.Block``,
+"""Domains and distributions: ``ts.domain.Rect``, ``ts.dist.Block``,
 ``ts.array.from_domain``.
 
 A domain is a global index space; a distribution says how it is partitioned over a
@@ -14,23 +14,20 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tessera_jax.sharding.mesh import Mesh, resolve_mesh
-from tessera_jax.sharding.spec import Entry, ShardSpec
+from tessera_jax.sharding.mesh import Mesh, as_mesh, positive_shape, resolve_mesh
+from tessera_jax.sharding.spec import Entry, ShardSpec, entries
 from tessera_jax.sharding.tensor import DistTensor
 from tessera_jax.sharding.tensor import tensor as _tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Rect:
-    """A rectangular index space ``[0, shape[0]) × … × [0, shape[-1])``."""
+    """A rectangular index space ``[0, shape[0]) × … × [0, shape[-1])`` (positive sizes)."""
 
     shape: tuple[int, ...]
 
     def __post_init__(self):
-        shape = (self.shape,) if isinstance(self.shape, int) else tuple(self.shape)
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"domain.Rect: shape={self.shape!r} must be non-negative ints")
-        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "shape", positive_shape("domain.Rect", "shape", self.shape))
 
     @property
     def ndim(self) -> int:
@@ -52,8 +49,9 @@ class Block:
     mesh: Mesh | None = None
 
     def __post_init__(self):
-        axes = (self.mesh_axes,) if isinstance(self.mesh_axes, str) else tuple(self.mesh_axes)
-        object.__setattr__(self, "mesh_axes", axes)
+        object.__setattr__(self, "mesh_axes", entries("dist.Block", self.mesh_axes))
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", as_mesh(self.mesh, "dist.Block"))
 
     def layout(self, ndim: int) -> ShardSpec:
         if len(self.mesh_axes) > ndim:
@@ -78,11 +76,17 @@ def from_domain(
 
     The mesh is ``mesh``, else the distribution's, else the current ``with mesh:``.
     """
-    domain = domain if isinstance(domain, Rect) else Rect(tuple(domain))
+    op = "array.from_domain"
+    if not isinstance(domain, Rect):
+        domain = Rect(positive_shape(op, "domain", domain))
     if isinstance(distribution, Block):
         layout = distribution.layout(domain.ndim)
-        m = resolve_mesh("array.from_domain", mesh or distribution.mesh)
-    else:
+        m = resolve_mesh(op, mesh if mesh is not None else distribution.mesh)
+    elif distribution is None or isinstance(distribution, ShardSpec):
         layout = distribution if distribution is not None else ShardSpec()
-        m = resolve_mesh("array.from_domain", mesh)
+        m = resolve_mesh(op, mesh)
+    else:
+        raise TypeError(
+            f"{op}: distribution={distribution!r} must be a ts.dist.Block, a ts.ShardSpec or None"
+        )
     return _tensor(domain.shape, layout, m, dtype, init, key=key)

@@ -9,7 +9,7 @@ each instance receiving its own blocks:
 
 Every instance owns its arguments, as the tasks of an index launch do: inside,
 they are typed as varying along the launch axis, so ``jax.grad`` inside ``fn``
-gives each part its local gradient (seed 001's ``local_grads``), and the
+gives each part its local gradient (a per-part ``local_grads``), and the
 gradient of a launch with respect to a replicated argument adds the parts'
 contributions on the canonical tree.
 
@@ -42,13 +42,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
 from tessera_jax.sharding import regions as _regions
-from tessera_jax.sharding.mesh import Mesh, as_mesh, current_mesh
-from tessera_jax.sharding.spec import ShardSpec, as_partition_spec, entry_axes
+from tessera_jax.sharding.mesh import Mesh, as_mesh, axis_names, constrain, current_mesh
+from tessera_jax.sharding.spec import ShardSpec, as_partition_spec, entry_axes, spec_axes
 from tessera_jax.sharding.tensor import DistTensor, Parts
 
 
@@ -83,18 +84,22 @@ def index_launch(
       mesh: default: the mesh of the first Parts/DistTensor argument, else ``with mesh:``.
       out: optional layout of the results (ShardSpec, PartitionSpec or a pytree of them).
     """
+    # Arguments are checked when the launch is built, before any array is traced.
+    launch_axes = axis_names("index_launch", "axis", axis)
+    if mesh is not None:
+        mesh = as_mesh(mesh, "index_launch")
+    out_leaves = _out_leaves(out)
     if fn is None:
         return lambda f: index_launch(f, axis=axis, mesh=mesh, out=out)
     if not callable(fn):
-        raise TypeError(f"index_launch: {fn!r} is not callable")
-    launch_axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        raise TypeError(f"index_launch: fn={fn!r} must be callable")
 
     @functools.wraps(fn)
     def launched(*args: Any, **kwargs: Any) -> Any:
         m = _launch_mesh(mesh, args, kwargs)
-        for a in launch_axes:
-            if a not in m.axes:
-                raise ValueError(f"index_launch: axis {a!r} is not an axis of the mesh {m.axes}")
+        m.check_axes("index_launch", f"axis={axis!r}", launch_axes)
+        for s in out_leaves:
+            m.check_axes("index_launch", f"out={s!r}", _layout_axes(s))
         privs = _regions.privileges(fn) if _regions.has_regions(fn) else {}
         bound = _regions.bind_arguments(fn, args, kwargs) if privs else None
         region_names: list[str] = []
@@ -133,10 +138,13 @@ def index_launch(
                 # each part's own copy of its arguments (its block of partitioned ones)
                 vals[i] = v if id(flat_args[i]) in keep else replicate(v, launch_axes)
             pos, kw = jax.tree_util.tree_unflatten(treedef, vals)
-            if not privs:
-                return fn(*pos, **kw)
-            b = _regions.bind_arguments(fn, pos, kw)
-            res, proxies = _regions.run_body(fn, privs, b)
+            # The launch's mesh is the current one inside: a collective over an axis it
+            # does not have is reported against this mesh.
+            with m:
+                if not privs:
+                    return fn(*pos, **kw)
+                b = _regions.bind_arguments(fn, pos, kw)
+                res, proxies = _regions.run_body(fn, privs, b)
             new = []
             for name, priv, proxy in proxies:
                 if priv is _regions.write:
@@ -188,6 +196,26 @@ def index_launch(
     return launched
 
 
+def _out_leaves(out: Any) -> list[Any]:
+    """The layouts in ``out`` (a TypeError for anything else)."""
+    leaves = jax.tree_util.tree_leaves(
+        out, is_leaf=lambda s: isinstance(s, (ShardSpec, P, NamedSharding))
+    )
+    for s in leaves:
+        if not isinstance(s, (ShardSpec, P, NamedSharding)):
+            raise TypeError(
+                f"index_launch: out={out!r} must be a ts.ShardSpec, a PartitionSpec, a "
+                f"NamedSharding or a pytree of them; it holds {s!r}"
+            )
+    return leaves
+
+
+def _layout_axes(s: ShardSpec | P | NamedSharding) -> tuple[str, ...]:
+    if isinstance(s, ShardSpec):
+        return tuple(a for e in s.mesh_axes for a in entry_axes(e))
+    return spec_axes(s.spec if isinstance(s, NamedSharding) else s)
+
+
 def _launch_mesh(mesh: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Mesh:
     if mesh is not None:
         return as_mesh(mesh)
@@ -212,9 +240,17 @@ def _place(a: Any, m: Mesh) -> tuple[Any, P]:
     if isinstance(t, DistTensor):
         if t.mesh != m:
             raise ValueError("index_launch: a DistTensor argument lives on another mesh")
-        return t.array, t.partition_spec
-    arr = a.__jax_array__() if hasattr(a, "__jax_array__") and not isinstance(a, jax.Array) else a
-    return jnp.asarray(arr), P()
+        arr, spec = t.array, t.partition_spec
+    else:
+        arr = (
+            a.__jax_array__() if hasattr(a, "__jax_array__") and not isinstance(a, jax.Array) else a
+        )
+        arr, spec = jnp.asarray(arr), P()
+    if m.explicit:
+        # On Explicit axes shard_map takes an input only in the layout its in_spec names
+        # (a sharding is part of the type); Auto axes reshard by themselves.
+        arr = constrain(arr, NamedSharding(m.jax_mesh, spec))
+    return arr, spec
 
 
 def _check_writers(fn, privs, arguments, launch_axes) -> None:
@@ -238,6 +274,12 @@ def _result_types(body, m: Mesh, arrays, specs):
 
     def probe(*xs):
         leaves, tree = jax.tree_util.tree_flatten(body(*xs))
+        for v in leaves:
+            if not _is_array(v) and not isinstance(v, (int, float, complex, np.generic)):
+                raise TypeError(
+                    f"index_launch: the launched function returned {v!r:.60} (a "
+                    f"{type(v).__name__}); its results must be arrays or numbers"
+                )
         record.append((tree, [(_compat.varying_axes(v), jnp.ndim(v)) for v in leaves]))
         return [jnp.expand_dims(v, 0) for v in leaves]
 

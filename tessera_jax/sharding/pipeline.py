@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a mesh axis: ``ts.dist.pipeline`` (seeds 001, 004).
+"""Pipeline parallelism over a mesh axis: ``ts.dist.pipeline``.
 
 ``pipe = ts.dist.pipeline(layer, microbatches=4, schedule="gpipe", mesh=mesh, axis="pp")``
 places consecutive layers on the devices of ``axis`` (stage s on the s-th
@@ -48,10 +48,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
-from tessera_jax.sharding.mesh import Mesh, resolve_mesh
+from tessera_jax.sharding.mesh import (
+    Mesh,
+    as_mesh,
+    constrain,
+    positive_int,
+    resolve_mesh,
+)
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -81,21 +88,31 @@ class Pipeline:
         axis: str = "pp",
         loss: Callable[[Any, Any], Any] | None = None,
     ):
-        if schedule not in SCHEDULES:
+        if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise ValueError(f"pipeline: schedule={schedule!r} must be one of {SCHEDULES}")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"pipeline: microbatches={microbatches!r} must be a positive int")
+        microbatches = positive_int("pipeline", "microbatches", microbatches)
+        if loss is not None and not callable(loss):
+            raise TypeError(f"pipeline: loss={loss!r} must be a callable loss(y, targets) or None")
         if schedule == "1f1b" and loss is None:
             raise ValueError("pipeline: schedule='1f1b' interleaves backward passes; pass loss=")
+        if not isinstance(axis, str) or not axis:
+            raise TypeError(f"pipeline: axis={axis!r} must be a mesh-axis name")
         self.stacked = callable(stages)
         if not self.stacked:
+            if not isinstance(stages, (list, tuple)):
+                raise TypeError(
+                    f"pipeline: stages={stages!r} must be a callable layer(params, x) or a "
+                    "list of them"
+                )
             stages = list(stages)
             if not stages or not all(callable(f) for f in stages):
-                raise TypeError("pipeline: stages must be a callable or a list of callables")
+                raise TypeError(
+                    f"pipeline: stages={stages!r} must be a non-empty list of callables"
+                )
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
-        self.mesh = mesh
+        self.mesh = None if mesh is None else as_mesh(mesh, "pipeline")
         self.axis = axis
         self.loss = loss
 
@@ -118,14 +135,36 @@ class Pipeline:
 
     # --- the pipeline ----------------------------------------------------------------------
 
-    def _setup(self, params: Any, x: jax.Array):
+    def _setup(self, params: Any, x: jax.Array, targets: Any = None):
         m = resolve_mesh("pipeline", self.mesh)
-        if self.axis not in m.axes:
-            raise ValueError(f"pipeline: axis {self.axis!r} is not an axis of the mesh {m.axes}")
+        m.check_axes("pipeline", f"axis={self.axis!r}", (self.axis,))
         n = m.axis_size(self.axis)
-        n_layers = jax.tree.leaves(params)[0].shape[0] if self.stacked else len(self.stages)
-        if not self.stacked and len(params) != n_layers:
-            raise ValueError(f"pipeline: {n_layers} stage functions but {len(params)} params")
+        if x.ndim < 1:
+            raise ValueError(
+                f"pipeline: x of shape {x.shape} must have a batch dim to split into microbatches"
+            )
+        if self.stacked:
+            leaves = jax.tree.leaves(params)
+            leading = {getattr(a, "shape", ())[:1] for a in leaves}
+            if not leaves or len(leading) != 1 or () in leading:
+                raise ValueError(
+                    "pipeline: params must be arrays stacked along a leading dim of layers (the "
+                    f"same size in every leaf); got leaf shapes "
+                    f"{[getattr(a, 'shape', type(a).__name__) for a in leaves]}"
+                )
+            n_layers = leaves[0].shape[0]
+        else:
+            n_layers = len(self.stages)
+            if not isinstance(params, (list, tuple)):
+                raise TypeError(
+                    f"pipeline: {n_layers} stage functions take a list of {n_layers} params; "
+                    f"got a {type(params).__name__}"
+                )
+            if len(params) != n_layers:
+                raise ValueError(
+                    f"pipeline: {n_layers} stage functions but {len(params)} params; pass one "
+                    "param pytree per stage function"
+                )
         if n_layers % n:
             raise ValueError(
                 f"pipeline: {n_layers} layers cannot be split evenly over the {n} devices "
@@ -150,7 +189,28 @@ class Pipeline:
                     f"{getattr(out, 'shape', out)} {getattr(out, 'dtype', '')}; every stage must "
                     "keep the activation shape and dtype"
                 )
+        if targets is not None:
+            self._check_targets(mb, targets, x.shape[0])
         return m, n, n_layers // n
+
+    def _check_targets(self, mb: jax.ShapeDtypeStruct, targets: Any, batch: int) -> None:
+        """Targets split into the same microbatches as x; the loss of one is a scalar."""
+        for t in jax.tree.leaves(targets):
+            if jnp.ndim(t) < 1 or jnp.shape(t)[0] != batch:
+                raise ValueError(
+                    f"pipeline: targets of shape {jnp.shape(t)} must have x's batch size "
+                    f"{batch} as their leading dim"
+                )
+        t_mb = jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct((mb.shape[0], *jnp.shape(t)[1:]), jnp.result_type(t)),
+            targets,
+        )
+        out = jax.eval_shape(self.loss, mb, t_mb)
+        if getattr(out, "shape", None) != ():
+            raise ValueError(
+                f"pipeline: loss(y, targets) must return a scalar per microbatch; it returned "
+                f"shape {getattr(out, 'shape', type(out).__name__)}"
+            )
 
     def _stage_fn(self, per: int) -> Callable[..., Any]:
         """``apply(local_params, h, stage)``: this stage's ``per`` layers in order."""
@@ -182,7 +242,20 @@ class Pipeline:
     def _param_spec(self):
         return P(self.axis) if self.stacked else P()
 
+    def _place(self, m: Mesh, params: Any, xs: Any, ts: Any) -> tuple[Any, Any, Any]:
+        """On a mesh with Explicit axes, ``shard_map`` takes its inputs only laid out as its
+        in_specs say: params partitioned over the pipeline axis (stacked) or replicated,
+        the microbatches replicated."""
+        if not m.explicit:
+            return params, xs, ts
+        place = lambda t, spec: jax.tree.map(
+            lambda a: constrain(a, NamedSharding(m.jax_mesh, spec)), t
+        )
+        return place(params, self._param_spec()), place(xs, P()), place(ts, P())
+
     def __call__(self, params: Any, x: jax.Array, targets: Any = None) -> Any:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(x, (list, tuple)):
+            raise TypeError(f"pipeline: x={x!r:.60} must be an array of shape (batch, ...)")
         x = jnp.asarray(x)
         if self.loss is None:
             if targets is not None:
@@ -198,7 +271,7 @@ class Pipeline:
 
     def _forward(self, params: Any, x: jax.Array, targets: Any) -> Any:
         """GPipe: the forward tick loop (its reverse under jax.grad is GPipe's backward)."""
-        m, n, per = self._setup(params, x)
+        m, n, per = self._setup(params, x, targets)
         M, axis, apply = self.microbatches, self.axis, self._stage_fn(per)
         loss_fn = self.loss
 
@@ -232,12 +305,12 @@ class Pipeline:
             out_specs=P(),
             check_vma=True,
         )
-        out = fn(params, xs, ts)
+        out = fn(*self._place(m, params, xs, ts))
         return out if targets is not None else out.reshape(x.shape[0], *out.shape[2:])
 
     def _one_f_one_b(self, params: Any, x: jax.Array, targets: Any):
         """The interleaved schedule: (loss, d loss / d params, d loss / d x)."""
-        m, n, per = self._setup(params, x)
+        m, n, per = self._setup(params, x, targets)
         M, axis, apply, loss_fn = self.microbatches, self.axis, self._stage_fn(per), self.loss
         K = min(M, 2 * n - 1)  # stash slots (module docstring)
         stacked = self.stacked
@@ -304,8 +377,22 @@ class Pipeline:
             out_specs=(P(), spec, P()),
             check_vma=True,
         )
-        loss, gp, dx = fn(params, xs, ts)
-        return loss, (gp if stacked else type(params)(gp)), dx.reshape(x.shape)
+        loss, gp, dx = fn(*self._place(m, params, xs, ts))
+        gp, dx = (gp if stacked else type(params)(gp)), dx.reshape(x.shape)
+        if m.explicit:
+            # On Explicit axes a sharding is part of the type, and a custom_vjp cotangent
+            # must have its primal's type: the gradients go back to the inputs' layouts.
+            gp, dx = jax.tree.map(functools.partial(_like, m), gp, params), _like(m, dx, x)
+        return loss, gp, dx
+
+
+def _like(m: Mesh, g: jax.Array, primal: Any) -> jax.Array:
+    """``g`` resharded to ``primal``'s type: its layout, or replicated on ``m`` when the
+    primal carries no mesh (a single-device input)."""
+    s = jax.typeof(primal).sharding
+    if not getattr(s.mesh, "axis_names", ()):
+        s = NamedSharding(m.jax_mesh, P())
+    return jax.sharding.reshard(g, s)
 
 
 def _split(x: jax.Array, m: int) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Region privileges (seed 002 §4.6): ``ts.Region[ts.read | ts.write | ts.reduce_sum]``.
+"""Region privileges: ``ts.Region[ts.read | ts.write | ts.reduce_sum]``.
 
 Annotating a parameter of a ``@ts.jit`` function (or of a function launched by
 ``ts.index_launch``) declares how the launch uses that region, as Regent's
@@ -8,7 +8,8 @@ privileges do:
 * ``Region[write]``: an output. The body assigns it (``Y[:] = value`` or
   ``Y[idx] = value``) and may read back what it wrote, not the old contents.
   Its new value is returned, with the argument's sharding (a DistTensor
-  argument gives a DistTensor of the same layout).
+  argument gives a DistTensor of the same layout). A written region reads
+  as the values written: ``Y[idx]``, arithmetic, ``jnp`` functions.
 * ``Region[reduce_sum]``: the body only accumulates into it (``Y += value``); the
   new value, old + contributions, is returned. Under ``ts.index_launch`` the
   contributions of all parts are combined with the deterministic all-reduce
@@ -42,11 +43,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from tessera_jax.sharding.mesh import constrain, is_int
+from tessera_jax.sharding.tensor import DistTensor, Parts
 
 
 class RegionError(ValueError):
@@ -133,22 +138,87 @@ def _arr(x: Any) -> Any:
     return x.__jax_array__() if hasattr(x, "__jax_array__") and not isinstance(x, jax.Array) else x
 
 
+def _check_value(name: str, priv: str, target: Any, value: Any, what: str) -> jax.Array:
+    """``value`` as an array broadcastable to ``target`` (a ShapeDtypeStruct), or a
+    RegionError naming the region and both shapes."""
+    try:
+        if isinstance(value, (str, bytes)):  # jnp.asarray would read a str as a dtype name
+            raise TypeError(type(value).__name__)
+        value = jnp.asarray(_arr(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"region {name!r} is Region[{priv}]: {what} {type(value).__name__} {value!r:.60} "
+            f"is not an array"
+        ) from e
+    try:
+        fits = jnp.broadcast_shapes(value.shape, target.shape) == tuple(target.shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise RegionError(
+            f"region {name!r} is Region[{priv}]: {what} of shape {value.shape} does not "
+            f"broadcast to shape {tuple(target.shape)}"
+        )
+    return value
+
+
+def _check_index(name: str, idx: Any, shape: tuple[int, ...]) -> None:
+    """RegionError for a static int index outside ``shape``: ``.at[i].set`` would drop
+    the write silently."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    if any(p is Ellipsis or p is None for p in parts):
+        return
+    if len(parts) > len(shape):
+        raise RegionError(
+            f"region {name!r} is Region[write] of shape {shape}: index {idx!r} has "
+            f"{len(parts)} entries for {len(shape)} dims"
+        )
+    for d, p in enumerate(parts):
+        if is_int(p) and not -shape[d] <= p < shape[d]:
+            raise RegionError(
+                f"region {name!r} is Region[write] of shape {shape}: index {idx!r} must "
+                f"be in [-{shape[d]}, {shape[d]}) along dim {d}"
+            )
+
+
+@jax.tree_util.register_pytree_node_class
 class WriteRegion:
-    """A ``Region[write]`` inside the body: assign with ``Y[:] = v`` / ``Y[idx] = v``."""
+    """A ``Region[write]`` inside the body: assign with ``Y[:] = v`` / ``Y[idx] = v``;
+    once written, it reads (``Y[idx]``, arithmetic, ``jnp`` functions) as the values
+    written. A pytree (the old and new values), so that ``jnp`` functions traced under
+    ``jit`` convert it through ``__jax_array__`` and see the RegionError of an early read."""
 
     def __init__(self, name: str, old: Any):
         self._name, self._old, self._new = name, _arr(old), None
+
+    def tree_flatten(self):
+        return (self._old, self._new), self._name
+
+    @classmethod
+    def tree_unflatten(cls, name, children):
+        self = object.__new__(cls)
+        self._name, (self._old, self._new) = name, children
+        return self
 
     shape = property(lambda self: self._old.shape)
     dtype = property(lambda self: self._old.dtype)
     ndim = property(lambda self: self._old.ndim)
 
     def __setitem__(self, idx: Any, value: Any) -> None:
-        value = jnp.asarray(_arr(value))
         if idx is Ellipsis or (isinstance(idx, slice) and idx == slice(None)):
+            value = _check_value(self._name, "write", self._old, value, "the value assigned")
             self._new = jnp.broadcast_to(value, self.shape).astype(self.dtype)
             return
         base = self._new if self._new is not None else self._old
+        _check_index(self._name, idx, tuple(self.shape))
+        try:
+            target = jax.eval_shape(lambda b: b[idx], base)
+        except (IndexError, TypeError, ValueError) as e:
+            raise RegionError(
+                f"region {self._name!r} is Region[write] of shape {tuple(self.shape)}: "
+                f"index {idx!r} does not select part of it ({e})"
+            ) from None
+        value = _check_value(self._name, "write", target, value, f"the value assigned to [{idx}]")
         self._new = base.at[idx].set(value.astype(self.dtype))
 
     def __jax_array__(self) -> jax.Array:
@@ -157,6 +227,9 @@ class WriteRegion:
                 f"region {self._name!r} is Region[write]: it is read before being written"
             )
         return self._new
+
+    def __getitem__(self, idx: Any) -> jax.Array:
+        return self.__jax_array__()[idx]
 
     def __iadd__(self, other: Any) -> Any:
         raise RegionError(
@@ -168,19 +241,57 @@ class WriteRegion:
         return self._old if self._new is None else self._new
 
 
+def _read_written(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[..., Any]:
+    # Python numbers do not go through __jax_array__: without these, `Y + 1.0` on an
+    # unwritten region would be a bare "unsupported operand" TypeError, not a RegionError.
+    def method(self: WriteRegion, other: Any) -> Any:
+        v = self.__jax_array__()
+        return op(_arr(other), v) if reflected else op(v, _arr(other))
+
+    return method
+
+
+for _name, _op in {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "matmul": operator.matmul,
+    "pow": operator.pow,
+    "mod": operator.mod,
+}.items():
+    setattr(WriteRegion, f"__{_name}__", _read_written(_op, False))
+    setattr(WriteRegion, f"__r{_name}__", _read_written(_op, True))
+WriteRegion.__neg__ = lambda self: -self.__jax_array__()
+
+
+@jax.tree_util.register_pytree_node_class
 class ReduceRegion:
-    """A ``Region[reduce_sum]`` inside the body: accumulate with ``Y += v`` only."""
+    """A ``Region[reduce_sum]`` inside the body: accumulate with ``Y += v`` only (a
+    pytree of the accumulated value, as WriteRegion is)."""
 
     def __init__(self, name: str, like: Any):
         like = _arr(like)
         self._name, self._shape, self._dtype, self._acc = name, like.shape, like.dtype, None
+
+    def tree_flatten(self):
+        return (self._acc,), (self._name, tuple(self._shape), self._dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        self = object.__new__(cls)
+        (self._name, self._shape, self._dtype), (self._acc,) = aux, children
+        return self
 
     shape = property(lambda self: self._shape)
     dtype = property(lambda self: self._dtype)
     ndim = property(lambda self: len(self._shape))
 
     def __iadd__(self, value: Any) -> ReduceRegion:
-        v = jnp.broadcast_to(jnp.asarray(_arr(value)), self._shape).astype(self._dtype)
+        target = jax.ShapeDtypeStruct(self._shape, self._dtype)
+        value = _check_value(self._name, "reduce_sum", target, value, "the value added")
+        v = jnp.broadcast_to(value, self._shape).astype(self._dtype)
         self._acc = v if self._acc is None else self._acc + v
         return self
 
@@ -192,7 +303,7 @@ class ReduceRegion:
 
     __jax_array__ = __array__ = __getitem__ = __setitem__ = _read
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _read
-    __truediv__ = __matmul__ = __rmatmul__ = __neg__ = _read
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _read
 
     def contribution(self) -> jax.Array | None:
         return self._acc
@@ -202,8 +313,6 @@ class ReduceRegion:
 
 
 def _region_key(x: Any) -> int:
-    from tessera_jax.sharding.tensor import DistTensor, Parts
-
     if isinstance(x, Parts):
         x = x.tensor
     if isinstance(x, DistTensor):
@@ -259,6 +368,13 @@ def run_body(
     for name, priv in privs.items():
         if name not in arguments or priv is read:
             continue
+        arr = base(arguments[name])
+        if not (hasattr(arr, "shape") and hasattr(arr, "dtype")):
+            raise TypeError(
+                f"{getattr(fn, '__name__', 'function')}: region {name!r} "
+                f"(Region[{priv.name}]) must be an array or a ts.dist.tensor; got "
+                f"{type(arr).__name__} {arr!r:.60}"
+            )
         proxy = (WriteRegion if priv is write else ReduceRegion)(name, base(arguments[name]))
         arguments[name] = proxy
         proxies.append((name, priv, proxy))
@@ -269,8 +385,6 @@ def run_body(
 
 def base(x: Any) -> Any:
     """The array of a region argument (a DistTensor's or Parts' array, or ``x``)."""
-    from tessera_jax.sharding.tensor import DistTensor, Parts
-
     if isinstance(x, Parts):
         x = x.tensor
     return x.array if isinstance(x, DistTensor) else x
@@ -298,8 +412,6 @@ def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        from tessera_jax.sharding.tensor import DistTensor
-
         bound = bind_arguments(fn, args, kwargs)
         check_aliases(fname, privs, bound.arguments)
         out, proxies = run_body(fn, privs, bound)
@@ -312,7 +424,7 @@ def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
                 contrib = proxy.contribution()
                 new = base(arg) if contrib is None else base(arg) + contrib
             if isinstance(arg, DistTensor):
-                new = arg.with_array(jax.lax.with_sharding_constraint(new, arg.sharding))
+                new = arg.with_array(constrain(new, arg.sharding))
             regions.append(new)
         return package(out, regions)
 

@@ -17,17 +17,33 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tessera_jax.sharding.mesh import as_mesh, is_int
+
 _DIM_NAMES = {"row": 0, "batch": 0, "col": 1}
 
 Entry = str | tuple[str, ...] | None
 
 
-def _entry(e: Any) -> Entry:
+def _entry(e: Any, op: str = "ShardSpec") -> Entry:
     if e is None or isinstance(e, str):
         return e
-    if isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
+    if isinstance(e, (tuple, list)) and e and all(isinstance(a, str) for a in e):
         return tuple(e) if len(e) != 1 else e[0]
-    raise TypeError(f"ShardSpec: mesh axis {e!r} must be a name, a tuple of names or None")
+    raise TypeError(
+        f"{op}: mesh_axes entry {e!r} must be a mesh-axis name, a non-empty tuple of names or None"
+    )
+
+
+def entries(op: str, mesh_axes: Any) -> tuple[Entry, ...]:
+    """``mesh_axes`` (one entry, or a sequence of them) as a tuple of entries."""
+    if isinstance(mesh_axes, str):
+        return (mesh_axes,)
+    if not isinstance(mesh_axes, (tuple, list)):
+        raise TypeError(
+            f"{op}: mesh_axes={mesh_axes!r} must be a sequence of mesh-axis names, tuples of "
+            "names or None"
+        )
+    return tuple(_entry(a, op) for a in mesh_axes)
 
 
 def entry_axes(e: Entry) -> tuple[str, ...]:
@@ -50,18 +66,29 @@ class ShardSpec:
     mesh_axes: tuple[Entry, ...] = ()
 
     def __post_init__(self):
-        part = (self.partition,) if isinstance(self.partition, (str, int)) else self.partition
-        axes = (self.mesh_axes,) if isinstance(self.mesh_axes, str) else self.mesh_axes
-        part, axes = tuple(part), tuple(_entry(a) for a in axes)
+        part = self.partition
+        if isinstance(part, str) or is_int(part):
+            part = (part,)
+        if not isinstance(part, (tuple, list)):
+            raise TypeError(
+                f"ShardSpec: partition={part!r} must be a sequence of dims ('row', 'col', "
+                "'batch' or ints)"
+            )
+        part = tuple(int(p) if is_int(p) else p for p in part)
+        axes = entries("ShardSpec", self.mesh_axes)
+        for p in part:
+            if isinstance(p, str) and p not in _DIM_NAMES:
+                raise ValueError(
+                    f"ShardSpec: partition entry {p!r} must be 'row', 'col', 'batch' or an int"
+                )
+            if not isinstance(p, str) and not is_int(p):
+                raise TypeError(
+                    f"ShardSpec: partition entry {p!r} must be 'row', 'col', 'batch' or an int"
+                )
         if len(part) != len(axes):
             raise ValueError(
                 f"ShardSpec: partition={part} and mesh_axes={axes} must have the same length"
             )
-        for p in part:
-            if not (isinstance(p, int) and not isinstance(p, bool)) and p not in _DIM_NAMES:
-                raise ValueError(
-                    f"ShardSpec: partition entry {p!r} must be 'row', 'col', 'batch' or an int"
-                )
         used = [a for e in axes for a in entry_axes(e)]
         if len(set(used)) != len(used):
             raise ValueError(f"ShardSpec: mesh_axes={axes} uses a mesh axis twice")
@@ -70,6 +97,10 @@ class ShardSpec:
 
     @classmethod
     def from_partition_spec(cls, spec: PartitionSpec) -> ShardSpec:
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"ShardSpec.from_partition_spec: spec={spec!r} must be a jax PartitionSpec"
+            )
         dims = tuple(i for i, e in enumerate(spec) if e is not None)
         return cls(partition=dims, mesh_axes=tuple(spec[i] for i in dims))
 
@@ -93,20 +124,16 @@ class ShardSpec:
             entries.pop()
         return PartitionSpec(*entries)
 
-    def named_sharding(self, mesh: Any, ndim: int) -> NamedSharding:
-        from tessera_jax.sharding.mesh import as_mesh
-
-        m = as_mesh(mesh)
-        for a in (a for e in self.mesh_axes for a in entry_axes(e)):
-            if a not in m.axes:
-                raise ValueError(f"ShardSpec: mesh axis {a!r} is not in the mesh's axes {m.axes}")
+    def named_sharding(self, mesh: Any, ndim: int, what: str = "ShardSpec") -> NamedSharding:
+        """The NamedSharding on ``mesh``; a ValueError naming ``what`` if this spec uses an
+        axis the mesh does not have."""
+        m = as_mesh(mesh, what)
+        m.check_axes(what, "layout.mesh_axes", (a for e in self.mesh_axes for a in entry_axes(e)))
         return NamedSharding(m.jax_mesh, self.partition_spec(ndim))
 
     def check_shape(self, shape: Sequence[int], mesh: Any, what: str = "tensor") -> None:
         """ValueError unless every partitioned dim is divisible by its axis size."""
-        from tessera_jax.sharding.mesh import as_mesh
-
-        m = as_mesh(mesh)
+        m = as_mesh(mesh, what)
         for d, e in zip(self.dims(len(shape)), self.mesh_axes):
             if e is None:
                 continue
@@ -131,7 +158,9 @@ def as_partition_spec(layout: Any, ndim: int) -> PartitionSpec:
         return layout
     if isinstance(layout, NamedSharding):
         return layout.spec
-    raise TypeError(f"{layout!r} is not a ts.ShardSpec, a PartitionSpec or a NamedSharding")
+    raise TypeError(
+        f"layout={layout!r} must be a ts.ShardSpec, a PartitionSpec, a NamedSharding or None"
+    )
 
 
 def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:

@@ -20,7 +20,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from tessera_jax.numerics.dtypes import as_np_dtype
-from tessera_jax.sharding.mesh import Mesh, as_mesh, resolve_mesh
+from tessera_jax.sharding.mesh import (
+    Mesh,
+    as_mesh,
+    axis_names,
+    constrain,
+    is_int,
+    positive_shape,
+    resolve_mesh,
+)
 from tessera_jax.sharding.spec import ShardSpec, entry_axes
 
 
@@ -102,6 +110,12 @@ class DistTensor:
         return Parts(self, axis)
 
     def with_array(self, array: Any) -> DistTensor:
+        """A DistTensor of the same layout and mesh around ``array`` (of this shape)."""
+        if tuple(getattr(array, "shape", ())) != self.shape:
+            raise ValueError(
+                f"DistTensor.with_array: array of shape {getattr(array, 'shape', None)} must "
+                f"have this tensor's shape {self.shape}"
+            )
         return DistTensor(array, self.layout, self.mesh)
 
     @property
@@ -109,7 +123,7 @@ class DistTensor:
         return self.array.T
 
     def astype(self, dtype: Any) -> jax.Array:
-        return self.array.astype(as_np_dtype(dtype))
+        return self.array.astype(_dtype("DistTensor.astype", dtype))
 
     def __getitem__(self, idx: Any) -> jax.Array:
         return self.array[idx]
@@ -158,7 +172,10 @@ class Parts:
     """
 
     def __init__(self, tensor: DistTensor, axis: str | Sequence[str]):
-        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        if not isinstance(tensor, DistTensor):
+            raise TypeError(f"parts: tensor={tensor!r:.60} must be a ts.dist.tensor")
+        axes = axis_names("parts", "axis", axis)
+        tensor.mesh.check_axes("parts", f"axis={axis!r}", axes)
         dims = [
             d
             for d, e in zip(tensor.layout.dims(tensor.ndim), tensor.layout.mesh_axes)
@@ -187,11 +204,17 @@ class Parts:
 
     def __getitem__(self, i: int) -> jax.Array:
         n = len(self)
+        if not is_int(i):
+            raise TypeError(f"parts[i]: i={i!r} must be an int in [-{n}, {n})")
         if not -n <= i < n:
-            raise IndexError(f"parts: index {i} out of range for {n} parts")
-        i %= n
+            raise ValueError(f"parts[i]: i={i} must be an int in [-{n}, {n}) ({n} parts)")
+        i = int(i) % n
         if entry_axes(self.tensor.partition_spec[self.dim]) != (self.axis,):
-            raise NotImplementedError("parts[i] of a dim split over several mesh axes")
+            raise NotImplementedError(
+                f"parts[i]: dim {self.dim} is split over several mesh axes "
+                f"{self.tensor.partition_spec[self.dim]}; take parts along all of them "
+                "through ts.index_launch"
+            )
         block = self.tensor.shape[self.dim] // n
         return jax.lax.slice_in_dim(self.tensor.array, i * block, (i + 1) * block, axis=self.dim)
 
@@ -203,15 +226,49 @@ class Parts:
 
 
 def _place(value: Any, sharding: NamedSharding, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
-    if isinstance(value, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(value.astype(dtype), sharding)
-    if isinstance(value, jax.Array):
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"dist.tensor: init has shape {tuple(value.shape)}, expected shape={shape}"
+            )
+        if isinstance(value, jax.core.Tracer):
+            return constrain(value.astype(dtype), sharding)
         return jax.device_put(value.astype(dtype), sharding)
-    host = np.asarray(value).astype(dtype)
+    try:
+        host = np.asarray(value).astype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"dist.tensor: init={_short(value)} must be an array of numbers of shape {shape}, "
+            f"a callable init(key, shape, dtype) or None"
+        ) from e
     if host.shape != shape:
-        raise ValueError(f"dist.tensor: init has shape {host.shape}, expected {shape}")
+        raise ValueError(f"dist.tensor: init has shape {host.shape}, expected shape={shape}")
     # Shard by shard: each device receives only its block of the host data.
     return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx])
+
+
+def _dtype(op: str, dtype: Any) -> np.dtype:
+    try:
+        return as_np_dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{op}: dtype={dtype!r}: {e}") from None
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else f"{r[:57]}..."
+
+
+def _check_key(key: Any) -> jax.Array:
+    """A PRNG key: a typed key (``jax.random.key``) or a raw ``uint32[2]`` one."""
+    if isinstance(key, (jax.Array, jax.core.Tracer)):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.dtype == jnp.uint32 and key.shape == (2,):
+            return key
+    raise TypeError(
+        f"dist.tensor: key={_short(key)} must be a PRNG key (jax.random.key(seed)) or None"
+    )
 
 
 def tensor(
@@ -226,7 +283,7 @@ def tensor(
     """A DistTensor of ``shape`` laid out on ``mesh`` by ``layout``.
 
     Arguments:
-      shape: the global shape.
+      shape: the global shape: positive ints (an int for one dim).
       layout: a ``ts.ShardSpec`` (None: replicated).
       mesh: a ``ts.dist.Mesh`` (default: the current ``with mesh:``).
       dtype: a ts dtype, a policy, a numpy/jnp dtype or a name (``"bf16"``, ``"fp8_e4m3"``).
@@ -236,19 +293,28 @@ def tensor(
     Returns:
       A DistTensor whose array has ``NamedSharding(mesh, layout)``.
     """
-    shape = tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"dist.tensor: shape={shape} has a negative size")
+    shape = positive_shape("dist.tensor", "shape", shape)
     layout = ShardSpec() if layout is None else layout
     if not isinstance(layout, ShardSpec):
-        raise TypeError(f"dist.tensor: layout={layout!r} must be a ts.ShardSpec")
+        raise TypeError(f"dist.tensor: layout={layout!r} must be a ts.ShardSpec or None")
     m = resolve_mesh("dist.tensor", mesh)
+    sharding = layout.named_sharding(m, len(shape), "dist.tensor")
     layout.check_shape(shape, m, "dist.tensor")
-    sharding = layout.named_sharding(m, len(shape))
-    dt = as_np_dtype(dtype)
+    if dtype is None:
+        # np.dtype(None) would quietly mean float64.
+        raise TypeError("dist.tensor: dtype=None must be a dtype such as 'f32' or jnp.bfloat16")
+    dt = _dtype("dist.tensor", dtype)
+    init_fn = callable(init) and not hasattr(init, "shape")
+    if key is not None:
+        if not init_fn:
+            raise ValueError(
+                f"dist.tensor: key= is only used by a callable init(key, shape, dtype); "
+                f"init is {type(init).__name__}"
+            )
+        key = _check_key(key)
     if init is None:
         array = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
-    elif callable(init) and not hasattr(init, "shape"):
+    elif init_fn:
         k = jax.random.key(0) if key is None else key
         out = jax.eval_shape(lambda k: init(k, shape, dt), k)
         if tuple(out.shape) != shape:

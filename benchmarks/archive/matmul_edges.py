@@ -2,12 +2,12 @@
 M/N/K (edge tiles through TMA's out-of-bounds fill, no padding copies) and mixed fp8
 (e4m3 × e5m2 on the fp8 tensor cores) — against XLA in the same process.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/probes/matmul_edges.py [skinny ragged mixed]
+    PYTHONUNBUFFERED=1 python3 benchmarks/archive/matmul_edges.py [skinny ragged mixed]
 
 Prints one line per implementation (ms, TF/s or TB/s of B read, ratio = XLA ms / ms,
 relative error against an f32 reference). No JSON record: the printed output of the runs
 quoted in benchmarks/NOTES-matmul.md (v7) is kept as
-benchmarks/results/matmul-edges-h100-run*.txt.
+benchmarks/archive/matmul-edges-h100-run*.txt.
 """
 
 from __future__ import annotations

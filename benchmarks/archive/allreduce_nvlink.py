@@ -1,7 +1,7 @@
 """Probe: the NVLink all-reduce kernel (pallas_kernels/allreduce_mgpu.py).
 
-    NCCL_NVLS_ENABLE=0 timeout 300 python benchmarks/probes/allreduce_nvlink.py [MiB ...]
-    NCCL_NVLS_ENABLE=0 timeout 300 python benchmarks/probes/allreduce_nvlink.py 2d
+    NCCL_NVLS_ENABLE=0 timeout 300 python benchmarks/archive/allreduce_nvlink.py [MiB ...]
+    NCCL_NVLS_ENABLE=0 timeout 300 python benchmarks/archive/allreduce_nvlink.py 2d
 
 Sizes: the kernel called directly on all local GPUs (and on the first 2 when there are
 more): bits against the 1-device canonical tree and 3 runs, then the time against
@@ -19,12 +19,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks._common import time_interleaved
 from benchmarks.allreduce import (
     bus_bandwidth,
     canonical_digest,
     shard_digests,
     sharded_normal,
-    timed_interleaved,
 )
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import allreduce_mgpu as ar
@@ -105,7 +105,7 @@ for n in sorted({len(jax.devices()), 2}, reverse=True):
                 bad = np.flatnonzero(y0 != r0)
                 print(f"  MISMATCH: {len(bad)} of {y0.size} differ; first {bad[:8]}", flush=True)
             xd = shard_digests(xla(x))[0]
-            t = timed_interleaved({"kernel": kern, "xla": xla, "psum": psum}, x)
+            t = time_interleaved({"kernel": kern, "xla": xla, "psum": psum}, (x,), target_ms=20)
             tk, tx, tp = t["kernel"], t["xla"], t["psum"]
             print(
                 f"  bits {'ok' if ok else 'BAD'} (xla path {'same' if xd == ref else 'DIFF'})  "

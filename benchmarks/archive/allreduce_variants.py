@@ -1,7 +1,7 @@
 """Probe: variants of the canonical-tree all-reduce against lax.psum (docs/DISTRIBUTION.md,
 "All-reduce speed"). Run on nvidia-h200-x4 with NVLS off::
 
-    GROUP=chunks|halving|components SIZES="64 512" python3 benchmarks/probes/allreduce_variants.py
+    GROUP=chunks|halving|components SIZES="64 512" python3 benchmarks/archive/allreduce_variants.py
 
 * chunks: 2/4 independent all_to_all -> tree -> all_gather chains (overlap?), with the
   outputs concatenated or one all_gather at the end;
@@ -23,12 +23,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from benchmarks._common import time_interleaved
 from benchmarks.allreduce import (
     bus_bandwidth,
     canonical_digest,
     shard_digests,
     sharded_normal,
-    timed_interleaved,
 )
 from tessera_jax import _compat
 from tessera_jax.primitives.collectives import exchange, tree_all_reduce, tree_over_ranks
@@ -134,7 +134,9 @@ def main():
             if variants[name][1]:
                 same = all(set(shard_digests(f(x))) == {refd} for _ in range(3))
                 print(f"{nbytes // MIB} MiB {name:14s} canonical bits: {same}", flush=True)
-        times = timed_interleaved(fns, x, repeats=7)  # interleaved: drift hits all alike
+        times = time_interleaved(
+            fns, (x,), repeats=7, target_ms=20
+        )  # interleaved: drift hits all alike
         for name, t in times.items():
             bus = bus_bandwidth(n, nbytes, t)
             print(

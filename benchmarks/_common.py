@@ -1,0 +1,115 @@
+"""What every benchmark shares: timing, random inputs, device names and JSON records.
+
+Timing: each function is warmed up for a fixed time (compilation, autotuning and clock
+ramp-up land there), then the functions are timed in turn in every repeat and the
+median of the repeats is reported; interleaving puts clock and temperature drift on all
+of them alike, so ratios between them stay meaningful when absolute times move.
+
+Records are lists of flat dicts written as JSON (``indent=1``) to
+``benchmarks/results/`` or, when ``$OUT`` is set (the GPU machines), to ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+_FAMILIES = ("h100", "h200", "b200", "a100")
+
+
+def device_name(*, family: bool = False, count: bool = False) -> str:
+    """The local device kind, lower case and dashed (``"nvidia-h200"``; ``"cpu"`` on
+    CPUs). ``family``: the GPU family alone where it is known (``"h100"``); ``count``:
+    with ``-x<number of local devices>`` appended (``"nvidia-h200-x4"``)."""
+    dev = jax.devices()[0]
+    kind = "cpu" if dev.platform == "cpu" else dev.device_kind.lower().replace(" ", "-")
+    if family:
+        kind = next((f for f in _FAMILIES if f in kind), kind)
+    return f"{kind}-x{jax.device_count()}" if count else kind
+
+
+def normal(
+    seed: int,
+    shape: Sequence[int],
+    dtype: Any = jnp.float32,
+    *,
+    scale: float = 1.0,
+    sharding: jax.sharding.Sharding | None = None,
+) -> jax.Array:
+    """Standard-normal values times ``scale``, drawn in f32 and rounded to ``dtype``;
+    made directly in ``sharding``'s layout when given (each device computes its block)."""
+    make = lambda k: (jax.random.normal(k, tuple(shape), jnp.float32) * scale).astype(dtype)
+    return jax.jit(make, out_shardings=sharding)(jax.random.key(seed))
+
+
+def _loop(fn: Callable[..., Any], args: Sequence[Any], k: int) -> float:
+    """Milliseconds per call over ``k`` back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(k):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / k * 1e3
+
+
+def time_interleaved(
+    fns: dict[str, Callable[..., Any]],
+    args: Sequence[Any],
+    *,
+    repeats: int = 5,
+    target_ms: float = 40.0,
+    min_iters: int = 10,
+    max_iters: int = 2000,
+    warmup_ms: float = 200.0,
+) -> dict[str, float]:
+    """Median milliseconds per call of each ``fn(*args)`` in ``fns``.
+
+    Each function is first called for ``warmup_ms`` (loops of doubling length, which
+    also estimate its time); every repeat then calls each function in turn, enough
+    times for ~``target_ms`` (between ``min_iters`` and ``max_iters`` calls). On CPU
+    devices there is no timed warm-up and every repeat is ``min_iters`` calls: many
+    calls in flight starve the threads of the CPU collectives.
+    """
+    cpu = jax.default_backend() == "cpu"
+    iters = {}
+    for name, f in fns.items():
+        jax.block_until_ready(f(*args))  # compile
+        if cpu:
+            iters[name] = min_iters
+            continue
+        t, k, spent = _loop(f, args, 1), 1, 0.0
+        while spent < warmup_ms:
+            t = _loop(f, args, k)
+            spent += t * k
+            k *= 2
+        iters[name] = max(min_iters, min(max_iters, int(target_ms / max(t, 1e-6)) + 1))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            times[name].append(_loop(f, args, iters[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def results_path(filename: str) -> Path:
+    """Where a record file goes: ``$OUT/filename`` if ``$OUT`` is set, else
+    ``benchmarks/results/filename``."""
+    out = os.environ.get("OUT")
+    return (Path(out) if out else RESULTS) / filename
+
+
+def write_records(path: str | os.PathLike, records: list[dict[str, Any]]) -> Path:
+    """Writes ``records`` as a JSON list (one key per line) and returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
