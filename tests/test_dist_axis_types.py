@@ -57,11 +57,6 @@ def test_tensor_ops_jit_grad(jm):
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ts.op.sum's abstract eval gives a scalar the input's Explicit sharding "
-    "(primitives/reductions.py)",
-)
 def test_ts_sum_of_explicit_sharded_tensor():
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     jm = jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
