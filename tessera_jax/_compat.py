@@ -405,3 +405,15 @@ from jax._src import core as _core  # noqa: E402
 def is_eager() -> bool:
     """Whether a primitive bound now is evaluated at once (no jit, grad or vmap trace)."""
     return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+def outside_mesh_context():
+    """A context with no abstract mesh in force (as outside ``jax.set_mesh``).
+
+    What a custom_partitioning rule traces runs on local shards after the partitioner:
+    under a mesh with Explicit axes jax would type (and constrain) its values by that mesh,
+    and the constraints would reach the per-device program, which cannot run them.
+    """
+    from jax._src import mesh as mesh_lib
+
+    return jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh)

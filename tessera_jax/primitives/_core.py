@@ -206,7 +206,13 @@ class Operator:
         if rule is not None and _compat.lowering_is_partitioned(ctx):
             fn = rule(self, impl, fn, platform, ctx.avals_in, params) or fn
         # Implementations are traced vma-free (a kernel inside shard_map need not know
-        # which mesh axes its operands vary over).
+        # which mesh axes its operands vary over) and without sharding in types: where the
+        # operands are sharded, the partitioner (or the sharding rule) distributes the
+        # implementation, which must not carry sharding constraints of its own.
+        ctx = ctx.replace(
+            avals_in=[_unsharded(a) for a in ctx.avals_in],
+            avals_out=[_unsharded(a) for a in ctx.avals_out],
+        )
         with _compat.lowering_without_vma(ctx) as ctx:
             lowered = mlir.lower_fun(fn, multiple_results=self.prim.multiple_results)
             return lowered(ctx, *args, **params)

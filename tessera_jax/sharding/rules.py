@@ -225,12 +225,13 @@ def _wrap(rule: Rule, op: Any, impl: str, fn: Any, platform: str | None, avals_i
         assign, args, outs, red = shardings(mesh, arg_shapes)
 
         def lower_fn(*xs):
-            if rule.local is not None:
-                return rule.local(local_impl, xs, assign, factors, params)
-            out = local_impl(*xs)
-            if red:
-                out = rule.combine(out, red, [jax.typeof(x) for x in xs], params)
-            return out
+            with _compat.outside_mesh_context():
+                if rule.local is not None:
+                    return rule.local(local_impl, xs, assign, factors, params)
+                out = local_impl(*xs)
+                if red:
+                    out = rule.combine(out, red, [jax.typeof(x) for x in xs], params)
+                return out
 
         return mesh, lower_fn, outs if multiple else outs[0], args
 
