@@ -201,6 +201,11 @@ def as_policy(x: Any) -> Policy:
     return Policy(storage=as_tdtype(x))
 
 
+def _has_inf(grid: np.dtype) -> bool:
+    """Whether a float format represents infinities (e4m3fn and fp6 do not)."""
+    return bool(np.isinf(np.array(np.inf).astype(grid)))
+
+
 def _format_params(grid: np.dtype) -> tuple[int, int, float]:
     fi = (
         ml_dtypes.finfo(grid)
@@ -227,9 +232,14 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
         xf = x.astype(jnp.float32)
         r = jnp.round(xf) if u is None else jnp.floor(xf + u)
         return jnp.clip(r, info.min, info.max).astype(target.container)
-    if u is None and grid == target.container:
-        return x.astype(target.container)
     nmant, minexp, fmax = _format_params(grid)
+    if u is None and grid == target.container:
+        if _has_inf(grid):
+            return x.astype(target.container)
+        # XLA's convert gives NaN for out-of-range values of a format without inf
+        # (e4m3fn); clipping first saturates them (±inf too) and keeps NaN.
+        xc = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return jnp.clip(xc, -fmax, fmax).astype(target.container)
     xf = x.astype(jnp.float32)
     a = jnp.minimum(jnp.abs(xf), np.float32(fmax))
     _, e = jnp.frexp(a)  # a = m·2^e with m in [0.5, 1): the binade exponent is e-1
@@ -238,5 +248,8 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
     scaled = a / ulp  # exact: a power-of-two scaling
     q = jnp.round(scaled) if u is None else jnp.floor(scaled + u)
     r = jnp.minimum(q * ulp, np.float32(fmax))
-    r = jnp.where(jnp.isnan(xf), xf, jnp.copysign(r, xf))
+    r = jnp.copysign(r, xf)
+    # NaN stays NaN; ±inf stays ±inf in a format that has it (else it saturated above).
+    keep = jnp.isnan(xf) | (jnp.isinf(xf) if _has_inf(grid) else False)
+    r = jnp.where(keep, xf, r)
     return r.astype(target.container)

@@ -135,15 +135,25 @@ class ScaledPolicy:
         fmax = _format_max(self.storage)
         if fmax is None:
             return cast(x, self.storage, key), jnp.ones((), self.scale.container)
-        amax = jax.lax.stop_gradient(jnp.max(jnp.abs(xf)))
+        # The amax of the finite elements: a NaN or ±inf must not become the scale of
+        # every other element (initial=0: an empty x has scale 1).
+        finite = jnp.isfinite(xf)
+        amax = jnp.max(jnp.where(finite, jnp.abs(xf), 0), initial=0)
+        amax = jax.lax.stop_gradient(amax)
         scale = jnp.where(amax > 0, amax / fmax, jnp.ones_like(amax)).astype(self.scale.container)
         scaled = xf / scale.astype(xf.dtype)
-        # Saturate (e4m3fn has no inf: NaN on overflow). With amax scaling only rounding can
-        # push an element (the amax one, at ±fmax) over the edge, so the clip is
-        # straight-through: a derivative of 1 for every element (jnp.clip would give the
-        # amax element 0 or 1/2 depending on which way its scale rounded).
-        clipped = jnp.clip(scaled, -fmax, fmax)
-        scaled = scaled + jax.lax.stop_gradient(clipped - scaled)
+        if not self.storage.is_float:
+            # Integers hold neither NaN nor inf: a non-finite element makes the returned
+            # scale NaN, so dequantize gives NaN rather than a plausible finite tensor.
+            scale = jnp.where(jnp.all(finite), scale, jnp.asarray(jnp.nan, scale.dtype))
+        # Saturate finite values (e4m3fn has no inf: NaN on overflow). With amax scaling
+        # only rounding can push an element (the amax one, at ±fmax) over the edge, so the
+        # clip is straight-through: a derivative of 1 for every element (jnp.clip would
+        # give the amax element 0 or 1/2 depending on which way its scale rounded).
+        # Non-finite elements pass to ts.cast, which keeps NaN and inf where the format
+        # has them and saturates inf where it does not.
+        step = jax.lax.stop_gradient(jnp.clip(scaled, -fmax, fmax) - scaled)
+        scaled = jnp.where(finite, scaled + step, scaled)
         return cast(scaled, self.storage, key), scale
 
     def dequantize(self, x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -63,22 +63,42 @@ def _mean(x: jax.Array) -> jax.Array:
 
 
 def _rsqrt_guarded(s: jax.Array) -> jax.Array:
-    """``1/sqrt(s)`` for ``s > 0``, else 0 (the inner where keeps every derivative finite)."""
-    pos = s > 0
-    return jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, s, jnp.ones_like(s))), jnp.zeros_like(s))
+    """``1/sqrt(s)``, and 0 where ``s == 0`` (the inner where keeps every derivative finite).
+
+    Only an exact zero is guarded: a NaN ``s`` (a NaN in the row) stays NaN, so the
+    whole row comes out NaN instead of zeros.
+    """
+    zero = s == 0
+    return jnp.where(zero, jnp.zeros_like(s), jax.lax.rsqrt(jnp.where(zero, jnp.ones_like(s), s)))
+
+
+def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, jax.Array]:
+    """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)`` over the last axis.
+
+    When ``mean(v²)`` overflows (finite elements above ~1.8e19 in f32), the row is
+    first divided by its largest magnitude ``m``: ``v·r = (v/m)/sqrt(mean((v/m)²) +
+    eps/m²)``, which is in range, instead of ``v·0 = 0``. A row holding ±inf has
+    ``m = inf`` there, so ``v/m`` (and the row) is NaN. ``r`` itself is the exact
+    ``1/(m·sqrt(…))``, which may be subnormal.
+    """
+    rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
+    s = _mean(v * v) + eps
+    big = jnp.isinf(s)
+    m = jnp.where(big, jnp.max(jnp.abs(v), axis=-1, keepdims=True), jnp.ones_like(s))
+    vs = v / m
+    rs = rsqrt(_mean(vs * vs) + eps / (m * m))
+    r_plain = rsqrt(jnp.where(big, jnp.ones_like(s), s))
+    return jnp.where(big, vs * rs, v * r_plain), jnp.where(big, rs / m, r_plain)
 
 
 def _rms_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """``(x̂, r)`` of rmsnorm for ``xc`` in the compute dtype."""
-    r = _rsqrt_guarded(_mean(xc * xc) + eps)
-    return xc * r, r
+    return _normalise(xc, eps, guard_zero=True)
 
 
 def _ln_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """``(x̂, r)`` of layernorm for ``xc`` in the compute dtype (two-pass variance)."""
-    centred = xc - _mean(xc)
-    r = jax.lax.rsqrt(_mean(centred * centred) + eps)
-    return centred * r, r
+    return _normalise(xc - _mean(xc), eps, guard_zero=False)
 
 
 def _split(rest, has_weight: bool, has_bias: bool):
