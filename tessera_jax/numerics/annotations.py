@@ -59,6 +59,10 @@ def _numerics(x: Any) -> Any:
     """Validates the numerics item of an annotation (returned unchanged), or a TypeError."""
     if isinstance(x, (DType, Policy)) or _is_precision_policy(x):
         return x
+    if x is None:  # np.dtype(None) would silently mean float64
+        raise TypeError(
+            "ts.Tensor: None is not a dtype; leave the numerics out to accept any dtype"
+        )
     if isinstance(x, Accum):
         raise TypeError(
             f"ts.Tensor: {x!r} is not a dtype; attach it to a storage dtype: "

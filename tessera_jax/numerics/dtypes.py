@@ -70,6 +70,9 @@ int8 = _dt("int8", np.int8)
 int32 = _dt("int32", np.int32)
 complex64 = _dt("complex64", np.complex64)
 
+# The two fp8 containers: the formats fp8 products (tensor cores, scaled matmul) take.
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
 ALL_DTYPES = {
     d.name: d for d in (f64, f32, f16, bf16, fp8_e4m3, fp8_e5m2, fp6_e3m2, int8, int32, complex64)
 }
@@ -102,9 +105,8 @@ class LossScale:
     scale: float
 
     def __post_init__(self):
-        if not (
-            isinstance(self.scale, (int, float)) and np.isfinite(self.scale) and self.scale > 0
-        ):
+        ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+        if not (ok and np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"loss_scale: scale={self.scale!r} must be a positive finite number")
 
 
@@ -118,10 +120,21 @@ stochastic_round = _StochasticRound()
 
 
 def accum(dtype: Any) -> Accum:
-    return Accum(as_tdtype(dtype))
+    """``ts.accum(ts.f32)``: the accumulation part of a policy (``ts.bf16 @ ts.accum(ts.f32)``)."""
+    if dtype is None:
+        raise TypeError("accum: dtype=None must be a ts dtype, a numpy dtype or a dtype name")
+    try:
+        return Accum(as_tdtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"accum: {dtype=!r}: {e}") from None
 
 
 def loss_scale(scale: float) -> LossScale:
+    """``ts.loss_scale(s)``: a policy's static loss scale, a positive finite number."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(
+        scale, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"loss_scale: {scale=!r} must be a positive finite number")
     return LossScale(float(scale))
 
 
@@ -165,6 +178,8 @@ def as_tdtype(x: Any) -> DType:
     """Any dtype spelling (ts dtype, policy, numpy/jnp dtype, string) → a ts ``DType``."""
     if isinstance(x, DType):
         return x
+    if x is None:  # np.dtype(None) would silently mean float64
+        raise TypeError("None is not a dtype, a ts dtype or a precision policy")
     if isinstance(x, Policy):
         return x.storage
     storage = getattr(x, "storage", None)
@@ -232,10 +247,12 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
         xf = x.astype(jnp.float32)
         r = jnp.round(xf) if u is None else jnp.floor(xf + u)
         return jnp.clip(r, info.min, info.max).astype(target.container)
+    if not jnp.issubdtype(grid, jnp.floating) or (
+        u is None and grid == target.container and _has_inf(grid)
+    ):
+        return x.astype(target.container)  # IEEE rounding; bool and complex targets
     nmant, minexp, fmax = _format_params(grid)
     if u is None and grid == target.container:
-        if _has_inf(grid):
-            return x.astype(target.container)
         # XLA's convert gives NaN for out-of-range values of a format without inf
         # (e4m3fn); clipping first saturates them (±inf too) and keeps NaN.
         xc = x.astype(jnp.promote_types(x.dtype, jnp.float32))

@@ -59,8 +59,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from tessera_jax.numerics.dtypes import DType, Policy, as_tdtype, f32, f64
-from tessera_jax.primitives._core import as_array
+from tessera_jax.numerics.checks import array_arg, key_arg
+from tessera_jax.numerics.dtypes import FP8_DTYPES, DType, Policy, as_tdtype, f32, f64
+from tessera_jax.primitives._core import is_float
 
 __all__ = [
     "PolicySpec",
@@ -71,7 +72,6 @@ __all__ = [
     "quantize",
 ]
 
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _WIDE = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -122,6 +122,14 @@ class ScaledPolicy:
     compute: DType = f32
     accumulate: DType | None = None
     stochastic_round: bool = False
+
+    def __post_init__(self):
+        grid = self.storage.grid
+        if not (is_float(grid) or jnp.issubdtype(grid, jnp.integer)):
+            raise TypeError(
+                f"quantize: storage={self.storage!r} must be a float or integer format "
+                "(per-tensor scaling maps real values onto it)"
+            )
 
     @property
     def dtype(self) -> np.dtype:
@@ -264,6 +272,8 @@ def resolve_policy(policy: Any) -> Any:
     if isinstance(policy, Policy):
         return _scaled_from(policy.storage, policy.accumulate, policy.stochastic_round)
     try:
+        if policy is None:
+            raise TypeError("None")
         storage = as_tdtype(policy)
     except TypeError:
         raise TypeError(
@@ -367,9 +377,10 @@ def quantize(x: Any, policy: Any, *, key: jax.Array | None = None) -> QuantizedT
     Returns:
       A :class:`QuantizedTensor` with ``values`` of the storage dtype and ``scale``.
     """
-    x = as_array("quantize", "x", x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    x = array_arg("quantize", "x", x)
+    if not is_float(x.dtype):
         raise TypeError(f"quantize: x.dtype={x.dtype} must be a float dtype")
+    key = key_arg("quantize", key)
     p = resolve_policy(policy)
     spec = policy_spec(p)
     if isinstance(p, ScaledPolicy):
@@ -422,7 +433,7 @@ def fp8_scaled_values(x: Any) -> tuple[jax.Array, jax.Array] | None:
     if not isinstance(x, QuantizedTensor):
         return None
     spec = x.spec
-    if spec.linear_scale and x.dtype in _FP8 and jnp.shape(x.scale) == ():
+    if spec.linear_scale and x.dtype in FP8_DTYPES and jnp.shape(x.scale) == ():
         return x.values, x.scale
     return None
 

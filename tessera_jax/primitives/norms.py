@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
-    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -72,23 +72,30 @@ def _rsqrt_guarded(s: jax.Array) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(s), jax.lax.rsqrt(jnp.where(zero, jnp.ones_like(s), s)))
 
 
+# A power of two that brings any finite f32 row's squares into range (|x|·2⁻¹⁰⁰ < 2.7e8)
+# while keeping the row's largest element normal.
+_OVERFLOW_SCALE = 2.0**-100
+
+
 def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, jax.Array]:
     """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)`` over the last axis.
 
-    When ``mean(v²)`` overflows (finite elements above ~1.8e19 in f32), the row is
-    first divided by its largest magnitude ``m``: ``v·r = (v/m)/sqrt(mean((v/m)²) +
-    eps/m²)``, which is in range, instead of ``v·0 = 0``. A row holding ±inf has
-    ``m = inf`` there, so ``v/m`` (and the row) is NaN. ``r`` itself is the exact
-    ``1/(m·sqrt(…))``, which may be subnormal.
+    When ``mean(v²)`` overflows (elements above ~1.8e19 in f32), the mean square is taken
+    of ``v·c`` with ``c = 2⁻¹⁰⁰`` (exact) and ``v·r = (v·rs)·c`` with ``rs = 1/sqrt(mean((v·c)²)
+    + eps·c²)``: in range, where ``v·0`` would give a plausible 0. Scaling by ``c`` rather
+    than dividing by the row maximum keeps every intermediate normal (a subnormal
+    reciprocal is flushed to zero on CPUs and GPUs). A row holding ±inf (or NaN) gives NaN.
     """
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
     s = _mean(v * v) + eps
     big = jnp.isinf(s)
-    m = jnp.where(big, jnp.max(jnp.abs(v), axis=-1, keepdims=True), jnp.ones_like(s))
-    vs = v / m
-    rs = rsqrt(_mean(vs * vs) + eps / (m * m))
-    r_plain = rsqrt(jnp.where(big, jnp.ones_like(s), s))
-    return jnp.where(big, vs * rs, v * r_plain), jnp.where(big, rs / m, r_plain)
+    c = np.asarray(_OVERFLOW_SCALE, v.dtype)
+    vc = v * c
+    sc = _mean(vc * vc) + eps * c * c  # inf only for a row holding ±inf: make it NaN
+    sc = jnp.where(jnp.isinf(sc), jnp.full_like(sc, jnp.nan), sc)
+    rs = rsqrt(jnp.where(big, sc, jnp.ones_like(s)))
+    r = rsqrt(jnp.where(big, jnp.ones_like(s), s))
+    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
 
 
 def _rms_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -239,7 +246,7 @@ def _check_eps(name: str, eps, *, allow_zero: bool) -> float:
 
 
 def _check_x(name: str, x) -> jax.Array:
-    x = as_array(name, "x", x)
+    x = array_arg(name, "x", x)
     check_dtype(name, "x", x, _FLOATING)
     if x.ndim == 0:
         raise ValueError(f"{name}: x must have at least one dimension, got a scalar")
@@ -249,7 +256,7 @@ def _check_x(name: str, x) -> jax.Array:
 def _check_param(name: str, arg: str, p, x: jax.Array) -> jax.Array | None:
     if p is None:
         return None
-    p = as_array(name, arg, p)
+    p = array_arg(name, arg, p)
     check_dtype(name, arg, p, _FLOATING)
     if p.shape != x.shape[-1:]:
         raise ValueError(
