@@ -148,6 +148,8 @@ POLICY = [
     ("dequantize-array", lambda: ts.dequantize(X), TypeError, r"dequantize: expected a Quantized"),
     ("compose-int", lambda: ts.bf16 @ 3, TypeError, r"policy composition: cannot apply 3"),
     ("compose-dtype", lambda: ts.bf16 @ ts.f32, TypeError, r"policy composition: cannot apply"),
+    ("compose-order", lambda: ts.accum(ts.f32) @ ts.bf16, TypeError, r"starts with its storage"),
+    ("compose-sr-first", lambda: ts.stochastic_round @ ts.bf16, TypeError, r"starts with its"),
     ("accum-None", lambda: ts.accum(None), TypeError, r"accum: dtype=None"),
     ("accum-name", lambda: ts.accum("fp9"), TypeError, r"accum: dtype='fp9'"),
     ("loss_scale-neg", lambda: ts.loss_scale(-1), ValueError, r"loss_scale: scale=-1.0 must"),
@@ -156,6 +158,12 @@ POLICY = [
     ("loss_scale-None", lambda: ts.loss_scale(None), TypeError, r"loss_scale: scale=None must"),
     ("loss_scale-bool", lambda: ts.loss_scale(True), TypeError, r"loss_scale: scale=True must"),
     ("policy-function", lambda: ts.precision_policy(len), TypeError, r"decorates a class"),
+    (
+        "policy-complex-storage",
+        lambda: ts.precision_policy(type("P", (), {"storage": ts.complex64})),
+        TypeError,
+        r"precision_policy P: .*storage=ts.complex64 must be a float or integer format",
+    ),
     (
         "policy-no-storage",
         lambda: ts.precision_policy(type("P", (), {})),
@@ -315,6 +323,20 @@ AUTODIFF = [
         TypeError,
         r"ts.custom_jvp: nondiff_argnames=3",
     ),
+    (
+        "vjp-no-rule",
+        lambda: ts.custom_vjp(_loss)(X),
+        TypeError,
+        r"ts.custom_vjp: _loss has no derivative rule yet; define it with _loss.defvjp",
+    ),
+    (
+        "jvp-no-rule",
+        lambda: ts.custom_jvp(_loss)(X),
+        TypeError,
+        r"ts.custom_jvp: _loss has no derivative rule yet; define it with _loss.defjvp",
+    ),
+    ("vjp-defvjp-int", lambda: ts.custom_vjp(_loss).defvjp(1, 2), TypeError, r"defvjp: expected"),
+    ("jvp-defjvps-int", lambda: ts.custom_jvp(_loss).defjvps(1), TypeError, r"tangent_fns\[0\]=1"),
     ("jit-int", lambda: ts.jit(3), TypeError, r"ts.jit: expected a function, got a int"),
     ("jit-capture", lambda: ts.jit(_loss, capture_graph=1), TypeError, r"capture_graph=1 must"),
 ]

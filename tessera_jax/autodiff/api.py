@@ -29,6 +29,8 @@ import numpy as np
 from tessera_jax.numerics import annotations as _ann
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.numerics.dtypes import LossScale
+from tessera_jax.primitives._core import is_float
+from tessera_jax.sharding import regions
 
 __all__ = ["autodiff", "custom_jvp", "custom_vjp", "grad", "jit", "value_and_grad"]
 
@@ -199,7 +201,7 @@ def _as_scale(api: str, loss_scale: Any) -> Any:
     if isinstance(loss_scale, LossScale):
         return loss_scale.scale
     if isinstance(loss_scale, (jax.Array, np.ndarray)):
-        if loss_scale.ndim != 0 or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+        if loss_scale.ndim != 0 or not is_float(loss_scale.dtype):
             raise TypeError(
                 f"{api}: loss_scale must be a scalar float array, got shape "
                 f"{loss_scale.shape} dtype {loss_scale.dtype}"
@@ -469,7 +471,16 @@ class _CustomRule:
         extra = {"nondiff_argnames": self.nondiff_argnames} if self.nondiff_argnames else {}
         self._rule = self._jax_cls(fun, nondiff_argnums=self.nondiff_argnums, **extra)
 
+    _rule_attr: str = ""  # the jax object's attribute set by the def* method
+    _define: str = ""  # how the rule is defined, for the error message
+
     def __call__(self, *args, **kwargs):
+        if getattr(self._rule, self._rule_attr, "") is None:
+            name = _fname(self.fun)
+            raise TypeError(
+                f"{self._api}: {name} has no derivative rule yet; define it with "
+                f"{name}.{self._define} before calling {name}"
+            )
         return self._rule(*args, **kwargs)
 
     def __get__(self, obj, objtype=None):
@@ -491,6 +502,8 @@ class custom_vjp(_CustomRule):
 
     _jax_cls = jax.custom_vjp
     _api = "ts.custom_vjp"
+    _rule_attr = "fwd"
+    _define = "defvjp(fwd, bwd)"
 
     def defvjp(self, fwd: Callable, bwd: Callable, **kwargs) -> None:
         """Sets the forward (``fwd``) and backward (``bwd``) rules; as ``jax.custom_vjp.defvjp``."""
@@ -517,6 +530,8 @@ class custom_jvp(_CustomRule):
 
     _jax_cls = jax.custom_jvp
     _api = "ts.custom_jvp"
+    _rule_attr = "jvp"
+    _define = "defjvp(jvp)"
 
     def defjvp(self, jvp: Callable, **kwargs) -> Callable:
         """Sets the JVP rule; returns it, so ``@f.defjvp`` works as a decorator."""
@@ -526,6 +541,11 @@ class custom_jvp(_CustomRule):
 
     def defjvps(self, *tangent_fns: Callable | None) -> None:
         """One ``tangent_fn(t, primal_out, *primals)`` per argument, as in jax."""
+        for i, fn in enumerate(tangent_fns):
+            if fn is not None and not callable(fn):
+                raise TypeError(
+                    f"ts.custom_jvp.defjvps: tangent_fns[{i}]={fn!r} must be a function or None"
+                )
         self._rule.defjvps(*tangent_fns)
 
 
@@ -562,7 +582,7 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     named dimensions across arguments, storage dtypes, the accumulation policy, the
     return dtype: see tessera_jax/numerics/annotations.py). Functions whose
     parameters carry region privileges are first wrapped by
-    ``tessera_jax.sharding.regions`` when that module is present.
+    ``tessera_jax.sharding.regions``.
 
     ``capture_graph=True`` (CUDA-graph capture in Tessera) is accepted and currently
     equivalent to plain jit: XLA already runs one compiled executable per call.
@@ -579,8 +599,6 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     _check_callable("ts.jit", f)
     if not isinstance(capture_graph, bool):
         raise TypeError(f"ts.jit: capture_graph={capture_graph!r} must be a bool")
-    from tessera_jax.sharding import regions
-
     if not regions.has_regions(f):
         return jax.jit(_checked(f), **jit_kwargs)
     wrapped = regions.wrap(f)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from tessera_jax.primitives._core import is_float
+
 
 @dataclasses.dataclass(frozen=True)
 class DType:
@@ -41,7 +43,7 @@ class DType:
 
     @property
     def is_float(self) -> bool:
-        return jnp.issubdtype(self.container, jnp.floating)
+        return is_float(self.container)
 
     @property
     def bits(self) -> int:
@@ -49,6 +51,13 @@ class DType:
 
     def __matmul__(self, other: Any) -> Policy:
         return Policy(storage=self) @ other
+
+    def __rmatmul__(self, other: Any) -> Policy:
+        # ``ts.accum(ts.f32) @ ts.bf16``: Python's own message would not say the order.
+        raise TypeError(
+            f"policy composition: cannot apply {self!r} to {other!r}; a policy starts with its "
+            f"storage dtype: {self!r} @ ts.accum(...) @ ts.stochastic_round @ ts.loss_scale(...)"
+        )
 
     def __repr__(self) -> str:
         return f"ts.{self.name}"
@@ -247,9 +256,7 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
         xf = x.astype(jnp.float32)
         r = jnp.round(xf) if u is None else jnp.floor(xf + u)
         return jnp.clip(r, info.min, info.max).astype(target.container)
-    if not jnp.issubdtype(grid, jnp.floating) or (
-        u is None and grid == target.container and _has_inf(grid)
-    ):
+    if not is_float(grid) or (u is None and grid == target.container and _has_inf(grid)):
         return x.astype(target.container)  # IEEE rounding; bool and complex targets
     nmant, minexp, fmax = _format_params(grid)
     if u is None and grid == target.container:

@@ -62,6 +62,7 @@ import numpy as np
 from tessera_jax.numerics.checks import array_arg, key_arg
 from tessera_jax.numerics.dtypes import FP8_DTYPES, DType, Policy, as_tdtype, f32, f64
 from tessera_jax.primitives._core import is_float
+from tessera_jax.primitives.cast import cast
 
 __all__ = [
     "PolicySpec",
@@ -137,8 +138,6 @@ class ScaledPolicy:
 
     def quantize(self, x: jax.Array, key: jax.Array | None = None):
         """``(values, scale)``: per-tensor amax scaling onto the storage format."""
-        from tessera_jax.primitives.cast import cast
-
         xf = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
         fmax = _format_max(self.storage)
         if fmax is None:
@@ -225,8 +224,11 @@ def precision_policy(cls: type) -> type:
             f"precision_policy {name}: define both quantize(self, x) and "
             "dequantize(self, x, scale), or neither (built-in per-tensor scaling)"
         )
-    builtin = ScaledPolicy(storage, scale, compute, accumulate)
     if not has_q:
+        try:
+            builtin = ScaledPolicy(storage, scale, compute, accumulate)
+        except TypeError as e:
+            raise TypeError(f"precision_policy {name}: {e}") from None
         cls.quantize = lambda self, x, key=None: builtin.quantize(x, key)
         cls.dequantize = lambda self, x, scale: builtin.dequantize(x, scale)
     cls.storage, cls.scale, cls.compute, cls.accumulate = storage, scale, compute, accumulate
