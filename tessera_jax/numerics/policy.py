@@ -32,6 +32,13 @@ Built-in per-tensor scaling, for a ts dtype or a ``Policy`` (``ts.fp8_e4m3``,
   subnormal range, and ``scale/2`` absolute for int8.
 * wide floats (f16, bf16, f32, f64): ``scale = 1`` and ``values = cast(x)``.
 
+Non-finite elements: the amax is taken over the finite elements, so a NaN or ±inf
+leaves every other element as it would be without it. NaN stays NaN; ±inf stays ±inf
+in formats with infinities (e5m2, wide floats) and saturates to ±fmax in those without
+(e4m3, fp6). int8 holds neither: a tensor with a non-finite element gets a NaN scale
+(its values are those of the finite scale), so ``dequantize`` gives NaN, never a
+plausible finite tensor. An empty ``x`` has scale 1.
+
 Derivatives: the scale is computed under ``stop_gradient`` and float rounding is
 straight-through (``ts.cast``), so ``dequantize(quantize(x))`` has derivative 1 in ``x``
 up to one thing JAX fixes: a tangent has its primal's dtype, so the tangent of fp8 values

@@ -18,6 +18,10 @@ rules produce for a vmapped weight). ``rmsnorm`` and ``rmsnorm_safe`` share
 ``ts_rmsnorm``, which guards ``mean(x²) + eps == 0`` (an all-zero row with
 ``eps=0``): ``r`` is 0 there, so the row's output and gradients are 0.
 
+Non-finite rows: a row holding a NaN or ±inf comes out all NaN (never zeros); a
+finite row whose squares overflow the compute dtype is normalised exactly, by
+taking its statistics on the row scaled by a power of two (see ``_normalise``).
+
 Adjoints: JVP rules with explicit formulas in jax.numpy (``x̂ = x·r``)::
 
     rmsnorm:    dy = w·r·(dx − x̂·mean(x̂·dx)) + x̂·dw
