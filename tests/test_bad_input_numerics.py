@@ -380,3 +380,5 @@ def test_annotated_function_rejects_mismatched_arguments():
         f(I32, X.T)
     with pytest.raises(TypeError, match=r"f: a has rank 1"):
         f(jnp.ones(3), X)
+    with pytest.raises(TypeError, match=r"f: the arguments do not match its signature"):
+        f(X)

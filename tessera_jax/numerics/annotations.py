@@ -341,7 +341,12 @@ def check_arguments(s: Signature, args: tuple, kwargs: dict) -> _Dims:
     dims = _Dims(s.name)
     if not s.params:
         return dims
-    bound = s.sig.bind(*args, **kwargs)
+    try:
+        bound = s.sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"{s.name}: the arguments do not match its signature {s.sig}: {e}"
+        ) from None
     for name, spec in s.params.items():
         if name in bound.arguments:
             _check_value(dims, spec, bound.arguments[name], name)
