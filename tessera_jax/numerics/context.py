@@ -8,7 +8,8 @@ f32 for 8-/16-bit floats.
 The setting is a jax config state (thread-local, like ``ts.kernel_mode``) that is
 part of jax's jit cache key: a function jitted outside ``accumulation(...)`` and
 called inside it is retraced with the context's dtype instead of reusing the trace
-that baked in the default.
+that baked in the default. Like ``TESSERA_KERNELS``, the environment variable
+``TESSERA_ACCUMULATE`` (a dtype name, e.g. ``float32``) sets it at import.
 """
 
 from __future__ import annotations

@@ -73,10 +73,15 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
-def _gelu_ref(x, *, approximate):
+def gelu_formula(x: jax.Array, *, approximate: bool, erf=jax.lax.erf) -> jax.Array:
+    """``x·Φ(x)`` (``approximate``: the tanh form) in ``x``'s dtype.
+
+    The one definition shared by the gelu operator's reference and matmul's fused
+    epilogue; ``erf`` is a parameter because Mosaic GPU kernels cannot lower ``lax.erf``.
+    """
     if approximate:
-        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1 + jax.lax.erf(x * _INV_SQRT_2))
+        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+    return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
 
 
 def _gelu_deriv(x, y, *, approximate):
@@ -91,7 +96,7 @@ def _gelu_deriv(x, y, *, approximate):
     return cdf + x * pdf
 
 
-gelu_op, _gelu = _unary("gelu", _gelu_ref, _gelu_deriv)
+gelu_op, _gelu = _unary("gelu", gelu_formula, _gelu_deriv)
 
 
 def relu(x: jax.Array) -> jax.Array:
