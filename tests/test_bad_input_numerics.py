@@ -382,3 +382,21 @@ def test_annotated_function_rejects_mismatched_arguments():
         f(jnp.ones(3), X)
     with pytest.raises(TypeError, match=r"f: the arguments do not match its signature"):
         f(X)
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda x: ts.sum(x, axis=1.0), r"sum: axis=1.0"),
+        (lambda x: ts.softmax(x, axis=2), r"softmax: axis=2 is out of range"),
+        (lambda x: ts.rmsnorm(x, jnp.ones(3)), r"rmsnorm: weight.shape"),
+        (lambda x: ts.cast(x, None), r"cast: dtype_or_policy=None"),
+        (lambda x: ts.quantize(x, "nope").values, r"quantize: policy='nope'"),
+    ],
+    ids=["sum", "softmax", "rmsnorm", "cast", "quantize"],
+)
+def test_errors_are_raised_at_trace_time_under_jit_and_vmap(fn, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        jax.jit(fn)(X)
+    with pytest.raises((TypeError, ValueError), match=match):
+        jax.vmap(fn)(X[None])

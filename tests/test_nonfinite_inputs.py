@@ -76,13 +76,18 @@ def test_softmax_of_a_row_with_minus_inf_matches_float64():
     np.testing.assert_allclose(f64(ts.softmax(bad)[NEG_INF_ROW]), e / e.sum(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2**-8)])
 @pytest.mark.parametrize("scale", [1e20, 1e30, 3e38])
-def test_rmsnorm_of_rows_whose_squares_overflow_is_exact(scale):
-    x = rand((3, 16)) * jnp.float32(scale / 4)  # finite, but the mean of x² overflows f32
-    assert np.all(np.isfinite(f64(x))) and np.all(np.isinf(jnp.mean(x * x, axis=-1)))
+def test_rmsnorm_of_rows_whose_squares_overflow_is_exact(scale, dtype, rtol):
+    x = (rand((3, 16)) * jnp.float32(scale / 4)).astype(dtype)  # x² overflows f32
+    x32 = x.astype(jnp.float32)
+    assert np.all(np.isfinite(f64(x))) and np.all(np.isinf(jnp.mean(x32 * x32, axis=-1)))
     ref = f64(x) / np.sqrt(np.mean(f64(x) ** 2, axis=-1, keepdims=True))
-    for y in (ts.rmsnorm_safe(x, eps=0.0), ts.rmsnorm_safe(x), ts.rmsnorm(x, jnp.ones(16))):
-        np.testing.assert_allclose(f64(y), ref, rtol=2e-6)
+    w = jnp.ones(16, dtype)
+    for y in (ts.rmsnorm_safe(x, eps=0.0), ts.rmsnorm_safe(x), ts.rmsnorm(x, w)):
+        np.testing.assert_allclose(f64(y), ref, rtol=rtol)
+    if dtype != jnp.float32:
+        return
     centred = f64(x) - f64(x).mean(-1, keepdims=True)
     ln_ref = centred / np.sqrt(np.mean(centred**2, axis=-1, keepdims=True))
     y = ts.layernorm(x, None, None)
