@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
+
 from tessera_jax import _compat
 
 KERNEL_MODES = ("auto", "xla", "pallas", "interpret")
@@ -48,6 +50,4 @@ def set_kernel_mode(mode: str) -> None:
     """Sets the process-wide kernel mode (what ``TESSERA_KERNELS`` sets at import)."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"set_kernel_mode: {mode=!r} must be one of {KERNEL_MODES}")
-    import jax
-
     jax.config.update("tessera_kernels", mode)

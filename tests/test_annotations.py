@@ -10,6 +10,8 @@ resolves them in the module globals. tests/test_seeds.py covers evaluated annota
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax.numerics.annotations import TensorSpec
-from tessera_jax.numerics.context import accumulate_dtype
+from tessera_jax.numerics.context import accumulate_dtype, accumulation
 from tests._util import assert_close, f64, rand
 
 FP8 = ts.fp8_e4m3 @ ts.accum(ts.f32)
@@ -252,6 +254,41 @@ def test_accumulation_policy_is_in_force_while_tracing():
     plain(a)
     assert seen == [np.dtype(np.float32), np.dtype(np.float64), None]  # widest; none
     assert accumulate_dtype() is None  # restored after the trace
+
+
+@pytest.mark.parametrize("dtype", [ts.bf16, ts.f64])
+def test_accumulation_context_is_part_of_the_jit_key(dtype):
+    """A function jitted (and run) outside the context is retraced inside it: the trace
+    reads the context's dtype, and matmul's accumulate_dtype parameter follows it."""
+    seen = []
+
+    @jax.jit
+    def f(a):
+        seen.append(accumulate_dtype())
+        return ts.matmul(a, a)
+
+    a = rand((4, 4), jnp.bfloat16)
+    f(a)
+    with accumulation(dtype):
+        f(a)
+        params = [e.params for e in jax.make_jaxpr(f)(a).eqns[0].params["jaxpr"].eqns]
+    f(a)  # back outside: the first trace's cache entry again, no new trace
+    assert seen == [None, np.dtype(dtype.container)]
+    assert params[0]["accumulate_dtype"] == np.dtype(dtype.container)
+
+
+def test_accumulation_context_is_thread_local():
+    seen = {}
+
+    def other():
+        seen["other"] = accumulate_dtype()
+
+    with accumulation(ts.f64):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        seen["here"] = accumulate_dtype()
+    assert seen == {"other": None, "here": np.dtype(np.float64)}
 
 
 def test_quantized_tensor_accepted_for_a_policy_annotation():

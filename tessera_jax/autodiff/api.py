@@ -29,6 +29,8 @@ import numpy as np
 from tessera_jax.numerics import annotations as _ann
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.numerics.dtypes import LossScale
+from tessera_jax.primitives._core import is_float
+from tessera_jax.sharding import regions
 
 __all__ = ["autodiff", "custom_jvp", "custom_vjp", "grad", "jit", "value_and_grad"]
 
@@ -58,6 +60,80 @@ def _signature(api: str, f: Callable) -> inspect.Signature:
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_argnums(api: str, argnums: Any) -> int | tuple[int, ...]:
+    """``argnums`` as an int or a non-empty tuple of distinct ints (negative: from the end)."""
+    if _is_int(argnums):
+        return int(argnums)
+    if isinstance(argnums, (tuple, list)) and argnums and all(_is_int(a) for a in argnums):
+        nums = tuple(int(a) for a in argnums)
+        if len(set(nums)) != len(nums):
+            raise ValueError(f"{api}: {argnums=} repeats a position")
+        return nums
+    raise TypeError(
+        f"{api}: argnums={argnums!r} must be an int or a non-empty tuple of ints "
+        "(positions of the differentiated arguments)"
+    )
+
+
+def _resolve_argnums(api: str, f: Callable, argnums, n_args: int):
+    """``argnums`` made non-negative for a call with ``n_args`` positional arguments."""
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    for a in nums:
+        if not -n_args <= a < n_args:
+            raise ValueError(
+                f"{api}: argnums={argnums} is out of range: {_fname(f)} was called with "
+                f"{n_args} positional argument(s), so a position must be in [{-n_args}, {n_args})"
+            )
+    out = tuple(a % n_args for a in nums)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{api}: argnums={argnums} names one of the {n_args} arguments twice")
+    return out if isinstance(argnums, tuple) else out[0]
+
+
+def _check_differentiable(api: str, f: Callable, argnums, args: tuple) -> None:
+    """TypeError unless every leaf of the differentiated arguments is a float/complex array."""
+    for i in argnums if isinstance(argnums, tuple) else (argnums,):
+        for leaf in jax.tree.leaves(args[i]):
+            dt = np.dtype(jnp.result_type(leaf))
+            if not jnp.issubdtype(dt, jnp.inexact):
+                raise TypeError(
+                    f"{api}: argument {i} of {_fname(f)} has dtype {dt}; differentiated "
+                    "arguments must be float or complex (pass integer inputs at other positions)"
+                )
+
+
+def _checked_loss(api: str, f: Callable, has_aux: bool) -> Callable:
+    """``f`` with its output checked: a scalar float loss, or ``(loss, aux)`` with has_aux."""
+
+    @functools.wraps(f)
+    def checked(*args, **kwargs):
+        out = f(*args, **kwargs)
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            what = (
+                f"an array of shape {jnp.shape(out)}"
+                if hasattr(out, "shape")
+                else f"a {type(out).__name__}"
+            )
+            raise TypeError(
+                f"{api}: has_aux=True but {_fname(f)} returned {what}, not a (loss, aux) pair"
+            )
+        loss = out[0] if has_aux else out
+        shape, dt = jnp.shape(loss), np.dtype(jnp.result_type(loss))
+        if shape != () or not jnp.issubdtype(dt, jnp.inexact):
+            raise TypeError(
+                f"{api}: {_fname(f)} must return a scalar float loss"
+                f"{' (first of the (loss, aux) pair)' if has_aux else ''}, got shape {shape} "
+                f"dtype {dt}"
+            )
+        return out
+
+    return checked
+
+
 def _wrt_argnums(
     api: str, f: Callable, wrt: Any, argnums: Any
 ) -> tuple[int | tuple[int, ...], inspect.Signature]:
@@ -67,6 +143,8 @@ def _wrt_argnums(
             f"{api}: pass either wrt= or argnums=, not both (got wrt={wrt!r}, argnums={argnums!r})"
         )
     single = isinstance(wrt, str)
+    if not single and not isinstance(wrt, (tuple, list)):
+        raise TypeError(f"{api}: wrt={wrt!r} must be a parameter name or a tuple of names")
     names = (wrt,) if single else tuple(wrt)
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{api}: wrt={wrt!r} must be a parameter name or a tuple of names")
@@ -97,7 +175,10 @@ def _as_positional(sig: inspect.Signature, argnums, args: tuple, kwargs: dict):
     top = max(argnums) if isinstance(argnums, tuple) else argnums
     if top < len(args):
         return args, kwargs
-    bound = sig.bind(*args, **kwargs)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"the arguments do not match the signature {sig}: {e}") from None
     bound.apply_defaults()
     return bound.args, bound.kwargs
 
@@ -120,7 +201,7 @@ def _as_scale(api: str, loss_scale: Any) -> Any:
     if isinstance(loss_scale, LossScale):
         return loss_scale.scale
     if isinstance(loss_scale, (jax.Array, np.ndarray)):
-        if loss_scale.ndim != 0 or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+        if loss_scale.ndim != 0 or not is_float(loss_scale.dtype):
             raise TypeError(
                 f"{api}: loss_scale must be a scalar float array, got shape "
                 f"{loss_scale.shape} dtype {loss_scale.dtype}"
@@ -188,38 +269,46 @@ def _unscale(grads: Any, scale: Any) -> tuple[Any, jax.Array]:
 def _transform(f, argnums, wrt, has_aux, loss_scale, with_value: bool):
     api = "ts.value_and_grad" if with_value else "ts.grad"
     _check_callable(api, f)
+    if not isinstance(has_aux, (bool, np.bool_)):
+        raise TypeError(f"{api}: has_aux={has_aux!r} must be a bool")
+    has_aux = bool(has_aux)
     sig = None
     if wrt is not None:
         argnums, sig = _wrt_argnums(api, f, wrt, argnums)
+    argnums = _check_argnums(api, argnums)
     static_scale = None if loss_scale is None else _as_scale(api, loss_scale)
-    annotated: list[Any] = []  # the annotation's scale, resolved at the first call
+    annotated: dict[Any, Any] = {}  # the annotation's scale, by resolved argnums
+    checked_f = _checked_loss(api, f, has_aux)
 
-    def scale_for_call():
+    def scale_for_call(nums):
         if loss_scale is not None:
             return static_scale
-        if not annotated:
-            annotated.append(_annotated_scale(api, f, argnums))
-        return annotated[0]
+        if nums not in annotated:
+            annotated[nums] = _annotated_scale(api, f, nums)
+        return annotated[nums]
 
     @functools.wraps(f, updated=())
     def transformed(*args, **kwargs):
         if sig is not None:
-            args, kwargs = _as_positional(sig, argnums, args, kwargs)
-        scale = scale_for_call()
+            try:
+                args, kwargs = _as_positional(sig, argnums, args, kwargs)
+            except TypeError as e:
+                raise TypeError(f"{api}: {_fname(f)}: {e}") from None
+        nums = _resolve_argnums(api, f, argnums, len(args))
+        _check_differentiable(api, f, nums, args)
+        scale = scale_for_call(nums)
         if scale is None:
             fn = jax.value_and_grad if with_value else jax.grad
-            return fn(f, argnums, has_aux=has_aux)(*args, **kwargs)
+            return fn(checked_f, nums, has_aux=has_aux)(*args, **kwargs)
 
         def scaled(*a, **k):
-            out = f(*a, **k)
+            out = checked_f(*a, **k)
             loss, aux = out if has_aux else (out, None)
             loss_arr = jnp.asarray(loss)
             dt = _at_least_f32(loss_arr.dtype)
             return loss_arr.astype(dt) * jnp.asarray(scale, dt), (loss, aux)
 
-        (_, (value, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
-            *args, **kwargs
-        )
+        (_, (value, aux)), grads = jax.value_and_grad(scaled, nums, has_aux=True)(*args, **kwargs)
         grads, finite = _unscale(grads, scale)
         if with_value:
             return ((value, aux) if has_aux else value), grads, finite
@@ -332,6 +421,35 @@ def _n_positional(api: str, fun: Callable, nondiff_argnums, nondiff_argnames) ->
     return len([p for p in pos if p.name not in nondiff_argnames])
 
 
+def _check_nondiff_argnums(api: str, fun: Callable, nums: Any) -> tuple[int, ...]:
+    """``nondiff_argnums`` (an int or a tuple of them) as a tuple of valid positions."""
+    nums = (nums,) if _is_int(nums) else nums
+    if not isinstance(nums, (tuple, list)) or not all(_is_int(n) for n in nums):
+        raise TypeError(f"{api}: nondiff_argnums={nums!r} must be an int or a tuple of ints")
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(int(n) for n in nums)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return tuple(int(n) for n in nums)
+    n_pos = sum(p.kind in _POSITIONAL for p in params)
+    for n in nums:
+        if not 0 <= n < n_pos:
+            raise ValueError(
+                f"{api}: nondiff_argnums={tuple(nums)} names position {n}, but {_fname(fun)} "
+                f"has {n_pos} positional parameter(s) (positions 0..{n_pos - 1})"
+            )
+    return tuple(int(n) for n in nums)
+
+
+def _check_nondiff_argnames(api: str, names: Any) -> tuple[str, ...]:
+    """``nondiff_argnames`` (a name or a tuple of names) as a tuple."""
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{api}: nondiff_argnames={names!r} must be a name or a tuple of names")
+    return tuple(names)
+
+
 class _CustomRule:
     """Shared by custom_vjp / custom_jvp: a callable wrapping the jax object (``_jax_cls``),
     usable as ``@rule`` or ``@rule(nondiff_argnums=...)``; ``_api`` names it in errors."""
@@ -348,12 +466,21 @@ class _CustomRule:
         _check_callable(self._api, fun)
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = tuple(nondiff_argnums)
-        self.nondiff_argnames = tuple(nondiff_argnames)
+        self.nondiff_argnums = _check_nondiff_argnums(self._api, fun, nondiff_argnums)
+        self.nondiff_argnames = _check_nondiff_argnames(self._api, nondiff_argnames)
         extra = {"nondiff_argnames": self.nondiff_argnames} if self.nondiff_argnames else {}
         self._rule = self._jax_cls(fun, nondiff_argnums=self.nondiff_argnums, **extra)
 
+    _rule_attr: str = ""  # the jax object's attribute set by the def* method
+    _define: str = ""  # how the rule is defined, for the error message
+
     def __call__(self, *args, **kwargs):
+        if getattr(self._rule, self._rule_attr, "") is None:
+            name = _fname(self.fun)
+            raise TypeError(
+                f"{self._api}: {name} has no derivative rule yet; define it with "
+                f"{name}.{self._define} before calling {name}"
+            )
         return self._rule(*args, **kwargs)
 
     def __get__(self, obj, objtype=None):
@@ -375,6 +502,8 @@ class custom_vjp(_CustomRule):
 
     _jax_cls = jax.custom_vjp
     _api = "ts.custom_vjp"
+    _rule_attr = "fwd"
+    _define = "defvjp(fwd, bwd)"
 
     def defvjp(self, fwd: Callable, bwd: Callable, **kwargs) -> None:
         """Sets the forward (``fwd``) and backward (``bwd``) rules; as ``jax.custom_vjp.defvjp``."""
@@ -401,6 +530,8 @@ class custom_jvp(_CustomRule):
 
     _jax_cls = jax.custom_jvp
     _api = "ts.custom_jvp"
+    _rule_attr = "jvp"
+    _define = "defjvp(jvp)"
 
     def defjvp(self, jvp: Callable, **kwargs) -> Callable:
         """Sets the JVP rule; returns it, so ``@f.defjvp`` works as a decorator."""
@@ -410,6 +541,11 @@ class custom_jvp(_CustomRule):
 
     def defjvps(self, *tangent_fns: Callable | None) -> None:
         """One ``tangent_fn(t, primal_out, *primals)`` per argument, as in jax."""
+        for i, fn in enumerate(tangent_fns):
+            if fn is not None and not callable(fn):
+                raise TypeError(
+                    f"ts.custom_jvp.defjvps: tangent_fns[{i}]={fn!r} must be a function or None"
+                )
         self._rule.defjvps(*tangent_fns)
 
 
@@ -446,7 +582,7 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     named dimensions across arguments, storage dtypes, the accumulation policy, the
     return dtype: see tessera_jax/numerics/annotations.py). Functions whose
     parameters carry region privileges are first wrapped by
-    ``tessera_jax.sharding.regions`` when that module is present.
+    ``tessera_jax.sharding.regions``.
 
     ``capture_graph=True`` (CUDA-graph capture in Tessera) is accepted and currently
     equivalent to plain jit: XLA already runs one compiled executable per call.
@@ -463,8 +599,6 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     _check_callable("ts.jit", f)
     if not isinstance(capture_graph, bool):
         raise TypeError(f"ts.jit: capture_graph={capture_graph!r} must be a bool")
-    from tessera_jax.sharding import regions
-
     if not regions.has_regions(f):
         return jax.jit(_checked(f), **jit_kwargs)
     wrapped = regions.wrap(f)

@@ -39,10 +39,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from tessera_jax.numerics.dtypes import Accum, DType, Policy, as_tdtype
+from tessera_jax.numerics.policy import QuantizedTensor
+from tessera_jax.primitives.cast import cast
 
 __all__ = ["Signature", "Tensor", "TensorSpec", "policy_accumulate", "policy_loss_scale"]
 
@@ -59,6 +60,10 @@ def _numerics(x: Any) -> Any:
     """Validates the numerics item of an annotation (returned unchanged), or a TypeError."""
     if isinstance(x, (DType, Policy)) or _is_precision_policy(x):
         return x
+    if x is None:  # np.dtype(None) would silently mean float64
+        raise TypeError(
+            "ts.Tensor: None is not a dtype; leave the numerics out to accept any dtype"
+        )
     if isinstance(x, Accum):
         raise TypeError(
             f"ts.Tensor: {x!r} is not a dtype; attach it to a storage dtype: "
@@ -83,15 +88,6 @@ def policy_loss_scale(policy: Any) -> float | None:
     """The ``ts.loss_scale(...)`` of a policy or precision-policy class (None: not set)."""
     s = getattr(policy, "loss_scale", None)
     return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else None
-
-
-def _quantized_tensor_type() -> type | None:
-    """helper A's ``QuantizedTensor`` (None while tessera_jax.numerics.policy is absent)."""
-    try:
-        from tessera_jax.numerics.policy import QuantizedTensor
-    except ImportError:
-        return None
-    return QuantizedTensor
 
 
 # --- the annotation ---------------------------------------------------------------------
@@ -317,9 +313,8 @@ class _Dims:
 
 
 def _check_value(dims: _Dims, spec: TensorSpec, value: Any, label: str) -> None:
-    qt = _quantized_tensor_type()
     # A QuantizedTensor's shape and dtype are those of its stored values.
-    if qt is not None and isinstance(value, qt) and not spec.is_policy:
+    if isinstance(value, QuantizedTensor) and not spec.is_policy:
         raise TypeError(
             f"{dims.fname}: {label} is a QuantizedTensor but its annotation {spec!r} "
             "is not a policy"
@@ -346,7 +341,12 @@ def check_arguments(s: Signature, args: tuple, kwargs: dict) -> _Dims:
     dims = _Dims(s.name)
     if not s.params:
         return dims
-    bound = s.sig.bind(*args, **kwargs)
+    try:
+        bound = s.sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"{s.name}: the arguments do not match its signature {s.sig}: {e}"
+        ) from None
     for name, spec in s.params.items():
         if name in bound.arguments:
             _check_value(dims, spec, bound.arguments[name], name)
@@ -364,15 +364,6 @@ def finish_output(s: Signature, dims: _Dims, out: Any) -> Any:
             f"{type(out).__name__}"
         )
     if spec.storage is not None and np.dtype(out.dtype) != spec.dtype:
-        out = _cast(out, spec.storage)
+        out = cast(out, spec.storage)
     dims.check(spec, tuple(out.shape), "return")
     return out
-
-
-def _cast(x: jax.Array, target: DType) -> jax.Array:
-    """``ts.cast`` (round to nearest); ``astype`` only while ts.cast does not exist."""
-    try:
-        from tessera_jax.primitives.cast import cast
-    except ImportError:  # pragma: no cover - the lead's cast operator is missing
-        return x.astype(target.container)
-    return cast(x, target)

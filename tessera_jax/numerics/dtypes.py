@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from tessera_jax.primitives._core import is_float
+
 
 @dataclasses.dataclass(frozen=True)
 class DType:
@@ -41,7 +43,7 @@ class DType:
 
     @property
     def is_float(self) -> bool:
-        return jnp.issubdtype(self.container, jnp.floating)
+        return is_float(self.container)
 
     @property
     def bits(self) -> int:
@@ -49,6 +51,13 @@ class DType:
 
     def __matmul__(self, other: Any) -> Policy:
         return Policy(storage=self) @ other
+
+    def __rmatmul__(self, other: Any) -> Policy:
+        # ``ts.accum(ts.f32) @ ts.bf16``: Python's own message would not say the order.
+        raise TypeError(
+            f"policy composition: cannot apply {self!r} to {other!r}; a policy starts with its "
+            f"storage dtype: {self!r} @ ts.accum(...) @ ts.stochastic_round @ ts.loss_scale(...)"
+        )
 
     def __repr__(self) -> str:
         return f"ts.{self.name}"
@@ -69,6 +78,9 @@ fp6_e3m2 = _dt("fp6_e3m2", jnp.float8_e4m3fn, ml_dtypes.float6_e3m2fn)
 int8 = _dt("int8", np.int8)
 int32 = _dt("int32", np.int32)
 complex64 = _dt("complex64", np.complex64)
+
+# The two fp8 containers: the formats fp8 products (tensor cores, scaled matmul) take.
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 ALL_DTYPES = {
     d.name: d for d in (f64, f32, f16, bf16, fp8_e4m3, fp8_e5m2, fp6_e3m2, int8, int32, complex64)
@@ -102,9 +114,8 @@ class LossScale:
     scale: float
 
     def __post_init__(self):
-        if not (
-            isinstance(self.scale, (int, float)) and np.isfinite(self.scale) and self.scale > 0
-        ):
+        ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+        if not (ok and np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"loss_scale: scale={self.scale!r} must be a positive finite number")
 
 
@@ -118,10 +129,21 @@ stochastic_round = _StochasticRound()
 
 
 def accum(dtype: Any) -> Accum:
-    return Accum(as_tdtype(dtype))
+    """``ts.accum(ts.f32)``: the accumulation part of a policy (``ts.bf16 @ ts.accum(ts.f32)``)."""
+    if dtype is None:
+        raise TypeError("accum: dtype=None must be a ts dtype, a numpy dtype or a dtype name")
+    try:
+        return Accum(as_tdtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"accum: {dtype=!r}: {e}") from None
 
 
 def loss_scale(scale: float) -> LossScale:
+    """``ts.loss_scale(s)``: a policy's static loss scale, a positive finite number."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(
+        scale, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"loss_scale: {scale=!r} must be a positive finite number")
     return LossScale(float(scale))
 
 
@@ -165,6 +187,8 @@ def as_tdtype(x: Any) -> DType:
     """Any dtype spelling (ts dtype, policy, numpy/jnp dtype, string) → a ts ``DType``."""
     if isinstance(x, DType):
         return x
+    if x is None:  # np.dtype(None) would silently mean float64
+        raise TypeError("None is not a dtype, a ts dtype or a precision policy")
     if isinstance(x, Policy):
         return x.storage
     storage = getattr(x, "storage", None)
@@ -201,6 +225,11 @@ def as_policy(x: Any) -> Policy:
     return Policy(storage=as_tdtype(x))
 
 
+def _has_inf(grid: np.dtype) -> bool:
+    """Whether a float format represents infinities (e4m3fn and fp6 do not)."""
+    return bool(np.isinf(np.array(np.inf).astype(grid)))
+
+
 def _format_params(grid: np.dtype) -> tuple[int, int, float]:
     fi = (
         ml_dtypes.finfo(grid)
@@ -227,9 +256,14 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
         xf = x.astype(jnp.float32)
         r = jnp.round(xf) if u is None else jnp.floor(xf + u)
         return jnp.clip(r, info.min, info.max).astype(target.container)
-    if u is None and grid == target.container:
-        return x.astype(target.container)
+    if not is_float(grid) or (u is None and grid == target.container and _has_inf(grid)):
+        return x.astype(target.container)  # IEEE rounding; bool and complex targets
     nmant, minexp, fmax = _format_params(grid)
+    if u is None and grid == target.container:
+        # XLA's convert gives NaN for out-of-range values of a format without inf
+        # (e4m3fn); clipping first saturates them (±inf too) and keeps NaN.
+        xc = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return jnp.clip(xc, -fmax, fmax).astype(target.container)
     xf = x.astype(jnp.float32)
     a = jnp.minimum(jnp.abs(xf), np.float32(fmax))
     _, e = jnp.frexp(a)  # a = m·2^e with m in [0.5, 1): the binade exponent is e-1
@@ -238,5 +272,8 @@ def round_to_grid(x: jax.Array, target: DType, u: jax.Array | None = None) -> ja
     scaled = a / ulp  # exact: a power-of-two scaling
     q = jnp.round(scaled) if u is None else jnp.floor(scaled + u)
     r = jnp.minimum(q * ulp, np.float32(fmax))
-    r = jnp.where(jnp.isnan(xf), xf, jnp.copysign(r, xf))
+    r = jnp.copysign(r, xf)
+    # NaN stays NaN; ±inf stays ±inf in a format that has it (else it saturated above).
+    keep = jnp.isnan(xf) | (jnp.isinf(xf) if _has_inf(grid) else False)
+    r = jnp.where(keep, xf, r)
     return r.astype(target.container)

@@ -32,6 +32,13 @@ Built-in per-tensor scaling, for a ts dtype or a ``Policy`` (``ts.fp8_e4m3``,
   subnormal range, and ``scale/2`` absolute for int8.
 * wide floats (f16, bf16, f32, f64): ``scale = 1`` and ``values = cast(x)``.
 
+Non-finite elements: the amax is taken over the finite elements, so a NaN or ±inf
+leaves every other element as it would be without it. NaN stays NaN; ±inf stays ±inf
+in formats with infinities (e5m2, wide floats) and saturates to ±fmax in those without
+(e4m3, fp6). int8 holds neither: a tensor with a non-finite element gets a NaN scale
+(its values are those of the finite scale), so ``dequantize`` gives NaN, never a
+plausible finite tensor. An empty ``x`` has scale 1.
+
 Derivatives: the scale is computed under ``stop_gradient`` and float rounding is
 straight-through (``ts.cast``), so ``dequantize(quantize(x))`` has derivative 1 in ``x``
 up to one thing JAX fixes: a tangent has its primal's dtype, so the tangent of fp8 values
@@ -59,8 +66,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from tessera_jax.numerics.dtypes import DType, Policy, as_tdtype, f32, f64
-from tessera_jax.primitives._core import as_array
+from tessera_jax.numerics.checks import array_arg, key_arg
+from tessera_jax.numerics.dtypes import FP8_DTYPES, DType, Policy, as_tdtype, f32, f64
+from tessera_jax.primitives._core import is_float
+from tessera_jax.primitives.cast import cast
 
 __all__ = [
     "PolicySpec",
@@ -71,7 +80,6 @@ __all__ = [
     "quantize",
 ]
 
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _WIDE = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -123,27 +131,43 @@ class ScaledPolicy:
     accumulate: DType | None = None
     stochastic_round: bool = False
 
+    def __post_init__(self):
+        grid = self.storage.grid
+        if not (is_float(grid) or jnp.issubdtype(grid, jnp.integer)):
+            raise TypeError(
+                f"quantize: storage={self.storage!r} must be a float or integer format "
+                "(per-tensor scaling maps real values onto it)"
+            )
+
     @property
     def dtype(self) -> np.dtype:
         return self.storage.container
 
     def quantize(self, x: jax.Array, key: jax.Array | None = None):
         """``(values, scale)``: per-tensor amax scaling onto the storage format."""
-        from tessera_jax.primitives.cast import cast
-
         xf = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
         fmax = _format_max(self.storage)
         if fmax is None:
             return cast(x, self.storage, key), jnp.ones((), self.scale.container)
-        amax = jax.lax.stop_gradient(jnp.max(jnp.abs(xf)))
+        # The amax of the finite elements: a NaN or ±inf must not become the scale of
+        # every other element (initial=0: an empty x has scale 1).
+        finite = jnp.isfinite(xf)
+        amax = jnp.max(jnp.where(finite, jnp.abs(xf), 0), initial=0)
+        amax = jax.lax.stop_gradient(amax)
         scale = jnp.where(amax > 0, amax / fmax, jnp.ones_like(amax)).astype(self.scale.container)
         scaled = xf / scale.astype(xf.dtype)
-        # Saturate (e4m3fn has no inf: NaN on overflow). With amax scaling only rounding can
-        # push an element (the amax one, at ±fmax) over the edge, so the clip is
-        # straight-through: a derivative of 1 for every element (jnp.clip would give the
-        # amax element 0 or 1/2 depending on which way its scale rounded).
-        clipped = jnp.clip(scaled, -fmax, fmax)
-        scaled = scaled + jax.lax.stop_gradient(clipped - scaled)
+        if not self.storage.is_float:
+            # Integers hold neither NaN nor inf: a non-finite element makes the returned
+            # scale NaN, so dequantize gives NaN rather than a plausible finite tensor.
+            scale = jnp.where(jnp.all(finite), scale, jnp.asarray(jnp.nan, scale.dtype))
+        # Saturate finite values (e4m3fn has no inf: NaN on overflow). With amax scaling
+        # only rounding can push an element (the amax one, at ±fmax) over the edge, so the
+        # clip is straight-through: a derivative of 1 for every element (jnp.clip would
+        # give the amax element 0 or 1/2 depending on which way its scale rounded).
+        # Non-finite elements pass to ts.cast, which keeps NaN and inf where the format
+        # has them and saturates inf where it does not.
+        step = jax.lax.stop_gradient(jnp.clip(scaled, -fmax, fmax) - scaled)
+        scaled = jnp.where(finite, scaled + step, scaled)
         return cast(scaled, self.storage, key), scale
 
     def dequantize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -207,8 +231,11 @@ def precision_policy(cls: type) -> type:
             f"precision_policy {name}: define both quantize(self, x) and "
             "dequantize(self, x, scale), or neither (built-in per-tensor scaling)"
         )
-    builtin = ScaledPolicy(storage, scale, compute, accumulate)
     if not has_q:
+        try:
+            builtin = ScaledPolicy(storage, scale, compute, accumulate)
+        except TypeError as e:
+            raise TypeError(f"precision_policy {name}: {e}") from None
         cls.quantize = lambda self, x, key=None: builtin.quantize(x, key)
         cls.dequantize = lambda self, x, scale: builtin.dequantize(x, scale)
     cls.storage, cls.scale, cls.compute, cls.accumulate = storage, scale, compute, accumulate
@@ -254,6 +281,8 @@ def resolve_policy(policy: Any) -> Any:
     if isinstance(policy, Policy):
         return _scaled_from(policy.storage, policy.accumulate, policy.stochastic_round)
     try:
+        if policy is None:
+            raise TypeError("None")
         storage = as_tdtype(policy)
     except TypeError:
         raise TypeError(
@@ -357,9 +386,10 @@ def quantize(x: Any, policy: Any, *, key: jax.Array | None = None) -> QuantizedT
     Returns:
       A :class:`QuantizedTensor` with ``values`` of the storage dtype and ``scale``.
     """
-    x = as_array("quantize", "x", x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    x = array_arg("quantize", "x", x)
+    if not is_float(x.dtype):
         raise TypeError(f"quantize: x.dtype={x.dtype} must be a float dtype")
+    key = key_arg("quantize", key)
     p = resolve_policy(policy)
     spec = policy_spec(p)
     if isinstance(p, ScaledPolicy):
@@ -412,7 +442,7 @@ def fp8_scaled_values(x: Any) -> tuple[jax.Array, jax.Array] | None:
     if not isinstance(x, QuantizedTensor):
         return None
     spec = x.spec
-    if spec.linear_scale and x.dtype in _FP8 and jnp.shape(x.scale) == ():
+    if spec.linear_scale and x.dtype in FP8_DTYPES and jnp.shape(x.scale) == ():
         return x.values, x.scale
     return None
 

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.dtypes import DType, as_policy, as_tdtype, round_to_grid
+from tessera_jax.numerics.checks import array_arg, dtype_arg, key_arg
+from tessera_jax.numerics.dtypes import DType, as_policy, round_to_grid
 from tessera_jax.primitives._core import (
     Operator,
     ad,
-    as_array,
     batching,
     move_bdim_to_front,
     not_mapped,
@@ -103,12 +103,16 @@ def cast(x: jax.Array, dtype_or_policy: Any, key: jax.Array | None = None) -> ja
         by policies with ``ts.stochastic_round``.
     Returns:
       An array in the target's container dtype; values lie on the target's grid
-      (fp6 values are held in an fp8 e4m3 container). Out-of-range values
-      saturate to the largest finite value for formats without infinities.
+      (fp6 values are held in an fp8 e4m3 container). For formats without
+      infinities (e4m3, fp6) out-of-range values and ±inf saturate to ±max;
+      formats with infinities round out-of-range values to ±inf (stochastic
+      rounding saturates finite ones at ±max). NaN stays NaN in float formats
+      and becomes 0 in integer ones.
     """
-    x = as_array("cast", "x", x)
-    target = as_tdtype(dtype_or_policy)
+    x = array_arg("cast", "x", x)
+    target = dtype_arg("cast", "dtype_or_policy", dtype_or_policy)
     policy = as_policy(dtype_or_policy)
+    key = key_arg("cast", key)
     x_complex = jnp.issubdtype(x.dtype, jnp.complexfloating)
     if x_complex and not jnp.issubdtype(target.container, jnp.complexfloating):
         raise TypeError(f"cast: x.dtype={x.dtype} is complex but the target {target!r} is real")

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
-    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -54,7 +54,7 @@ def _unary(
     batching.primitive_batchers[op.prim] = lambda args, dims, **p: (op.bind(*args, **p), dims[0])
 
     def public(x, **params):
-        x = as_array(name, "x", x)
+        x = array_arg(name, "x", x)
         check_dtype(name, "x", x, kinds)
         return op.bind(x, **params)
 
@@ -73,10 +73,15 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
-def _gelu_ref(x, *, approximate):
+def gelu_formula(x: jax.Array, *, approximate: bool, erf=jax.lax.erf) -> jax.Array:
+    """``x·Φ(x)`` (``approximate``: the tanh form) in ``x``'s dtype.
+
+    The one definition shared by the gelu operator's reference and matmul's fused
+    epilogue; ``erf`` is a parameter because Mosaic GPU kernels cannot lower ``lax.erf``.
+    """
     if approximate:
-        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1 + jax.lax.erf(x * _INV_SQRT_2))
+        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+    return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
 
 
 def _gelu_deriv(x, y, *, approximate):
@@ -91,7 +96,7 @@ def _gelu_deriv(x, y, *, approximate):
     return cdf + x * pdf
 
 
-gelu_op, _gelu = _unary("gelu", _gelu_ref, _gelu_deriv)
+gelu_op, _gelu = _unary("gelu", gelu_formula, _gelu_deriv)
 
 
 def relu(x: jax.Array) -> jax.Array:

@@ -18,6 +18,10 @@ rules produce for a vmapped weight). ``rmsnorm`` and ``rmsnorm_safe`` share
 ``ts_rmsnorm``, which guards ``mean(x²) + eps == 0`` (an all-zero row with
 ``eps=0``): ``r`` is 0 there, so the row's output and gradients are 0.
 
+Non-finite rows: a row holding a NaN or ±inf comes out all NaN (never zeros); a
+finite row whose squares overflow the compute dtype is normalised exactly, by
+taking its statistics on the row scaled by a power of two (see ``_normalise``).
+
 Adjoints: JVP rules with explicit formulas in jax.numpy (``x̂ = x·r``)::
 
     rmsnorm:    dy = w·r·(dx − x̂·mean(x̂·dx)) + x̂·dw
@@ -39,10 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
-    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -63,22 +67,49 @@ def _mean(x: jax.Array) -> jax.Array:
 
 
 def _rsqrt_guarded(s: jax.Array) -> jax.Array:
-    """``1/sqrt(s)`` for ``s > 0``, else 0 (the inner where keeps every derivative finite)."""
-    pos = s > 0
-    return jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, s, jnp.ones_like(s))), jnp.zeros_like(s))
+    """``1/sqrt(s)``, and 0 where ``s == 0`` (the inner where keeps every derivative finite).
+
+    Only an exact zero is guarded: a NaN ``s`` (a NaN in the row) stays NaN, so the
+    whole row comes out NaN instead of zeros.
+    """
+    zero = s == 0
+    return jnp.where(zero, jnp.zeros_like(s), jax.lax.rsqrt(jnp.where(zero, jnp.ones_like(s), s)))
+
+
+# A power of two that brings any finite f32 row's squares into range (|x|·2⁻¹⁰⁰ < 2.7e8)
+# while keeping the row's largest element normal.
+_OVERFLOW_SCALE = 2.0**-100
+
+
+def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, jax.Array]:
+    """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)`` over the last axis.
+
+    When ``mean(v²)`` overflows (elements above ~1.8e19 in f32), the mean square is taken
+    of ``v·c`` with ``c = 2⁻¹⁰⁰`` (exact) and ``v·r = (v·rs)·c`` with ``rs = 1/sqrt(mean((v·c)²)
+    + eps·c²)``: in range, where ``v·0`` would give a plausible 0. Scaling by ``c`` rather
+    than dividing by the row maximum keeps every intermediate normal (a subnormal
+    reciprocal is flushed to zero on CPUs and GPUs). A row holding ±inf (or NaN) gives NaN.
+    """
+    rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
+    s = _mean(v * v) + eps
+    big = jnp.isinf(s)
+    c = np.asarray(_OVERFLOW_SCALE, v.dtype)
+    vc = v * c
+    sc = _mean(vc * vc) + eps * c * c  # inf only for a row holding ±inf: make it NaN
+    sc = jnp.where(jnp.isinf(sc), jnp.full_like(sc, jnp.nan), sc)
+    rs = rsqrt(jnp.where(big, sc, jnp.ones_like(s)))
+    r = rsqrt(jnp.where(big, jnp.ones_like(s), s))
+    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
 
 
 def _rms_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """``(x̂, r)`` of rmsnorm for ``xc`` in the compute dtype."""
-    r = _rsqrt_guarded(_mean(xc * xc) + eps)
-    return xc * r, r
+    return _normalise(xc, eps, guard_zero=True)
 
 
 def _ln_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """``(x̂, r)`` of layernorm for ``xc`` in the compute dtype (two-pass variance)."""
-    centred = xc - _mean(xc)
-    r = jax.lax.rsqrt(_mean(centred * centred) + eps)
-    return centred * r, r
+    return _normalise(xc - _mean(xc), eps, guard_zero=False)
 
 
 def _split(rest, has_weight: bool, has_bias: bool):
@@ -219,7 +250,7 @@ def _check_eps(name: str, eps, *, allow_zero: bool) -> float:
 
 
 def _check_x(name: str, x) -> jax.Array:
-    x = as_array(name, "x", x)
+    x = array_arg(name, "x", x)
     check_dtype(name, "x", x, _FLOATING)
     if x.ndim == 0:
         raise ValueError(f"{name}: x must have at least one dimension, got a scalar")
@@ -229,7 +260,7 @@ def _check_x(name: str, x) -> jax.Array:
 def _check_param(name: str, arg: str, p, x: jax.Array) -> jax.Array | None:
     if p is None:
         return None
-    p = as_array(name, arg, p)
+    p = array_arg(name, arg, p)
     check_dtype(name, arg, p, _FLOATING)
     if p.shape != x.shape[-1:]:
         raise ValueError(

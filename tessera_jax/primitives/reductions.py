@@ -36,16 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax.numerics.checks import array_arg, axes_arg, bool_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
-    as_array,
     batching,
     check_dtype,
     compute_dtype,
     explicit_sharding,
     is_float,
-    normalize_axes,
     not_mapped,
     unshard_axes,
     zero_tangent,
@@ -177,10 +176,12 @@ def sum(
     Returns:
       An array of ``x.dtype``.
     """
-    x = as_array("sum", "x", x)
+    x = array_arg("sum", "x", x)
     check_dtype("sum", "x", x, _NUMERIC)
-    axes = normalize_axes("sum", axis, x.ndim)
-    return sum_op.bind(x, axes=axes, keepdims=bool(keepdims), deterministic=bool(deterministic))
+    axes = axes_arg("sum", axis, x.ndim)
+    keepdims = bool_arg("sum", "keepdims", keepdims)
+    deterministic = bool_arg("sum", "deterministic", deterministic)
+    return sum_op.bind(x, axes=axes, keepdims=keepdims, deterministic=deterministic)
 
 
 # --- max ----------------------------------------------------------------------------------
@@ -211,12 +212,16 @@ _reduction_batcher(max_op)
 
 def max(x: jax.Array, axis: int | Sequence[int] | None = None, keepdims: bool = False):
     """Maximum over ``axis`` (all if None). Gradient split equally between ties."""
-    x = as_array("max", "x", x)
+    x = array_arg("max", "x", x)
     check_dtype("max", "x", x, _NUMERIC)
-    axes = normalize_axes("max", axis, x.ndim)
+    axes = axes_arg("max", axis, x.ndim)
+    keepdims = bool_arg("max", "keepdims", keepdims)
     if builtins.any(x.shape[a] == 0 for a in axes):
-        raise ValueError(f"max: cannot reduce a zero-size axis of x.shape={x.shape}")
-    return max_op.bind(x, axes=axes, keepdims=bool(keepdims))
+        raise ValueError(
+            f"max: cannot reduce a zero-size axis of x.shape={x.shape} over axis={axes} "
+            "(the maximum of no elements is undefined)"
+        )
+    return max_op.bind(x, axes=axes, keepdims=keepdims)
 
 
 # --- mse ----------------------------------------------------------------------------------
@@ -270,8 +275,8 @@ def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
     The sum runs on the canonical tree in f32 for 8-/16-bit inputs. Shapes and
     dtypes must match exactly (no broadcasting).
     """
-    pred = as_array("mse", "pred", pred)
-    target = as_array("mse", "target", target)
+    pred = array_arg("mse", "pred", pred)
+    target = array_arg("mse", "target", target)
     check_dtype("mse", "pred", pred, (jnp.floating,))
     if pred.shape != target.shape:
         raise ValueError(f"mse: pred.shape={pred.shape} must equal target.shape={target.shape}")
