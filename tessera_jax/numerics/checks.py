@@ -3,8 +3,8 @@
 Each turns a bad argument into a ``TypeError``/``ValueError`` that names the
 function, the argument, the value and what is allowed, before anything is traced
 (so the user never sees a NumPy, MLIR or jax-internal message). They complement
-:mod:`tessera_jax.primitives._core`'s ``as_array``/``normalize_axes``, whose inputs
-they screen first.
+:mod:`tessera_jax.primitives._core`'s ``as_array``/``normalize_axes`` (``axes_arg``
+screens the latter's input first).
 """
 
 from __future__ import annotations
@@ -17,19 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera_jax.numerics.dtypes import DType, as_tdtype
-from tessera_jax.primitives._core import as_array, normalize_axes
+from tessera_jax.primitives._core import normalize_axes
 
-__all__ = ["array_arg", "axes_arg", "bool_arg", "dtype_arg", "int_arg", "key_arg"]
-
-
-def array_arg(op: str, arg: str, x: Any) -> jax.Array:
-    """``x`` as a jax array; None, strings and other non-arrays are a TypeError."""
-    if x is None or isinstance(x, (str, bytes)):
-        raise TypeError(f"{op}: {arg}={x!r} must be an array")
-    try:
-        return as_array(op, arg, x)
-    except ValueError as e:  # e.g. a ragged nested list
-        raise TypeError(f"{op}: {arg} of type {type(x).__name__} is not an array: {e}") from None
+__all__ = ["axes_arg", "bool_arg", "dtype_arg", "int_arg", "key_arg"]
 
 
 def int_arg(op: str, arg: str, v: Any) -> int:

@@ -66,9 +66,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg, key_arg
+from tessera_jax.numerics.checks import key_arg
 from tessera_jax.numerics.dtypes import FP8_DTYPES, DType, Policy, as_tdtype, f32, f64
-from tessera_jax.primitives._core import is_float
+from tessera_jax.primitives._core import as_array, is_float
 from tessera_jax.primitives.cast import cast
 
 __all__ = [
@@ -386,7 +386,7 @@ def quantize(x: Any, policy: Any, *, key: jax.Array | None = None) -> QuantizedT
     Returns:
       A :class:`QuantizedTensor` with ``values`` of the storage dtype and ``scale``.
     """
-    x = array_arg("quantize", "x", x)
+    x = as_array("quantize", "x", x)
     if not is_float(x.dtype):
         raise TypeError(f"quantize: x.dtype={x.dtype} must be a float dtype")
     key = key_arg("quantize", key)

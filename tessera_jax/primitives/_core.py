@@ -344,12 +344,17 @@ def check_dtype(op: str, arg: str, x: Any, kinds: Sequence[Any]) -> None:
 
 
 def as_array(op: str, arg: str, x: Any) -> jax.Array:
-    """``x`` as a jax array (Python scalars stay weakly typed), or a TypeError."""
-    if isinstance(x, jax.Array) or hasattr(x, "__jax_array__"):
-        return x if isinstance(x, jax.Array) else x.__jax_array__()
+    """``x`` as a jax array (Python scalars stay weakly typed); None, strings and other
+    non-arrays are a TypeError naming the operator and the argument."""
+    if isinstance(x, jax.Array):
+        return x
+    if hasattr(x, "__jax_array__"):
+        return x.__jax_array__()
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{op}: {arg}={x!r} must be an array")
     try:
         return jax.numpy.asarray(x)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # an object, a ragged nested list
         raise TypeError(f"{op}: {arg} of type {type(x).__name__} is not an array: {e}") from None
 
 

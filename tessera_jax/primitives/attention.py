@@ -66,9 +66,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
+    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -410,7 +410,7 @@ def flash_attention(
       gives zeros. Differentiable in reverse mode only (``jax.grad``/``jax.vjp``); see
       the module docstring.
     """
-    q, k, v = (array_arg(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     scale, config = _validate(q, k, v, causal, scale, config)
     try:
         return _flash_attention(q, k, v, bool(causal), scale, config)
@@ -427,7 +427,7 @@ def flash_attention(
 
 def flash_attention_fwd(q, k, v, *, causal=False, scale=None, config=None):
     """The forward primitive itself: ``(out, lse)`` with ``lse`` of shape ``(B, Hq, Sq)``."""
-    q, k, v = (array_arg(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     scale, config = _validate(q, k, v, causal, scale, config)
     out, lse = flash_attention_fwd_op.bind(q, k, v, causal=bool(causal), scale=scale, config=config)
     return out, lse

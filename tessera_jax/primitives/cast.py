@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg, dtype_arg, key_arg
+from tessera_jax.numerics.checks import dtype_arg, key_arg
 from tessera_jax.numerics.dtypes import DType, as_policy, round_to_grid
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     move_bdim_to_front,
     not_mapped,
@@ -109,7 +110,7 @@ def cast(x: jax.Array, dtype_or_policy: Any, key: jax.Array | None = None) -> ja
       rounding saturates finite ones at ±max). NaN stays NaN in float formats
       and becomes 0 in integer ones.
     """
-    x = array_arg("cast", "x", x)
+    x = as_array("cast", "x", x)
     target = dtype_arg("cast", "dtype_or_policy", dtype_or_policy)
     policy = as_policy(dtype_or_policy)
     key = key_arg("cast", key)

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -54,7 +54,7 @@ def _unary(
     batching.primitive_batchers[op.prim] = lambda args, dims, **p: (op.bind(*args, **p), dims[0])
 
     def public(x, **params):
-        x = array_arg(name, "x", x)
+        x = as_array(name, "x", x)
         check_dtype(name, "x", x, kinds)
         return op.bind(x, **params)
 

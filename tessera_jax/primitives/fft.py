@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     check_dtype,
     normalize_axis,
@@ -47,7 +47,7 @@ batching.primitive_batchers[fft_op.prim] = _fft_batcher
 
 
 def _prepare(name: str, x, axis: int):
-    x = array_arg(name, "x", x)
+    x = as_array(name, "x", x)
     check_dtype(name, "x", x, (jnp.floating, jnp.complexfloating))
     if x.ndim == 0:
         raise ValueError(f"{name}: x must have at least one dimension, got a scalar")

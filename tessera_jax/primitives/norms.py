@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -250,7 +250,7 @@ def _check_eps(name: str, eps, *, allow_zero: bool) -> float:
 
 
 def _check_x(name: str, x) -> jax.Array:
-    x = array_arg(name, "x", x)
+    x = as_array(name, "x", x)
     check_dtype(name, "x", x, _FLOATING)
     if x.ndim == 0:
         raise ValueError(f"{name}: x must have at least one dimension, got a scalar")
@@ -260,7 +260,7 @@ def _check_x(name: str, x) -> jax.Array:
 def _check_param(name: str, arg: str, p, x: jax.Array) -> jax.Array | None:
     if p is None:
         return None
-    p = array_arg(name, arg, p)
+    p = as_array(name, arg, p)
     check_dtype(name, arg, p, _FLOATING)
     if p.shape != x.shape[-1:]:
         raise ValueError(

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tessera_jax.numerics.checks import array_arg, axes_arg, bool_arg
+from tessera_jax.numerics.checks import axes_arg, bool_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -176,7 +177,7 @@ def sum(
     Returns:
       An array of ``x.dtype``.
     """
-    x = array_arg("sum", "x", x)
+    x = as_array("sum", "x", x)
     check_dtype("sum", "x", x, _NUMERIC)
     axes = axes_arg("sum", axis, x.ndim)
     keepdims = bool_arg("sum", "keepdims", keepdims)
@@ -212,7 +213,7 @@ _reduction_batcher(max_op)
 
 def max(x: jax.Array, axis: int | Sequence[int] | None = None, keepdims: bool = False):
     """Maximum over ``axis`` (all if None). Gradient split equally between ties."""
-    x = array_arg("max", "x", x)
+    x = as_array("max", "x", x)
     check_dtype("max", "x", x, _NUMERIC)
     axes = axes_arg("max", axis, x.ndim)
     keepdims = bool_arg("max", "keepdims", keepdims)
@@ -275,8 +276,8 @@ def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
     The sum runs on the canonical tree in f32 for 8-/16-bit inputs. Shapes and
     dtypes must match exactly (no broadcasting).
     """
-    pred = array_arg("mse", "pred", pred)
-    target = array_arg("mse", "target", target)
+    pred = as_array("mse", "pred", pred)
+    target = as_array("mse", "target", target)
     check_dtype("mse", "pred", pred, (jnp.floating,))
     if pred.shape != target.shape:
         raise ValueError(f"mse: pred.shape={pred.shape} must equal target.shape={target.shape}")

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.numerics.checks import array_arg
 from tessera_jax.primitives._core import (
     Operator,
     ad,
+    as_array,
     batching,
     check_dtype,
     compute_dtype,
@@ -100,7 +100,7 @@ batching.primitive_batchers[log_softmax_op.prim] = _axis_batcher(log_softmax_op)
 
 
 def _prepare(name: str, x, axis) -> tuple[jax.Array, int]:
-    x = array_arg(name, "x", x)
+    x = as_array(name, "x", x)
     check_dtype(name, "x", x, _FLOATING)
     if x.ndim == 0:
         raise ValueError(f"{name}: x must have at least one dimension, got a scalar")
