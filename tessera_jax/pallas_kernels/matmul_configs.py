@@ -384,27 +384,6 @@ def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
 # --- what both kernels (matmul_mgpu and matmul_portable) share ----------------------------------
 
 
-def split_extras(
-    extras: Any,
-    *,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
-    **_params: Any,
-) -> tuple[Any, Any, Any]:
-    """``(bias, residual, scale)`` from the extra operands of a ``ts_matmul`` bind.
-
-    The contract orders them bias, residual, scale, each present only if its flag is
-    set; a missing one is None. Other bind parameters are ignored, so a bind's whole
-    ``params`` can be passed as keywords (``split_extras(extras, **params)``).
-    """
-    it = iter(extras)
-    bias = next(it) if has_bias else None
-    residual = next(it) if has_residual else None
-    scale = next(it) if has_scale else None
-    return bias, residual, scale
-
-
 def unsupported_contract(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
     """What both kernels decline beyond their operand dtypes (None if nothing): the parts of
     the ``ts_matmul`` contract their f32 accumulator, epilogue and batching do not cover."""
@@ -425,16 +404,6 @@ def unsupported_contract(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
     if not jnp.issubdtype(out, jnp.floating) or out.itemsize > 4:
         return f"out_dtype={out} (the kernels write 8- to 32-bit floats)"
     return None
-
-
-def problem_shape(
-    a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool, transpose_b: bool
-) -> tuple[int, int, int]:
-    """``(M, N, K)`` of ``op(a) @ op(b)`` from the stored shapes and the transpose flags."""
-    m = a_shape[-1] if transpose_a else a_shape[-2]
-    k = a_shape[-2] if transpose_a else a_shape[-1]
-    n = b_shape[-2] if transpose_b else b_shape[-1]
-    return m, n, k
 
 
 TILE_ROWS = 8  # rows of Mosaic GPU's swizzled (8, one swizzle row) shared-memory tiles
@@ -497,10 +466,3 @@ def scale_bias_rows(scale: Any, bias: Any, n: int, tile_n: int) -> Any:
     )
     bv = bias.astype(jnp.float32) if bias is not None else jnp.zeros((n,), jnp.float32)
     return pad_to(jnp.stack([sv, bv]), 1, tile_n)
-
-
-# --- kept until the operator (primitives/matmul.py) and the portable kernel move to the
-# contract module (tessera_jax.contracts.matmul): ACTIVATIONS and apply_activation are its own,
-# re-exported here; split_extras and problem_shape above. Deleted in the next commit.
-from tessera_jax.contracts.matmul import ACTIVATIONS as ACTIVATIONS  # noqa: E402
-from tessera_jax.contracts.matmul import apply_activation as apply_activation  # noqa: E402
