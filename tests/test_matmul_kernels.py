@@ -273,12 +273,6 @@ def test_portable_epilogue_batched():
     check(out, reference(spec, a, b, bias, res, scale), F32)
 
 
-def test_portable_config_rounds_user_tiles():
-    assert mp.PortableConfig.from_tile_shape((192, 96, 48)) == mp.PortableConfig(128, 64, 32)
-    with pytest.raises(ValueError, match="power of two"):
-        mp.PortableConfig(48, 64, 32)
-
-
 # --- the kernel path of ts.op.matmul (TESSERA_KERNELS=interpret) --------------------------
 
 
