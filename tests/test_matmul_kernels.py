@@ -1,10 +1,13 @@
 """The matmul kernels on the CPU: the Hopper Mosaic GPU kernel in Mosaic GPU interpret mode,
 the portable BlockSpec kernel in Pallas interpret mode, gradients through the kernel path,
-tile configs and the hardware checks. References are float64 numpy.
+tile configs, the SM-count rule and the dispatch vocabulary (supports / prefer / hardware).
+The kernels are called directly with a :class:`MatmulSpec`, as the operator calls them.
+References are float64 numpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import math
 import re
@@ -16,18 +19,13 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax import _compat
+from tessera_jax.contracts.matmul import MatmulSpec
+from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
-from tests._util import (
-    cuda_lowering,
-    f64,
-    matmul_params,
-    mosaic_gpu_calls,
-    np_activation,
-    rand,
-)
+from tests._util import cuda_lowering, f64, mosaic_gpu_calls, np_activation, rand
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -45,34 +43,25 @@ def _watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
-def reference(
-    a,
-    b,
-    *extras,
-    transpose_a=False,
-    transpose_b=False,
-    activation=None,
-    has_bias=False,
-    has_residual=False,
-    has_scale=False,
-    **_,
-):
+def spec_of(out=BF16, **kw) -> MatmulSpec:
+    """The spec of a product with output ``out`` (f32 accumulation unless ``kw`` says)."""
+    return MatmulSpec(out_dtype=out, **{"accumulate_dtype": F32, **kw})
+
+
+def reference(spec, a, b, *extras):
     """The ts_matmul contract in float64."""
-    extras = list(extras)
-    bias = extras.pop(0) if has_bias else None
-    res = extras.pop(0) if has_residual else None
-    scale = extras.pop(0) if has_scale else None
+    bias, res, scale = spec.split(extras)
     a, b = f64(a), f64(b)
-    if transpose_a:
+    if spec.transpose_a:
         a = np.swapaxes(a, -1, -2)
-    if transpose_b:
+    if spec.transpose_b:
         b = np.swapaxes(b, -1, -2)
     z = a @ b
     if scale is not None:
         z = z * float(scale)
     if bias is not None:
         z = z + f64(bias)
-    z = np_activation(z, activation)
+    z = np_activation(z, spec.activation)
     if res is not None:
         z = z + f64(res)
     return z
@@ -86,10 +75,10 @@ def check(out, ref, out_dtype, factor=1.0):
     assert err <= TOL[np.dtype(out_dtype)] * factor, f"relative error {err:.3e}"
 
 
-def run_mgpu(*args, detect_races=False, **params):
-    params.setdefault("out_dtype", np.dtype(params.pop("out", BF16)))
+def run_mgpu(spec, *args, detect_races=False, **overrides):
+    """``mg.matmul(spec, *args)`` in the Mosaic GPU interpreter, under jit."""
     with _compat.gpu_interpret_mode(detect_races=detect_races):
-        out = jax.jit(lambda *xs: mg.matmul(*xs, interpret=True, **params))(*args)
+        out = jax.jit(lambda *xs: mg.matmul(spec, *xs, interpret=True, **overrides))(*args)
         return jax.block_until_ready(out)
 
 
@@ -98,10 +87,11 @@ def run_mgpu(*args, detect_races=False, **params):
 
 def test_mgpu_256x256x128_no_races():
     a, b = rand((256, 128), BF16), rand((128, 256), BF16)
-    out = run_mgpu(a, b, detect_races=True)
+    spec = spec_of()
+    out = run_mgpu(spec, a, b, detect_races=True)
     assert _compat.races_detected() is False
     assert out.dtype == BF16
-    check(out, reference(a, b), BF16)
+    check(out, reference(spec, a, b), BF16)
 
 
 @pytest.mark.parametrize(
@@ -115,10 +105,11 @@ def test_mgpu_edge_tiles(shape, out, pads):
     # tiles is padded (here A's K = 96 and B's N = 136, over the 64-column f16 tile).
     m, n, k = shape
     a, b = rand((m, k), F16), rand((k, n), F16)
-    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(a, b, out_dtype=out, num_sms=132))(a, b)
+    spec = spec_of(out)
+    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(spec, a, b, num_sms=132))(a, b)
     assert str(jaxpr).count(" pad[") == pads
-    got = run_mgpu(a, b, out=out)
-    check(got, reference(a, b), out, factor=100 if out == F32 else 1)
+    got = run_mgpu(spec, a, b)
+    check(got, reference(spec, a, b), out, factor=100 if out == F32 else 1)
 
 
 @pytest.mark.parametrize("n,out,width", [(40, BF16, 128), (64, BF16, 128), (16, F32, 64)])
@@ -126,7 +117,7 @@ def test_mgpu_narrow_output_is_two_swizzle_rows_wide(n, out, width):
     # On the H100 a bf16 output one 64-column tile wide came back unwritten (zeros): narrow
     # outputs are computed at least two swizzle rows (2 x 128 bytes) wide and cut to N.
     a, b = jax.ShapeDtypeStruct((256, 128), BF16), jax.ShapeDtypeStruct((128, n), BF16)
-    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(a, b, out_dtype=out, num_sms=132))(a, b)
+    jaxpr = jax.make_jaxpr(lambda a, b: mg.matmul(spec_of(out), a, b, num_sms=132))(a, b)
     assert f"out_avals=(ShapedArray({np.dtype(out).name}[1,256,{width}]),)" in str(jaxpr)
 
 
@@ -147,14 +138,16 @@ def test_mgpu_edge_tiles_lower_for_cuda(m, n, k, ta, tb, dt, out, extra):
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), dt)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), dt)
     xs = [a, b]
-    p = dict(transpose_a=ta, transpose_b=tb, out_dtype=out, num_sms=132)
+    p = dict(transpose_a=ta, transpose_b=tb)
     if extra == "bias":
         xs.append(jax.ShapeDtypeStruct((n,), BF16))
         p.update(has_bias=True, activation="gelu_tanh")
     elif extra == "residual":
         xs.append(jax.ShapeDtypeStruct((m, n), F32))
         p.update(has_residual=True)
-    assert len(mosaic_gpu_calls(cuda_lowering(lambda *xs: mg.matmul(*xs, **p), *xs))) == 1
+    spec = spec_of(out, **p)
+    hlo = cuda_lowering(lambda *xs: mg.matmul(spec, *xs, num_sms=132), *xs)
+    assert len(mosaic_gpu_calls(hlo)) == 1
 
 
 @pytest.mark.parametrize(
@@ -166,42 +159,41 @@ def test_mgpu_transposed_operands(ta, tb, shape):
     m, n, k = shape
     a = rand((k, m) if ta else (m, k), BF16)
     b = rand((n, k) if tb else (k, n), BF16)
-    out = run_mgpu(a, b, transpose_a=ta, transpose_b=tb, out=F32)
-    check(out, reference(a, b, transpose_a=ta, transpose_b=tb), F32, factor=100)
+    spec = spec_of(F32, transpose_a=ta, transpose_b=tb)
+    check(run_mgpu(spec, a, b), reference(spec, a, b), F32, factor=100)
 
 
 def test_mgpu_transposed_a():
     a, b = rand((128, 256), F16), rand((128, 256), F16)
-    out = run_mgpu(a, b, transpose_a=True, out=F16)
-    check(out, reference(a, b, transpose_a=True), F16)
+    spec = spec_of(F16, transpose_a=True)
+    check(run_mgpu(spec, a, b), reference(spec, a, b), F16)
 
 
 @pytest.mark.parametrize("activation", ["gelu"])  # gelu_tanh: same epilogue path, GPU-benchmarked
 def test_mgpu_bias_activation(activation):
     a, b, bias = rand((256, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
-    out = run_mgpu(a, b, bias, has_bias=True, activation=activation)
-    check(out, reference(a, b, bias, has_bias=True, activation=activation), BF16)
+    spec = spec_of(has_bias=True, activation=activation)
+    check(run_mgpu(spec, a, b, bias), reference(spec, a, b, bias), BF16)
 
 
 def test_mgpu_scale_relu_residual_f32():
     a, b = rand((200, 128), BF16), rand((128, 136), BF16)
     res, scale = rand((200, 136), F32), jnp.float32(0.25)
-    p = dict(has_residual=True, has_scale=True, activation="relu")
-    out = run_mgpu(a, b, res, scale, out=F32, **p)
-    check(out, reference(a, b, res, scale, **p), F32, factor=100)
+    spec = spec_of(F32, has_residual=True, has_scale=True, activation="relu")
+    check(run_mgpu(spec, a, b, res, scale), reference(spec, a, b, res, scale), F32, factor=100)
 
 
 def test_mgpu_fp8_e4m3_scaled():
     a, b = rand((256, 128), E4M3), rand((128, 256), E4M3)
-    out = run_mgpu(a, b, jnp.float32(0.5), has_scale=True, out=F32)
-    check(out, reference(a, b, jnp.float32(0.5), has_scale=True), F32)
+    spec = spec_of(F32, has_scale=True)
+    scale = jnp.float32(0.5)
+    check(run_mgpu(spec, a, b, scale), reference(spec, a, b, scale), F32)
 
 
 @pytest.mark.parametrize("da,db", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3xe5m2", "e5m2xe4m3"])
 def test_mgpu_fp8_mixed(da, db):
     a, b = rand((128, 192), da), rand((192, 256), db)
-    out = run_mgpu(a, b, out=BF16)
-    check(out, reference(a, b), BF16)
+    check(run_mgpu(spec_of(), a, b), reference(spec_of(), a, b), BF16)
 
 
 @pytest.mark.parametrize("da,db", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3xe5m2", "e5m2xe4m3"])
@@ -211,7 +203,7 @@ def test_mgpu_mixed_fp8_lowering_keeps_fp8_operands(da, db):
     # bf16 copies.
     a, b = jax.ShapeDtypeStruct((512, 256), da), jax.ShapeDtypeStruct((256, 512), db)
     calls = mosaic_gpu_calls(
-        cuda_lowering(lambda a, b: mg.matmul(a, b, out_dtype=F32, num_sms=132), a, b)
+        cuda_lowering(lambda a, b: mg.matmul(spec_of(F32), a, b, num_sms=132), a, b)
     )
     assert len(calls) == 1
     operand_types = re.findall(r": \((tensor<[^)]*)\) ->", calls[0])[0]
@@ -230,9 +222,9 @@ def test_mgpu_mixed_fp8_lowering_keeps_fp8_operands(da, db):
 )
 def test_mgpu_batched(a_shape, b_shape):
     a, b = rand(a_shape, BF16), rand(b_shape, BF16)
-    out = run_mgpu(a, b)
+    out = run_mgpu(spec_of(), a, b)
     assert out.shape == (*a_shape[:-1], b_shape[-1])
-    check(out, reference(a, b), BF16)
+    check(out, reference(spec_of(), a, b), BF16)
 
 
 def test_mgpu_large_default_config_bias_gelu():
@@ -240,8 +232,8 @@ def test_mgpu_large_default_config_bias_gelu():
     # cluster is dropped by the interpreter) with the bias + activation epilogue.
     cfg = mc.CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
     a, b, bias = rand((512, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
-    out = run_mgpu(a, b, bias, has_bias=True, activation="gelu_tanh", config=cfg)
-    check(out, reference(a, b, bias, has_bias=True, activation="gelu_tanh"), BF16)
+    spec = spec_of(has_bias=True, activation="gelu_tanh")
+    check(run_mgpu(spec, a, b, bias, config=cfg), reference(spec, a, b, bias), BF16)
 
 
 def test_mgpu_user_tile_shape():
@@ -249,8 +241,8 @@ def test_mgpu_user_tile_shape():
     cfg = mc.config_for_tile_shape((64, 128, 64), BF16, BF16)
     assert cfg.wg_dimension == "n" and cfg.wg_tile == (64, 64)
     a, b = rand((128, 128), BF16), rand((128, 256), BF16)
-    out = run_mgpu(a, b, tile_shape=(64, 128, 64))
-    check(out, reference(a, b), BF16)
+    spec = spec_of(tile_shape=(64, 128, 64))
+    check(run_mgpu(spec, a, b), reference(spec, a, b), BF16)
 
 
 # --- the portable kernel in Pallas interpret mode -----------------------------------------
@@ -268,26 +260,17 @@ def test_portable(ta, tb, dtype, shape):
     m, n, k = shape
     a = rand((k, m) if ta else (m, k), dtype)
     b = rand((n, k) if tb else (k, n), dtype)
-    out = jax.jit(
-        lambda a, b: mp.matmul(a, b, interpret=True, transpose_a=ta, transpose_b=tb, out_dtype=F32)
-    )(a, b)
-    check(out, reference(a, b, transpose_a=ta, transpose_b=tb), F32, factor=10)
+    spec = spec_of(F32, transpose_a=ta, transpose_b=tb)
+    out = jax.jit(lambda a, b: mp.matmul(spec, a, b, interpret=True))(a, b)
+    check(out, reference(spec, a, b), F32, factor=10)
 
 
 def test_portable_epilogue_batched():
     a, b = rand((2, 100, 64), F32), rand((2, 64, 80), F32)
     bias, res, scale = rand((80,), F32), rand((2, 100, 80), F32), jnp.float32(0.5)
-    p = dict(has_bias=True, has_residual=True, has_scale=True, activation="gelu")
-    out = jax.jit(lambda *x: mp.matmul(*x, interpret=True, out_dtype=F32, **p))(
-        a, b, bias, res, scale
-    )
-    check(out, reference(a, b, bias, res, scale, **p), F32)
-
-
-def test_portable_config_rounds_user_tiles():
-    assert mp.PortableConfig.from_tile_shape((192, 96, 48)) == mp.PortableConfig(128, 64, 32)
-    with pytest.raises(ValueError, match="power of two"):
-        mp.PortableConfig(48, 64, 32)
+    spec = spec_of(F32, has_bias=True, has_residual=True, has_scale=True, activation="gelu")
+    out = jax.jit(lambda *x: mp.matmul(spec, *x, interpret=True))(a, b, bias, res, scale)
+    check(out, reference(spec, a, b, bias, res, scale), F32)
 
 
 # --- the kernel path of ts.op.matmul (TESSERA_KERNELS=interpret) --------------------------
@@ -295,11 +278,11 @@ def test_portable_config_rounds_user_tiles():
 
 def test_interpret_mode_selects_kernels():
     avals = _avals(((256, 128), BF16), ((128, 256), BF16))
-    params = _params()
+    params = {"spec": spec_of()}
     with ts.kernel_mode("interpret"):
         assert matmul_op.select("cpu", avals, params)[0] == "mosaic_gpu"
         f32 = [jax.core.ShapedArray(a.shape, F32) for a in avals]
-        p32 = dict(params, out_dtype=np.dtype(F32))
+        p32 = {"spec": spec_of(F32)}
         assert matmul_op.select("cpu", f32, p32)[0] == "pallas_portable"
     with ts.kernel_mode("auto"):
         assert matmul_op.select("cpu", avals, params)[0] == "reference"
@@ -323,12 +306,12 @@ def test_grad_through_kernels():
         check(g, f64(r), BF16, factor=2)
 
 
-# --- configs and the hardware checks ------------------------------------------------------
+# --- configs, the SM count and the hardware checks ----------------------------------------
 
 
 def test_config_is_frozen_and_validated():
     cfg = mc.MatmulConfig()
-    with pytest.raises(dataclasses_frozen_error()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_m = 64
     with pytest.raises(ValueError, match="register budget"):
         mc.MatmulConfig(block_m=256, block_n=256, wg_dimension="n")
@@ -347,12 +330,6 @@ def test_block_k_must_be_a_swizzle_row():
         mc.fit_stages(mc.MatmulConfig(block_k=64), E4M3, E4M3, F32)
 
 
-def dataclasses_frozen_error():
-    import dataclasses
-
-    return dataclasses.FrozenInstanceError
-
-
 @pytest.mark.parametrize("name", sorted(mc.CANDIDATES))
 def test_candidates_fit_the_hardware(name):
     cfg = mc.CANDIDATES[name]
@@ -365,51 +342,83 @@ def test_candidates_fit_the_hardware(name):
 
 
 def test_default_config_and_candidates():
+    h100 = dict(num_sms=device.H100_SMS)
     big = mc.CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
-    assert mc.default_config(4096, 4096, 4096, BF16, BF16) is big
-    assert mc.default_config(8192, 8192, 1024, BF16, BF16) is big
+    assert mc.default_config(4096, 4096, 4096, BF16, BF16, **h100) is big
+    assert mc.default_config(8192, 8192, 1024, BF16, BF16, **h100) is big
     # below LARGE_MN, or not whole 256x256 cluster tiles: the 1-CTA default
-    assert mc.default_config(2048, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
-    assert mc.default_config(4160, 4096, 4096, BF16, BF16) is mc.CANDIDATES["bf16_128x256x64_s4"]
-    assert mc.default_config(8192, 8192, 8192, E4M3, E4M3).block_k == 128
+    one_cta = mc.CANDIDATES["bf16_128x256x64_s4"]
+    assert mc.default_config(2048, 4096, 4096, BF16, BF16, **h100) is one_cta
+    assert mc.default_config(4160, 4096, 4096, BF16, BF16, **h100) is one_cta
+    assert mc.default_config(8192, 8192, 8192, E4M3, E4M3, **h100).block_k == 128
     # small M: 128-column tiles while one wave of them covers N, else 256 columns
-    assert mc.default_config(16, 8192, 8192, BF16, BF16).tile_shape == (64, 128, 128)
-    assert mc.default_config(16, 28672, 8192, BF16, BF16).tile_shape == (64, 256, 64)
+    assert mc.default_config(16, 8192, 8192, BF16, BF16, **h100).tile_shape == (64, 128, 128)
+    assert mc.default_config(16, 28672, 8192, BF16, BF16, **h100).tile_shape == (64, 256, 64)
     assert mc.default_config(16, 8192, 8192, BF16, BF16, num_sms=32).tile_shape == (64, 256, 64)
     assert all(k.startswith("fp8_") for k in mc.candidates_for(E4M3, E5M2))
 
 
+def test_sm_counts_is_the_one_rule():
+    # Interpret mode: a small grid (each simulated warpgroup is a CPU thread), the H100's tiles.
+    assert device.sm_counts(interpret=True) == (device.INTERPRET_SMS, device.H100_SMS)
+    assert device.sm_counts(interpret=True, override=4) == (4, device.H100_SMS)
+    # Compiled: this GPU's count (the H100's where the backend has none), or the override.
+    assert device.sm_counts(interpret=False) == (device.num_sms(), device.num_sms())
+    assert device.sm_counts(interpret=False, override=32) == (32, 32)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"num_sms={bad!r} must be a positive int"):
+            device.sm_counts(interpret=False, override=bad)
+
+
+@pytest.mark.parametrize("num_sms,grid", [(None, 64), (48, 32)])
+def test_mgpu_grid_and_tiles_follow_sm_counts(num_sms, grid):
+    # A decode product (M=16, N=8192): 128-column tiles while one wave of them (64) fits the
+    # SMs the heuristic assumes, else 256-column ones (32 tiles); the grid is one CTA per SM,
+    # at most one per tile. (On this CPU the SM count is the H100's 132.)
+    a, b = jax.ShapeDtypeStruct((16, 4096), BF16), jax.ShapeDtypeStruct((4096, 8192), BF16)
+    jaxpr = str(jax.make_jaxpr(lambda a, b: mg.matmul(spec_of(), a, b, num_sms=num_sms))(a, b))
+    assert re.findall(r"grid=\((\d+),\)", jaxpr) == [str(grid)]
+
+
 @pytest.mark.parametrize(
-    "tile,dtype,match",
+    "tile,dtype,out,match",
     [
-        ((128, 256, 512), BF16, "shared-memory limit"),
-        ((256, 128, 512), E4M3, "shared-memory limit"),
-        ((128, 512, 128), BF16, "register budget"),
-        ((96, 128, 64), BF16, "multiple of the wgmma M"),
-        ((128, 128, 32), BF16, "multiple of 64"),
-        ((128, 128, 64), E4M3, "multiple of 128"),
-        ((128, 96, 64), BF16, "BN=96 must be a multiple of 64"),
-        ((256, 256, 64), BF16, "register budget"),
+        ((128, 256, 512), BF16, BF16, "shared-memory limit"),
+        ((256, 128, 512), E4M3, F32, "shared-memory limit"),
+        # Fits with a bf16 output, not with the larger f32 epilogue staging.
+        ((128, 256, 128), BF16, F32, "shared-memory limit"),
+        ((128, 512, 128), BF16, BF16, "register budget"),
+        ((96, 128, 64), BF16, BF16, "multiple of the wgmma M"),
+        ((32, 32, 32), BF16, BF16, "multiple of the wgmma M"),
+        ((128, 128, 32), BF16, BF16, "multiple of 64"),
+        ((128, 128, 64), E4M3, F32, "multiple of 128"),
+        ((128, 96, 64), BF16, BF16, "BN=96 must be a multiple of 64"),
+        ((256, 256, 64), BF16, BF16, "register budget"),
     ],
 )
-def test_validate_tile_shape_names_the_limit(tile, dtype, match):
-    with pytest.raises(ValueError, match=match):
-        mg.validate_tile_shape(tile, np.dtype(dtype), np.dtype(dtype))
+def test_supports_declines_tiles_sm90_cannot_run(tile, dtype, out, match):
+    # A reason naming the hardware limit, not an exception: the operator then tries the next
+    # kernel (or the reference), and names the reason only if nothing can honour the tile.
+    spec = spec_of(out, tile_shape=tile)
+    avals = _avals(((256, 256), dtype), ((256, 256), dtype))
+    reason = mg.supports(spec, avals)
+    assert isinstance(reason, str) and re.search(match, reason), reason
+    with pytest.raises(ValueError, match=f"matmul_mgpu.matmul: .*{match}"):
+        jax.eval_shape(lambda a, b: mg.matmul(spec, a, b), *avals)
 
 
-def test_validate_tile_shape_accepts_and_ignores():
-    mg.validate_tile_shape((128, 256, 64), np.dtype(BF16), np.dtype(BF16))
-    mg.validate_tile_shape((128, 256, 128), np.dtype(E4M3), np.dtype(E5M2))
-    # Not a kernel case (f32): the reference runs it and tile_shape is not checked here.
-    mg.validate_tile_shape((48, 48, 48), np.dtype(F32), np.dtype(F32))
-
-
-def test_public_matmul_rejects_bad_tile_before_compiling():
-    a, b = rand((256, 128), BF16), rand((128, 256), BF16)
-    with pytest.raises(ValueError, match="shared-memory limit"):
-        ts.op.matmul(a, b, tile_shape=(128, 256, 512))
-    with pytest.raises(ValueError, match="wgmma M"):
-        jax.jit(lambda a, b: ts.op.matmul(a, b, tile_shape=(96, 128, 64)))(a, b)
+@pytest.mark.parametrize(
+    "tile,da,db,out",
+    [
+        ((128, 256, 64), BF16, BF16, BF16),
+        ((128, 256, 128), BF16, BF16, BF16),
+        ((64, 128, 64), F16, F16, F32),
+        ((128, 256, 128), E4M3, E5M2, BF16),
+    ],
+)
+def test_supports_accepts_tiles_sm90_runs(tile, da, db, out):
+    avals = _avals(((256, 256), da), ((256, 256), db))
+    assert mg.supports(spec_of(out, tile_shape=tile), avals) is None
 
 
 # --- dispatch -----------------------------------------------------------------------------
@@ -419,40 +428,65 @@ def _avals(*shapes_dtypes):
     return [jax.core.ShapedArray(s, d) for s, d in shapes_dtypes]
 
 
-def _params(**kw):
-    """``ts_matmul`` bind parameters of a bf16 product (output bf16 unless ``kw`` says)."""
-    return matmul_params(**{"out_dtype": np.dtype(BF16), **kw})
-
-
 def test_supports():
-    p = _params()
-    assert mg.supports(_avals(((64, 64), BF16), ((64, 64), BF16)), p, "cpu") is None
-    assert "dtypes" in mg.supports(_avals(((64, 64), F32), ((64, 64), F32)), p, "cpu")
-    assert "dtypes" in mg.supports(_avals(((64, 64), BF16), ((64, 64), F16)), p, "cpu")
-    assert mg.supports(_avals(((64, 64), E4M3), ((64, 64), E5M2)), p, "cpu") is None
-    assert "dtypes" in mp.supports(_avals(((64, 64), E4M3), ((64, 64), E4M3)), p, "cpu")
-    assert mp.supports(_avals(((64, 64), F32), ((64, 64), F32)), p, "cpu") is None
+    s = spec_of()
+    assert mg.supports(s, _avals(((64, 64), BF16), ((64, 64), BF16))) is None
+    assert "dtypes" in mg.supports(s, _avals(((64, 64), F32), ((64, 64), F32)))
+    assert "dtypes" in mg.supports(s, _avals(((64, 64), BF16), ((64, 64), F16)))
+    assert mg.supports(s, _avals(((64, 64), E4M3), ((64, 64), E5M2))) is None
+
+
+@pytest.mark.parametrize(
+    "spec,shapes,match",
+    [
+        (spec_of(accumulate_dtype=np.float64), ((64, 64), (64, 64)), "accumulate_dtype"),
+        (spec_of(np.int32), ((64, 64), (64, 64)), "out_dtype=int32"),
+        (spec_of(np.float64), ((64, 64), (64, 64)), "out_dtype=float64"),
+        (spec_of(), ((2, 64, 64), (3, 64, 64)), r"batch dims \(2,\) and \(3,\) differ"),
+        (spec_of(), ((64,), (64, 64)), "rank 1 and 2"),
+    ],
+)
+def test_supports_names_the_contract_parts_it_declines(spec, shapes, match):
+    avals = _avals(*((s, BF16) for s in shapes))
+    assert re.search(match, mg.supports(spec, avals))
+
+
+def test_supports_declines_an_integer_residual():
+    spec = spec_of(has_bias=True, has_residual=True)
+    avals = _avals(((64, 64), BF16), ((64, 64), BF16), ((64,), BF16), ((64, 64), np.int32))
+    assert "residual dtype int32" in mg.supports(spec, avals)
+
+
+def test_hardware():
+    assert "not cpu" in mg.hardware("cpu")
+    assert mg.hardware("cuda") == (None if device.is_sm90() else "not a Hopper (sm_90) GPU")
+
+
+def test_portable_supports():
+    s = spec_of()
+    assert "dtypes" in mp.supports(s, _avals(((64, 64), E4M3), ((64, 64), E4M3)))
+    assert mp.supports(s, _avals(((64, 64), F32), ((64, 64), F32))) is None
 
 
 def test_prefer_follows_the_measurements():
     big = _avals(((8192, 8192), BF16), ((8192, 8192), BF16))
-    assert not mg.prefer(big, _params())  # plain bf16: parity with cuBLAS -> XLA
-    assert mg.prefer(big + _avals(((8192,), BF16)), _params(has_bias=True, activation="gelu"))
+    assert not mg.prefer(spec_of(), big)  # plain bf16: parity with cuBLAS -> XLA
+    assert mg.prefer(spec_of(has_bias=True, activation="gelu"), big + _avals(((8192,), BF16)))
     f8 = _avals(((4096, 4096), E4M3), ((4096, 4096), E4M3))
-    assert mg.prefer(f8, _params(out_dtype=np.dtype(F32)))
+    assert mg.prefer(spec_of(F32), f8)
     mixed = _avals(((4096, 4096), E4M3), ((4096, 4096), E5M2))
-    assert not mg.prefer(mixed, _params(out_dtype=np.dtype(F32)))  # XLA's mixed path is faster
+    assert not mg.prefer(spec_of(F32), mixed)  # XLA's mixed path is faster
     skinny = _avals(((16, 8192), E4M3), ((8192, 8192), E4M3))
-    assert not mg.prefer(skinny, _params(out_dtype=np.dtype(F32)))
+    assert not mg.prefer(spec_of(F32), skinny)
     ragged = _avals(((4000, 4096), E4M3), ((4096, 4100), E4M3))
-    assert mg.prefer(ragged, _params(out_dtype=np.dtype(F32)))  # edge tiles: 1.24x at 8000^3
+    assert mg.prefer(spec_of(F32), ragged)  # fp8 edge tiles
     bias = _avals(((8192,), BF16))
     ragged16 = _avals(((8000, 8192), BF16), ((8192, 8192), BF16)) + bias
-    assert not mg.prefer(ragged16, _params(has_bias=True))  # a tie with XLA: XLA
-    # decode (M <= 64): measured ahead at 4096 <= K <= 8192 with one wave of tiles over N
-    assert mg.prefer(_avals(((16, 8192), BF16), ((8192, 8192), BF16)), _params())
-    assert mg.prefer(_avals(((4, 16, 8192), BF16), ((8192, 8192), BF16)), _params())
-    assert not mg.prefer(_avals(((16, 28672), BF16), ((28672, 8192), BF16)), _params())
-    assert not mg.prefer(_avals(((16, 8192), BF16), ((8192, 28672), BF16)), _params())
-    assert not mg.prefer(_avals(((16, 8192), BF16), ((8192, 1024), BF16)), _params())
-    assert not mp.prefer(big, _params())
+    assert not mg.prefer(spec_of(has_bias=True), ragged16)  # a tie with XLA: XLA
+    # decode (M <= 64): ahead at 4096 <= K <= 8192 with one wave of tiles over N
+    assert mg.prefer(spec_of(), _avals(((16, 8192), BF16), ((8192, 8192), BF16)))
+    assert mg.prefer(spec_of(), _avals(((4, 16, 8192), BF16), ((8192, 8192), BF16)))
+    assert not mg.prefer(spec_of(), _avals(((16, 28672), BF16), ((28672, 8192), BF16)))
+    assert not mg.prefer(spec_of(), _avals(((16, 8192), BF16), ((8192, 28672), BF16)))
+    assert not mg.prefer(spec_of(), _avals(((16, 8192), BF16), ((8192, 1024), BF16)))
+    assert not mp.prefer(spec_of(), big)

@@ -1,12 +1,18 @@
-"""What the kernels ask of this process's GPU: its SM count and whether it is a Hopper."""
+"""What the kernels ask of this process's GPU: its SM count and whether it is a Hopper; and
+the one rule for how many SMs a persistent kernel's grid spans."""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 
 H100_SMS = 132  # H100 / H200 SXM: the GPUs the kernels are tuned and measured on
+
+# CTAs of a persistent grid in interpret mode: each simulated warpgroup is a CPU thread, so
+# a small grid keeps CPU tests fast while still running the persistent loop more than once.
+INTERPRET_SMS = 2
 
 
 def num_sms() -> int:
@@ -16,6 +22,30 @@ def num_sms() -> int:
         return int(jax.devices()[0].core_count)
     except Exception:  # pragma: no cover - backends without core_count
         return H100_SMS
+
+
+class SMCounts(NamedTuple):
+    """How many SMs a persistent kernel uses, and for how many its tiles are chosen."""
+
+    grid: int  # SMs the persistent grid spans (one CTA each)
+    tuned: int  # SM count the tile heuristic assumes (e.g. "one wave of tiles")
+
+
+def sm_counts(*, interpret: bool, override: int | None = None) -> SMCounts:
+    """The SM counts of one kernel call.
+
+    Compiled: ``override`` (benchmarks, tests) for both when given, else this GPU's. In
+    interpret mode the tiles are the ones an H100 gets, so the interpreter runs what the
+    GPU would, and the grid is ``override`` or :data:`INTERPRET_SMS`.
+    """
+    if override is not None and (
+        not isinstance(override, int) or isinstance(override, bool) or override <= 0
+    ):
+        raise ValueError(f"sm_counts: num_sms={override!r} must be a positive int or None")
+    if interpret:
+        return SMCounts(grid=override or INTERPRET_SMS, tuned=H100_SMS)
+    sms = override or num_sms()
+    return SMCounts(grid=sms, tuned=sms)
 
 
 @functools.lru_cache(maxsize=1)

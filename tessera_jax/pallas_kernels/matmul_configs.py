@@ -1,7 +1,7 @@
 """Tile configurations of the Hopper matmul: a frozen, validated dataclass, the named candidates
-the autotuner searches, the per-shape heuristic and the hardware budget checks; and the
-problem geometry both matmul kernels share (the extra operands of the ``ts_matmul``
-contract, M/N/K from the transpose flags, zero-padding to whole tiles, the scale/bias rows).
+the autotuner searches, the per-shape heuristic and the hardware budget checks; and what both
+matmul kernels share beyond the contract itself (``tessera_jax.contracts.matmul``): the parts
+of it they decline, zero-padding to whole tiles, the scale/bias rows.
 
 A config describes one CTA (thread block) of the Mosaic GPU kernel in
 :mod:`tessera_jax.pallas_kernels.matmul_mgpu`: it computes a ``block_m × block_n``
@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
 from tessera_jax import _compat
-from tessera_jax.pallas_kernels import device
+from tessera_jax.contracts.matmul import MatmulSpec
 
 # --- hardware budget (sm_90) -------------------------------------------------------------------
 SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
@@ -48,6 +48,7 @@ NUM_COMPUTE_WGS = 2
 
 _DIMS = ("m", "n")
 
+# The 8-bit float formats of Hopper's tensor cores (the one such tuple of the matmul kernels).
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), *FP8_DTYPES)
 
@@ -305,21 +306,6 @@ def config_for_tile_shape(
     )
 
 
-def validate_tile_shape(tile_shape: tuple[int, int, int], dtype_a: Any, dtype_b: Any) -> None:
-    """Raises ValueError (naming the hardware limit) unless Hopper can run ``tile_shape``.
-
-    Checks the wgmma instruction multiples, the per-warpgroup register budget of
-    the accumulator and the shared-memory budget of a 2-stage pipeline with the
-    smallest epilogue (the kernel lowers stages further only to fit its epilogue).
-    """
-    dts = kernel_operand_dtypes(dtype_a, dtype_b)
-    if dts is None:
-        return  # not a kernel case: the reference runs it and ignores tile_shape
-    da, db = dts
-    cfg = config_for_tile_shape(tile_shape, da, db, num_stages=2)
-    fit_stages(cfg, da, db, da)
-
-
 # --- named candidates and the heuristic --------------------------------------------------------
 
 CANDIDATES: dict[str, MatmulConfig] = {
@@ -338,8 +324,8 @@ CANDIDATES: dict[str, MatmulConfig] = {
     ),
     # 256x128 CTA pairs sharing A (cluster "n"), warpgroups 128x128 along M, one wgmma group
     # in flight: the shape of cuBLAS's own kernel at 8192^3 on the H100 (nvjet 128x256 /
-    # 256x128 with a 2-CTA cluster). In the power probe it took 0.7-1.5% less time and energy
-    # than the 1-CTA default; in run 6's sweep the two tied (benchmarks/NOTES-matmul.md, v6).
+    # 256x128 with a 2-CTA cluster); on par with the 1-CTA default there
+    # (benchmarks/results/matmul-h100-sweep.json).
     "bf16_256x128x64_s4_dr1_cn": MatmulConfig(
         256, 128, 64, 4, "m", "n", 8, delay_release=1, cluster_dimension="n"
     ),
@@ -364,24 +350,24 @@ LARGE_MN = 4096
 DECODE_M = 64  # M up to one wgmma row block: decode-like, memory-bound products
 
 
-def decode_config(n: int, num_sms: int = device.H100_SMS) -> MatmulConfig:
+def decode_config(n: int, *, num_sms: int) -> MatmulConfig:
     """The 16-bit config for ``M <= DECODE_M``. Memory-bound: 128-column tiles put twice the
-    SMs on streaming B while one wave of them covers N (16x8192x8192: 1.03x cuBLAS vs 0.89x
-    with 256 columns); past one wave the 256-column tiles (16x28672x8192: 1.02x vs 0.95x).
-    benchmarks/NOTES-matmul.md, v7."""
+    SMs on streaming B while one wave of them (``num_sms`` tiles) covers N; past one wave the
+    256-column tiles, which need fewer waves (benchmarks/results/matmul-edges-h100-*.txt)."""
     narrow = CANDIDATES["bf16_64x128x128_s4"]
     return narrow if -(-n // narrow.block_n) <= num_sms else CANDIDATES["bf16_64x256x64_s6"]
 
 
 def default_config(
-    m: int, n: int, k: int, dtype_a: Any, dtype_b: Any, num_sms: int = device.H100_SMS
+    m: int, n: int, k: int, dtype_a: Any, dtype_b: Any, *, num_sms: int
 ) -> MatmulConfig:
-    """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)``."""
+    """Per-shape heuristic: the candidate expected to be fastest for ``(m, n, k)`` on a GPU of
+    ``num_sms`` SMs (``device.sm_counts(...).tuned``)."""
     eight_bit = max(_itemsize(dtype_a), _itemsize(dtype_b)) == 1
     if eight_bit:
         return CANDIDATES["fp8_128x256x128_s4"]
     if m <= DECODE_M:
-        return decode_config(n, num_sms)
+        return decode_config(n, num_sms=num_sms)
     big = CANDIDATES["bf16_256x128x64_s4_dr1_cn"]
     cm, cn = big.cluster_tile
     if m >= LARGE_MN and n >= LARGE_MN and m % cm == 0 and n % cn == 0:
@@ -395,60 +381,29 @@ def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
     return {k: v for k, v in CANDIDATES.items() if k.startswith(prefix)}
 
 
-# --- the problem both kernels solve (matmul_mgpu and matmul_portable) ---------------------------
+# --- what both kernels (matmul_mgpu and matmul_portable) share ----------------------------------
 
 
-def split_extras(
-    extras: Any,
-    *,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
-    **_params: Any,
-) -> tuple[Any, Any, Any]:
-    """``(bias, residual, scale)`` from the extra operands of a ``ts_matmul`` bind.
-
-    The contract orders them bias, residual, scale, each present only if its flag is
-    set; a missing one is None. Other bind parameters are ignored, so a bind's whole
-    ``params`` can be passed as keywords (``split_extras(extras, **params)``).
-    """
-    it = iter(extras)
-    bias = next(it) if has_bias else None
-    residual = next(it) if has_residual else None
-    scale = next(it) if has_scale else None
-    return bias, residual, scale
-
-
-def unsupported_contract(avals_in: Any, params: dict[str, Any]) -> str | None:
-    """What both kernels refuse beyond their operand dtypes (None if nothing): the parts of
-    the ``ts_matmul`` contract their epilogue and batching do not cover."""
-    a, b = avals_in[0], avals_in[1]
-    if params.get("activation") not in ACTIVATIONS:
-        return f"activation {params.get('activation')!r}"
-    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
-        return "accumulate_dtype other than float32"
+def unsupported_contract(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
+    """What both kernels decline beyond their operand dtypes (None if nothing): the parts of
+    the ``ts_matmul`` contract their f32 accumulator, epilogue and batching do not cover."""
+    if len(avals) != 2 + spec.num_extras:
+        return f"{len(avals)} operands, but the spec has {2 + spec.num_extras}"
+    a, b = avals[0], avals[1]
+    if spec.accumulate_dtype != np.float32:
+        return f"accumulate_dtype={spec.accumulate_dtype} (the kernels accumulate in float32)"
     if a.ndim < 2 or b.ndim < 2:
-        return "operands of rank < 2"
+        return f"operands of rank {a.ndim} and {b.ndim} (the kernels take rank >= 2)"
     if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
-        return "batch dims differ"
-    if params.get("has_residual"):
-        rdt = np.dtype(avals_in[2 + bool(params.get("has_bias"))].dtype)
+        return f"batch dims {tuple(a.shape[:-2])} and {tuple(b.shape[:-2])} differ"
+    if spec.has_residual:
+        rdt = np.dtype(avals[2 + spec.has_bias].dtype)
         if not jnp.issubdtype(rdt, jnp.floating):
-            return f"residual dtype {rdt}"
-    out_dtype = np.dtype(params.get("out_dtype") or a.dtype)
-    if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
-        return f"out_dtype {out_dtype}"
+            return f"residual dtype {rdt} (the epilogue adds a float residual)"
+    out = spec.out_dtype
+    if not jnp.issubdtype(out, jnp.floating) or out.itemsize > 4:
+        return f"out_dtype={out} (the kernels write 8- to 32-bit floats)"
     return None
-
-
-def problem_shape(
-    a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool, transpose_b: bool
-) -> tuple[int, int, int]:
-    """``(M, N, K)`` of ``op(a) @ op(b)`` from the stored shapes and the transpose flags."""
-    m = a_shape[-1] if transpose_a else a_shape[-2]
-    k = a_shape[-2] if transpose_a else a_shape[-1]
-    n = b_shape[-2] if transpose_b else b_shape[-1]
-    return m, n, k
 
 
 TILE_ROWS = 8  # rows of Mosaic GPU's swizzled (8, one swizzle row) shared-memory tiles
@@ -511,24 +466,3 @@ def scale_bias_rows(scale: Any, bias: Any, n: int, tile_n: int) -> Any:
     )
     bv = bias.astype(jnp.float32) if bias is not None else jnp.zeros((n,), jnp.float32)
     return pad_to(jnp.stack([sv, bv]), 1, tile_n)
-
-
-# --- the epilogue activation, shared by the kernels and the reference ---------------------
-
-ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
-_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
-
-
-def apply_activation(x, activation: str | None, erf=lax.erf):
-    """The fused epilogue's activation on ``x`` (``gelu`` exact via ``erf``, ``gelu_tanh``
-    the tanh form). ``erf`` is a parameter because Mosaic GPU cannot lower ``lax.erf``."""
-    if activation is None:
-        return x
-    if activation == "relu":
-        return jnp.maximum(x, 0.0)
-    if activation == "gelu":
-        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
-    if activation == "gelu_tanh":
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
-    raise ValueError(f"matmul: activation={activation!r} must be one of {ACTIVATIONS}")

@@ -26,34 +26,39 @@ Edge tiles (M, N, K not multiples of the tile) cost no copies: TMA loads fill ze
 past the end of an array and stores skip it. Only a dim that Mosaic GPU's (8, swizzle
 row) tiling of the array cannot address (longer than one tile and not whole tiles, or
 a row not a whole number of 16-byte units) is zero-padded, and narrow outputs are
-computed two swizzle rows wide (see ``matmul``). Batched operands run in the same
-persistent loop; a batch of A against one shared B folds into M.
+computed two swizzle rows wide (see :func:`_pad_for_kernel`). Batched operands run in
+the same persistent loop; a batch of A against one shared B folds into M.
+
+The module follows jax's own ``hopper_matmul_mgpu.py``: a frozen :class:`Problem`
+describes one call (shapes as the kernel sees them, dtypes, config, flags, grid), the
+kernel body and its pipeline and epilogue pieces are module-level functions of it, and
+:func:`_build` returns the ``plgpu.kernel`` call. :func:`matmul` is the wrapper in the
+kernel calling convention of ``primitives/_core.py`` (``fn(spec, *operands, interpret)``),
+with :func:`supports`, :func:`prefer` and :func:`hardware` beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
+from tessera_jax.contracts.matmul import MatmulSpec, apply_activation
 from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
-from tessera_jax.pallas_kernels.matmul_configs import MatmulConfig, validate_tile_shape
+from tessera_jax.pallas_kernels.matmul_configs import FP8_DTYPES, MatmulConfig
 
-__all__ = ["MatmulConfig", "matmul", "prefer", "supports", "validate_tile_shape"]
-
-_F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-
-# CTAs of the persistent grid in interpret mode: each simulated warpgroup is a CPU
-# thread, so a small grid keeps CPU tests fast while still exercising the loop.
-INTERPRET_NUM_SMS = 2
+__all__ = ["MatmulConfig", "Problem", "hardware", "matmul", "prefer", "supports"]
 
 
 def _erf(x: jax.Array) -> jax.Array:
@@ -71,240 +76,346 @@ def _erf(x: jax.Array) -> jax.Array:
     return jnp.where(x < 0.0, -y, y)
 
 
-# --- the kernel --------------------------------------------------------------------------------
-
-
 def _tile_cols(dtype: Any, minor_elems: int) -> int:
     """Columns of the ``(8, cols)`` swizzled tiles of a shared-memory block whose rows hold
     ``minor_elems`` (one swizzle row: the largest swizzle, up to 128 bytes, dividing them).
     Global arrays moved with TMA into such blocks are addressed in the same tiles."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     bits = np.dtype(dtype).itemsize * 8
     return plgpu.find_swizzle(minor_elems * bits) * 8 // bits
 
 
-def _build_kernel(
-    *,
-    cfg: MatmulConfig,
-    batch: int,
-    a_batched: bool,
-    b_batched: bool,
-    m: int,
-    n: int,
-    k: int,
-    dtype_a: np.dtype,
-    dtype_b: np.dtype,
-    out_dtype: np.dtype,
-    res_dtype: np.dtype | None,
-    transpose_a: bool,
-    transpose_b: bool,
-    has_scale: bool,
-    has_bias: bool,
-    activation: str | None,
-    num_sms: int,
-    interpret: bool,
-):
-    """The ``plgpu.kernel`` computing one 3-D-batched problem of ``(m, n, k)`` as stored."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
+def _smem_transforms(dtype: Any, minor_elems: int) -> tuple[Any, Any]:
+    """The tiling and swizzle of a shared-memory block whose rows hold ``minor_elems``."""
+    cols = _tile_cols(dtype, minor_elems)
+    return (
+        plgpu.TilingTransform((mc.TILE_ROWS, cols)),
+        plgpu.SwizzleTransform(cols * np.dtype(dtype).itemsize),
+    )
 
-    bm, bn, bk = cfg.tile_shape
+
+# --- the problem --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One kernel call: a 3-D (batch-first) product of operands as stored and as passed to
+    the kernel (already padded where TMA needs it), and how the kernel runs it.
+
+    Attributes:
+      config: the tile configuration (already fitted to shared memory).
+      batch: products the persistent loop walks (1 when a shared B folded them into M).
+      a_batched, b_batched: the operand holds one matrix per product (else one, shared).
+      m, n, k: the problem as the kernel sees it (the output is ``(batch, m, n)``).
+      dtype_a, dtype_b: the element types wgmma reads.
+      out_dtype: the output's dtype.
+      res_dtype: the residual's dtype, or None without a residual.
+      transpose_a, transpose_b: A is stored ``(K, M)``, B ``(N, K)``.
+      has_scale, has_bias: rows 0 / 1 of the ``(2, N)`` f32 epilogue operand apply.
+      activation: the epilogue activation.
+      num_sms: SMs the persistent grid may span (``device.sm_counts(...).grid``).
+    """
+
+    config: MatmulConfig
+    batch: int
+    a_batched: bool
+    b_batched: bool
+    m: int
+    n: int
+    k: int
+    dtype_a: np.dtype
+    dtype_b: np.dtype
+    out_dtype: np.dtype
+    res_dtype: np.dtype | None
+    transpose_a: bool
+    transpose_b: bool
+    has_scale: bool
+    has_bias: bool
+    activation: str | None
+    num_sms: int
+
+    @property
+    def has_vec(self) -> bool:
+        """Whether the kernel takes the ``(2, N)`` scale/bias operand."""
+        return self.has_scale or self.has_bias
+
+    @property
+    def has_res(self) -> bool:
+        return self.res_dtype is not None
+
+    @property
+    def iters(self) -> tuple[int, int, int]:
+        """Cluster tiles along M and N, and K steps. Edge tiles reach past M/N/K: TMA loads
+        fill zeros there (so a K tail adds nothing) and TMA stores skip it."""
+        cm, cn = self.config.cluster_tile
+        return -(-self.m // cm), -(-self.n // cn), -(-self.k // self.config.block_k)
+
+    @property
+    def tiles_per_batch(self) -> int:
+        m_iters, n_iters, _ = self.iters
+        return m_iters * n_iters
+
+    @property
+    def num_tiles(self) -> int:
+        return self.batch * self.tiles_per_batch
+
+    @property
+    def grid(self) -> int:
+        """CTAs of the persistent grid: one per SM (a cluster per pair), at most one per tile."""
+        return max(1, min(self.num_sms // self.config.cluster_size, self.num_tiles))
+
+    @property
+    def num_out_slots(self) -> int:
+        """Epilogue staging buffers of a warpgroup: two (double-buffered stores) unless its
+        tile is one epilogue tile."""
+        cfg = self.config
+        wm, wn = cfg.wg_tile
+        return min(2, (wm * wn) // (cfg.epi_tile_m * cfg.epi_tile_n))
+
+    @property
+    def a_block(self) -> tuple[int, int]:
+        """A's tile as stored: ``(BM, BK)`` or, transposed, ``(BK, BM)``."""
+        bm, _, bk = self.config.tile_shape
+        return (bk, bm) if self.transpose_a else (bm, bk)
+
+    @property
+    def b_block(self) -> tuple[int, int]:
+        """B's tile as stored: ``(BK, BN)`` or, transposed, ``(BN, BK)``."""
+        _, bn, bk = self.config.tile_shape
+        return (bn, bk) if self.transpose_b else (bk, bn)
+
+
+class _Refs(NamedTuple):
+    """The kernel's references: operands and output in global memory, then its scratch."""
+
+    a: Any
+    b: Any
+    vec: Any  # (2, N) f32 scale/bias rows, or None
+    res: Any  # residual, or None
+    out: Any
+    out_smem: Any  # (wgs, slots, epi_m, epi_n) output staging
+    res_smem: Any  # residual staging like out_smem, or None
+    vec_smem: Any  # (wgs, 2, wn) a warpgroup's scale/bias columns, or None
+    epi_barrier: Any  # per warpgroup: [scale/bias, residual slot 0, slot 1], or None
+
+
+def _unpack_refs(p: Problem, refs: Sequence[Any]) -> _Refs:
+    """The kernel's positional refs (operands, output, scratch; see :func:`_build`) by name."""
+    refs = list(refs)
+    a, b = refs.pop(0), refs.pop(0)
+    vec = refs.pop(0) if p.has_vec else None
+    res = refs.pop(0) if p.has_res else None
+    out, out_smem = refs.pop(0), refs.pop(0)
+    res_smem = refs.pop(0) if p.has_res else None
+    vec_smem = refs.pop(0) if p.has_vec else None
+    epi_barrier = refs.pop(0) if (p.has_res or p.has_vec) else None
+    return _Refs(a, b, vec, res, out, out_smem, res_smem, vec_smem, epi_barrier)
+
+
+class _Tile(NamedTuple):
+    """Where one output tile of the persistent loop lies, and this warpgroup's part of it."""
+
+    batch: Any  # product index
+    m: Any  # the CTA's rows of C
+    n: Any  # the CTA's columns of C
+    wg_m: Any  # the warpgroup's rows within the CTA tile
+    wg_n: Any  # the warpgroup's columns within the CTA tile
+    wg: Any  # the warpgroup index
+
+
+# --- the kernel body ----------------------------------------------------------------------------
+
+
+def _kernel(*refs: Any, p: Problem) -> None:
+    """One CTA: the persistent loop over output tiles, each a warp-specialised K pipeline
+    followed by the fused epilogue."""
+    r = _unpack_refs(p, refs)
+    allocs = _pipeline(p, _ignore, _ignore).get_allocations(r.a.at[0], r.b.at[0])
+
+    @functools.partial(pl.run_scoped, pipeline_allocs=allocs, collective_axes="wg")
+    def _scope(pipeline_allocs):
+        wg_idx = lax.axis_index("wg")
+
+        @plgpu.nd_loop((p.num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info):
+            (lin,) = loop_info.index
+            t = _tile(p, lin, wg_idx)
+            a = r.a.at[t.batch if p.a_batched else 0]
+            b = r.b.at[t.batch if p.b_batched else 0]
+            a_tile = a.at[:, t.m] if p.transpose_a else a.at[t.m, :]
+            b_tile = b.at[t.n, :] if p.transpose_b else b.at[:, t.n]
+            pipeline = _pipeline(
+                p,
+                functools.partial(_mma_step, p=p, t=t),
+                functools.partial(_compute_tile, p=p, r=r, t=t),
+            )
+            pipeline(a_tile, b_tile, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
+
+
+def _ignore(*_, **__) -> None:
+    """A pipeline body for sizing the pipeline's allocations (bodies don't change them)."""
+
+
+def _tile(p: Problem, lin: Any, wg_idx: Any) -> _Tile:
+    """The output tile at position ``lin`` of the persistent loop: (batch, M-tile, N-tile) in a
+    planar snake, so consecutive tiles share A rows or B columns in L2."""
+    cfg = p.config
+    bm, bn, _ = cfg.tile_shape
     wm, wn = cfg.wg_tile
-    cs = cfg.cluster_size
-    cm, cn = cfg.cluster_tile
-    # Edge tiles reach past M/N/K: TMA loads fill zeros there (so a K tail adds nothing) and
-    # TMA stores skip it.
-    m_iters, n_iters, k_iters = -(-m // cm), -(-n // cn), -(-k // bk)
-    tiles_per_batch = m_iters * n_iters
-    num_tiles = batch * tiles_per_batch
-    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
-    num_out_slots = min(2, (wm * wn) // (epi_m * epi_n))
-    has_vec = has_scale or has_bias
-    has_res = res_dtype is not None
+    m_iters, n_iters, _ = p.iters
+    if p.batch > 1:
+        b_idx = lin // p.tiles_per_batch
+        lin = lin % p.tiles_per_batch
+    else:
+        b_idx = 0
     minor_dim = 0 if cfg.grid_minor_dim == "m" else 1
-    dr = cfg.delay_release
+    m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor_dim, cfg.grid_tile_width)
+    if cfg.cluster_dimension == "m":
+        m_idx = m_idx * 2 + lax.axis_index("cluster")
+    elif cfg.cluster_dimension == "n":
+        n_idx = n_idx * 2 + lax.axis_index("cluster")
+    if cfg.wg_dimension == "m":
+        wg_m, wg_n = pl.ds(wg_idx * wm, wm), slice(None)
+    else:
+        wg_m, wg_n = slice(None), pl.ds(wg_idx * wn, wn)
+    return _Tile(b_idx, pl.ds(m_idx * bm, bm), pl.ds(n_idx * bn, bn), wg_m, wg_n, wg_idx)
 
-    def swz(dt, minor_elems):
-        cols = _tile_cols(dt, minor_elems)
-        return (
-            plgpu.TilingTransform((mc.TILE_ROWS, cols)),
-            plgpu.SwizzleTransform(cols * np.dtype(dt).itemsize),
+
+def _operand_spec(p: Problem, block, index, transforms, multicast_dim: str) -> Any:
+    """An operand's pipeline BlockSpec. A cluster split along N shares (TMA-multicasts) its
+    A tile; one split along M, its B tile."""
+    return plgpu.BlockSpec(
+        block,
+        index,
+        transforms=transforms,
+        memory_space=plgpu.SMEM,
+        delay_release=p.config.delay_release,
+        collective_axes=("cluster",) if p.config.cluster_dimension == multicast_dim else (),
+    )
+
+
+def _pipeline(p: Problem, body, compute_context) -> Any:
+    """The warp-specialised K pipeline of one output tile: a memory warpgroup streams the
+    operand tiles into a ``num_stages``-deep ring; the compute warpgroups run ``body``."""
+    a_index = (lambda kk: (kk, 0)) if p.transpose_a else (lambda kk: (0, kk))
+    b_index = (lambda kk: (0, kk)) if p.transpose_b else (lambda kk: (kk, 0))
+    a_tf = _smem_transforms(p.dtype_a, p.a_block[1])
+    b_tf = _smem_transforms(p.dtype_b, p.b_block[1])
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(p.iters[2],),
+        memory_registers=40,
+        in_specs=[
+            _operand_spec(p, p.a_block, a_index, a_tf, "n"),
+            _operand_spec(p, p.b_block, b_index, b_tf, "m"),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=mc.NUM_COMPUTE_WGS,
+        max_concurrent_steps=p.config.num_stages,
+        compute_context=compute_context,
+    )
+
+
+def _mma_step(_, a_smem, b_smem, acc_ref, *, p: Problem, t: _Tile):
+    """One K step of a compute warpgroup: its rows of A times its columns of B into the
+    accumulator. A transposed operand is read through a transposed view of its tile."""
+    if p.transpose_a:
+        a_op = a_smem.at[:, t.wg_m].transpose((1, 0))
+    else:
+        a_op = a_smem.at[t.wg_m]
+    if p.transpose_b:
+        b_op = b_smem.at[t.wg_n].transpose((1, 0))
+    else:
+        b_op = b_smem.at[:, t.wg_n]
+    plgpu.wgmma(acc_ref, a_op, b_op)
+    plgpu.wgmma_wait(p.config.delay_release)
+    return acc_ref
+
+
+def _compute_tile(eval_pipeline, *, p: Problem, r: _Refs, t: _Tile) -> None:
+    """A compute warpgroup's work on one output tile: the K pipeline into an f32 accumulator
+    in registers, then the epilogue from it."""
+    wm, wn = p.config.wg_tile
+    pl.run_scoped(
+        functools.partial(_accumulate_and_store, eval_pipeline=eval_pipeline, p=p, r=r, t=t),
+        acc_ref=plgpu.ACC((wm, wn), jnp.float32),
+    )
+
+
+def _accumulate_and_store(acc_ref, *, eval_pipeline, p: Problem, r: _Refs, t: _Tile) -> None:
+    """The fused epilogue over the accumulator, in ``(epi_m, epi_n)`` sub-tiles through a
+    double-buffered shared-memory slot and a TMA store each."""
+    cfg = p.config
+    wm, wn = cfg.wg_tile
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    bars = 1 + p.num_out_slots  # a warpgroup's barriers: scale/bias, then one per slot
+    if p.has_vec:
+        # This warpgroup's columns of the scale/bias rows, issued before the main loop so the
+        # copy hides behind it.
+        plgpu.copy_gmem_to_smem(
+            r.vec.at[:, t.n].at[:, t.wg_n], r.vec_smem.at[t.wg], r.epi_barrier.at[t.wg * bars]
         )
+    eval_pipeline(acc_ref)
+    acc = acc_ref[...]
+    if p.has_vec:
+        plgpu.barrier_wait(r.epi_barrier.at[t.wg * bars])
+    out_wg = r.out.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n]
+    res_wg = r.res.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n] if p.has_res else None
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
+    for ei in range(wm // epi_m):
+        for ej in range(wn // epi_n):
+            esl_m = slice(ei * epi_m, (ei + 1) * epi_m)
+            esl_n = slice(ej * epi_n, (ej + 1) * epi_n)
+            slot = (ei * (wn // epi_n) + ej) % 2
+            bar = r.epi_barrier.at[t.wg * bars + 1 + slot] if p.has_res else None
+            if p.has_res:
+                plgpu.copy_gmem_to_smem(res_wg.at[esl_m, esl_n], r.res_smem.at[t.wg, slot], bar)
+            v = acc[esl_m, esl_n]
+            if p.has_scale:
+                srow = r.vec_smem[t.wg, 0, esl_n]
+                v = v * lax.broadcast_in_dim(srow, (epi_m, epi_n), (1,))
+            if p.has_bias:
+                brow = r.vec_smem[t.wg, 1, esl_n]
+                v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
+            v = apply_activation(v, p.activation, erf=_erf)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store
+            if p.has_res:
+                plgpu.barrier_wait(bar)
+                v = v + r.res_smem[t.wg, slot].astype(jnp.float32)
+            r.out_smem[t.wg, slot] = v.astype(p.out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(r.out_smem.at[t.wg, slot], out_wg.at[esl_m, esl_n])
 
-    # Operand tiles as stored: A (BM, BK) or, transposed, (BK, BM); B (BK, BN) or (BN, BK).
-    a_block = (bk, bm) if transpose_a else (bm, bk)
-    b_block = (bn, bk) if transpose_b else (bk, bn)
-    a_tf = swz(dtype_a, a_block[1])
-    b_tf = swz(dtype_b, b_block[1])
-    out_tf = swz(out_dtype, epi_n)
-    res_tf = swz(res_dtype, epi_n) if has_res else None
-    a_index = (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk))
-    b_index = (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0))
 
-    def kernel(a_gmem, b_gmem, *rest):
-        rest = list(rest)
-        vec_gmem = rest.pop(0) if has_vec else None
-        res_gmem = rest.pop(0) if has_res else None
-        out_gmem, out_smem = rest[0], rest[1]
-        scr = rest[2:]
-        res_smem = scr.pop(0) if has_res else None
-        vec_smem = scr.pop(0) if has_vec else None
-        epi_barrier = scr.pop(0) if (has_res or has_vec) else None
-
-        def operand_spec(block, index, tf, multicast_dim):
-            # A cluster split along N shares (multicasts) its A tile; along M, its B tile.
-            return plgpu.BlockSpec(
-                block,
-                index,
-                transforms=tf,
-                memory_space=plgpu.SMEM,
-                delay_release=dr,
-                collective_axes=("cluster",) if cfg.cluster_dimension == multicast_dim else (),
-            )
-
-        def get_pipeline(body, compute_context):
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(k_iters,),
-                memory_registers=40,
-                in_specs=[
-                    operand_spec(a_block, a_index, a_tf, "n"),
-                    operand_spec(b_block, b_index, b_tf, "m"),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=mc.NUM_COMPUTE_WGS,
-                max_concurrent_steps=cfg.num_stages,
-                compute_context=compute_context,
-            )
-
-        ignore = lambda *_, **__: None  # the bodies don't change the allocations
-        a0 = a_gmem.at[0]
-        b0 = b_gmem.at[0]
-
-        @functools.partial(
-            pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a0, b0),
-            collective_axes="wg",
-        )
-        def _scope(pipeline_allocs):
-            wg_idx = lax.axis_index("wg")
-
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-            def _tile_loop(loop_info):
-                (lin,) = loop_info.index
-                if batch > 1:
-                    b_idx = lin // tiles_per_batch
-                    lin = lin % tiles_per_batch
-                else:
-                    b_idx = 0
-                m_idx, n_idx = plgpu.planar_snake(
-                    lin, (m_iters, n_iters), minor_dim, cfg.grid_tile_width
-                )
-                if cfg.cluster_dimension == "m":
-                    m_idx = m_idx * 2 + lax.axis_index("cluster")
-                elif cfg.cluster_dimension == "n":
-                    n_idx = n_idx * 2 + lax.axis_index("cluster")
-                cta_m = pl.ds(m_idx * bm, bm)
-                cta_n = pl.ds(n_idx * bn, bn)
-                if cfg.wg_dimension == "m":
-                    wg_m, wg_n = pl.ds(wg_idx * wm, wm), slice(None)
-                else:
-                    wg_m, wg_n = slice(None), pl.ds(wg_idx * wn, wn)
-                a_b = a_gmem.at[b_idx if a_batched else 0]
-                b_b = b_gmem.at[b_idx if b_batched else 0]
-                a_tile = a_b.at[:, cta_m] if transpose_a else a_b.at[cta_m, :]
-                b_tile = b_b.at[cta_n, :] if transpose_b else b_b.at[:, cta_n]
-                out_wg = out_gmem.at[b_idx].at[cta_m, cta_n].at[wg_m, wg_n]
-                res_wg = res_gmem.at[b_idx].at[cta_m, cta_n].at[wg_m, wg_n] if has_res else None
-
-                def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
-                    def _acc_scope(acc_ref):
-                        if has_vec:
-                            # scale/bias rows of this warpgroup's columns: issued before the
-                            # main loop so the copy hides behind it.
-                            plgpu.copy_gmem_to_smem(
-                                vec_gmem.at[:, cta_n].at[:, wg_n],
-                                vec_smem.at[wg_idx],
-                                epi_barrier.at[wg_idx * (1 + num_out_slots)],
-                            )
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...]
-                        if has_vec:
-                            plgpu.barrier_wait(epi_barrier.at[wg_idx * (1 + num_out_slots)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for ei in range(wm // epi_m):
-                            for ej in range(wn // epi_n):
-                                esl_m = slice(ei * epi_m, (ei + 1) * epi_m)
-                                esl_n = slice(ej * epi_n, (ej + 1) * epi_n)
-                                slot = (ei * (wn // epi_n) + ej) % 2
-                                bar = (
-                                    epi_barrier.at[wg_idx * (1 + num_out_slots) + 1 + slot]
-                                    if has_res
-                                    else None
-                                )
-                                if has_res:
-                                    plgpu.copy_gmem_to_smem(
-                                        res_wg.at[esl_m, esl_n], res_smem.at[wg_idx, slot], bar
-                                    )
-                                v = acc[esl_m, esl_n]
-                                if has_scale:
-                                    srow = vec_smem[wg_idx, 0, esl_n]
-                                    v = v * lax.broadcast_in_dim(srow, (epi_m, epi_n), (1,))
-                                if has_bias:
-                                    brow = vec_smem[wg_idx, 1, esl_n]
-                                    v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
-                                v = mc.apply_activation(v, activation, erf=_erf)
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                if has_res:
-                                    plgpu.barrier_wait(bar)
-                                    v = v + res_smem[wg_idx, slot].astype(jnp.float32)
-                                out_smem[wg_idx, slot] = v.astype(out_dtype)
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg_idx, slot], out_wg.at[esl_m, esl_n]
-                                )
-
-                def mma_body(_, a_smem, b_smem, acc_ref):
-                    if transpose_a:
-                        a_op = a_smem.at[:, wg_m].transpose((1, 0))
-                    else:
-                        a_op = a_smem.at[wg_m]
-                    if transpose_b:
-                        b_op = b_smem.at[wg_n].transpose((1, 0))
-                    else:
-                        b_op = b_smem.at[:, wg_n]
-                    plgpu.wgmma(acc_ref, a_op, b_op)
-                    plgpu.wgmma_wait(dr)
-                    return acc_ref
-
-                get_pipeline(mma_body, compute_context)(a_tile, b_tile, allocations=pipeline_allocs)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
+def _scratch_types(p: Problem) -> list[Any]:
+    """The kernel's scratch, in the order :func:`_unpack_refs` reads it."""
+    cfg = p.config
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    slots = (mc.NUM_COMPUTE_WGS, p.num_out_slots, epi_m, epi_n)
     scratch = [
-        plgpu.SMEM((mc.NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_tf)
+        plgpu.SMEM(slots, p.out_dtype, transforms=_smem_transforms(p.out_dtype, epi_n)),
     ]
-    if has_res:
+    if p.has_res:
         scratch.append(
-            plgpu.SMEM(
-                (mc.NUM_COMPUTE_WGS, num_out_slots, epi_m, epi_n), res_dtype, transforms=res_tf
-            )
+            plgpu.SMEM(slots, p.res_dtype, transforms=_smem_transforms(p.res_dtype, epi_n))
         )
-    if has_vec:
-        scratch.append(plgpu.SMEM((mc.NUM_COMPUTE_WGS, 2, wn), jnp.float32))
-    if has_res or has_vec:
-        scratch.append(plgpu.Barrier(num_barriers=mc.NUM_COMPUTE_WGS * (1 + num_out_slots)))
+    if p.has_vec:
+        scratch.append(plgpu.SMEM((mc.NUM_COMPUTE_WGS, 2, cfg.wg_tile[1]), jnp.float32))
+    if p.has_res or p.has_vec:
+        scratch.append(plgpu.Barrier(num_barriers=mc.NUM_COMPUTE_WGS * (1 + p.num_out_slots)))
+    return scratch
 
-    grid = max(1, min(num_sms // cs, num_tiles))
+
+def _build(p: Problem) -> Any:
+    """The ``plgpu.kernel`` computing ``p``: ``a, b[, vec][, res]`` -> ``(batch, m, n)``."""
     return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
-        scratch_types=scratch,
-        grid=(grid,),
+        functools.partial(_kernel, p=p),
+        out_type=jax.ShapeDtypeStruct((p.batch, p.m, p.n), p.out_dtype),
+        scratch_types=_scratch_types(p),
+        grid=(p.grid,),
         grid_names=("sm",),
-        cluster=(cs,),
+        cluster=(p.config.cluster_size,),
         cluster_names=("cluster",),
         num_threads=mc.NUM_COMPUTE_WGS + 1,
         thread_name="wg",
@@ -338,46 +449,101 @@ def _run_interpret(call, operands):
     return jax.pure_callback(host, out_aval, *operands)
 
 
-def _to3d(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+def _to3d(x: jax.Array) -> jax.Array:
     lead = x.shape[:-2]
-    return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1, *x.shape[-2:])), lead
+    return x.reshape((int(np.prod(lead, dtype=np.int64)) if lead else 1, *x.shape[-2:]))
+
+
+def _folds_into_m(a_ndim: int, b_ndim: int, transpose_a: bool) -> bool:
+    """Whether a batch of A against one shared B runs as one product with the batch folded
+    into M (A's rows are contiguous across the batch only when A is not transposed)."""
+    return a_ndim > 2 and b_ndim == 2 and not transpose_a
+
+
+def _config(
+    spec: MatmulSpec,
+    dtype_a: np.dtype,
+    dtype_b: np.dtype,
+    m: int,
+    n: int,
+    k: int,
+    res_dtype: np.dtype | None,
+    *,
+    tuned_sms: int,
+    config: MatmulConfig | None = None,
+) -> MatmulConfig:
+    """The tile config of a product of ``(m, n, k)`` (M with a folded batch): ``config`` if
+    given, else ``spec.tile_shape``'s, else the heuristic's; its pipeline shortened until it
+    fits shared memory with this epilogue. ValueError, naming the sm_90 limit, if it can't."""
+    if config is None:
+        if spec.tile_shape is not None:
+            config = mc.config_for_tile_shape(spec.tile_shape, dtype_a, dtype_b)
+        else:
+            config = mc.default_config(m, n, k, dtype_a, dtype_b, num_sms=tuned_sms)
+    has_vec = spec.has_bias or spec.has_scale
+    return mc.fit_stages(config, dtype_a, dtype_b, spec.out_dtype, res_dtype, has_vec)
+
+
+def _pad_for_kernel(
+    p: Problem, a3: jax.Array, b3: jax.Array, m: int, n: int, k: int, *, interpret: bool
+) -> tuple[jax.Array, jax.Array, int, int, int]:
+    """The operands padded where the kernel can't address them, and the ``(m, n, k)`` the
+    kernel then computes, from the product's ``(m, n, k)`` and ``p``'s config, dtypes and
+    layout.
+
+    Edge tiles need no copies: TMA reads zeros past the end of an array (a K tail adds
+    nothing) and skips stores there. Mosaic GPU addresses a global array in the (8, cols)
+    tiles of its shared-memory block, though, and a dim longer than one tile must be whole
+    tiles: only such dims are zero-padded (K padding zeros, M/N padding cut off the
+    result). jax 0.10's interpreter has no out-of-bounds copies: there, whole tiles are
+    padded.
+    """
+    cfg = p.config
+    bm, bn, bk = cfg.tile_shape
+    cm, cn = cfg.cluster_tile
+    if interpret and not _compat.MGPU_INTERPRET_TMA_OOB:
+        a3, b3 = mc.pad_operands(a3, b3, p.transpose_a, p.transpose_b, cm, cn, bk)
+        return a3, b3, (-(-m // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
+    a3 = mc.pad_for_tma(a3, _tile_cols(p.dtype_a, bm if p.transpose_a else bk))
+    b3 = mc.pad_for_tma(b3, _tile_cols(p.dtype_b, bk if p.transpose_b else bn))
+    # Output rows of at least two swizzle rows: on the H100 a bf16 output of one 64-column
+    # tile (N <= 64) came back unwritten (all zeros) when a warpgroup's second epilogue store
+    # fell past it; wider rows, f32 rows and loads were right.
+    np_ = n
+    for t in (p.out_dtype, p.res_dtype):
+        if t is not None:
+            cols = _tile_cols(t, cfg.epi_tile_n)
+            np_ = max(np_, mc.tma_extent(n, cols, t.itemsize), 2 * cols)
+    return a3, b3, mc.tma_extent(m, mc.TILE_ROWS), np_, k
 
 
 def matmul(
+    spec: MatmulSpec,
     a: jax.Array,
     b: jax.Array,
     *extras: jax.Array,
     interpret: bool = False,
-    transpose_a: bool = False,
-    transpose_b: bool = False,
-    out_dtype: Any = None,
-    accumulate_dtype: Any = jnp.float32,
-    tile_shape: tuple[int, int, int] | None = None,
-    activation: str | None = None,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
     config: MatmulConfig | None = None,
     num_sms: int | None = None,
 ) -> jax.Array:
-    """``cast(act(scale · op(a) @ op(b) + bias) + residual, out_dtype)`` on Hopper.
+    """``cast(act(scale · op(a) @ op(b) + bias) + residual, spec.out_dtype)`` on Hopper.
 
-    The ``ts_matmul`` contract (``.notes/MATMUL_CONTRACT.md``): ``extras`` are
-    ``bias (N,)``, ``residual`` (output shape) and ``scale ()`` f32, each present only
-    if its flag is set. ``config`` overrides the tile heuristic (benchmarks, autotuning);
-    ``tile_shape`` from the user is turned into a config (ValueError if sm_90 cannot run it).
+    The ``ts_matmul`` contract of :mod:`tessera_jax.contracts.matmul`: ``extras`` are
+    ``bias (N,)``, ``residual`` (output shape) and ``scale ()`` f32, each present only if
+    ``spec`` says so. ``interpret`` runs the kernel in the Mosaic GPU interpreter (any
+    platform). Keyword-only overrides for benchmarks and tests: ``config`` replaces the tile
+    heuristic and ``spec.tile_shape``; ``num_sms`` the SM count (see ``device.sm_counts``).
+    A case :func:`supports` declines is a ValueError naming the reason.
     """
-    del accumulate_dtype  # f32 for every dtype this kernel supports
-    bias, residual, scale = mc.split_extras(
-        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
-    )
-    out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
-    m, n, k = mc.problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    reason = supports(spec, (a, b, *extras))
+    if reason is not None:
+        raise ValueError(f"matmul_mgpu.matmul: this kernel cannot run the case: {reason}")
+    sms = device.sm_counts(interpret=interpret, override=num_sms)
+    bias, residual, scale = spec.split(extras)
+    m, n, k = spec.problem_shape(a.shape, b.shape)
+    transpose_a, transpose_b = spec.transpose_a, spec.transpose_b
 
-    dts = mc.kernel_operand_dtypes(a.dtype, b.dtype)
-    if dts is None:
-        raise ValueError(f"matmul_mgpu: unsupported operand dtypes {a.dtype} x {b.dtype}")
-    dtype_a, dtype_b = dts
+    dtype_a, dtype_b = mc.kernel_operand_dtypes(a.dtype, b.dtype)
     a, b = a.astype(dtype_a), b.astype(dtype_b)  # no-ops but for mixed fp8 before jax 0.11
     if dtype_a.itemsize == 1:  # 8-bit wgmma reads K-major tiles only: A (M, K), B (N, K)
         if transpose_a:
@@ -385,184 +551,142 @@ def matmul(
         if not transpose_b:
             b, transpose_b = jnp.swapaxes(b, -1, -2), True
 
-    # Batch: one shared B against a batch of untransposed A folds into M.
     lead = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    if a.ndim > 2 and b.ndim == 2 and not transpose_a:
-        a = a.reshape((-1, a.shape[-1]))
-        m_fold = a.shape[0]
-    else:
-        m_fold = None
-    a3, _ = _to3d(a)
-    b3, _ = _to3d(b)
-    batch = max(a3.shape[0], b3.shape[0])
-    mm = m_fold if m_fold is not None else m
+    fold = _folds_into_m(a.ndim, b.ndim, transpose_a)
+    a3, b3 = _to3d(a.reshape((-1, a.shape[-1])) if fold else a), _to3d(b)
+    batch = 1 if fold else max(a3.shape[0], b3.shape[0])
+    mm = a3.shape[1] if fold else m
 
-    if config is None:
-        if tile_shape is not None:
-            config = mc.config_for_tile_shape(tuple(tile_shape), dtype_a, dtype_b)
-        else:
-            # (in interpret mode: the config the H100 would get)
-            sms = device.H100_SMS if interpret else (num_sms or device.num_sms())
-            config = mc.default_config(mm, n, k, dtype_a, dtype_b, num_sms=sms)
     res_dtype = np.dtype(residual.dtype) if residual is not None else None
-    config = mc.fit_stages(config, dtype_a, dtype_b, out_dtype, res_dtype, has_bias or has_scale)
-    if interpret and config.cluster_dimension is not None:
+    cfg = _config(spec, dtype_a, dtype_b, mm, n, k, res_dtype, tuned_sms=sms.tuned, config=config)
+    if interpret and cfg.cluster_dimension is not None:
         # The interpreter has no cluster-collective (multicast) allocations: same tiles, no pair.
-        config = config.replace(cluster_dimension=None)
-    bk = config.block_k
-    cm, cn = config.cluster_tile
-
-    # Edge tiles need no copies: TMA reads zeros past the end of an array (a K tail adds
-    # nothing) and skips stores there. Mosaic GPU addresses a global array in the (8, cols)
-    # tiles of its shared-memory block, though, and a dim longer than one tile must be whole
-    # tiles: only such dims are zero-padded (K padding zeros, M/N padding cut off the result).
-    # jax 0.10's interpreter has no out-of-bounds copies: there, whole tiles are padded.
-    r3 = None
-    if residual is not None:
-        r3 = residual.reshape((batch if m_fold is None else 1, mm, n))
-    bm, bn, bk = config.tile_shape
-    if interpret and not _compat.MGPU_INTERPRET_TMA_OOB:
-        a3, b3 = mc.pad_operands(a3, b3, transpose_a, transpose_b, cm, cn, bk)
-        mp, np_, kp = (-(-mm // cm)) * cm, (-(-n // cn)) * cn, (-(-k // bk)) * bk
-    else:
-        a3 = mc.pad_for_tma(a3, _tile_cols(dtype_a, bm if transpose_a else bk))
-        b3 = mc.pad_for_tma(b3, _tile_cols(dtype_b, bk if transpose_b else bn))
-        # Output rows of at least two swizzle rows: on the H100 a bf16 output of one
-        # 64-column tile (N <= 64) came back unwritten (all zeros) when a warpgroup's second
-        # epilogue store fell past it; wider rows, f32 rows and loads were right.
-        mp, np_, kp = mc.tma_extent(mm, mc.TILE_ROWS), n, k
-        for t in (out_dtype, res_dtype):
-            if t is not None:
-                cols = _tile_cols(t, config.epi_tile_n)
-                np_ = max(np_, mc.tma_extent(n, cols, t.itemsize), 2 * cols)
-    if r3 is not None:
-        r3 = mc.pad_to_extent(mc.pad_to_extent(r3, 1, mp), 2, np_)
-
-    operands = [a3, b3]
-    if has_bias or has_scale:
-        operands.append(mc.scale_bias_rows(scale, bias, n, cn))
-    if r3 is not None:
-        operands.append(r3)
-
-    if num_sms is None:
-        num_sms = INTERPRET_NUM_SMS if interpret else device.num_sms()
-    call = _build_kernel(
-        cfg=config,
-        batch=batch if m_fold is None else 1,
+        cfg = cfg.replace(cluster_dimension=None)
+    p = Problem(
+        config=cfg,
+        batch=batch,
         a_batched=a3.shape[0] > 1,
         b_batched=b3.shape[0] > 1,
-        m=mp,
-        n=np_,
-        k=kp,
+        m=mm,
+        n=n,
+        k=k,
         dtype_a=dtype_a,
         dtype_b=dtype_b,
-        out_dtype=out_dtype,
+        out_dtype=spec.out_dtype,
         res_dtype=res_dtype,
         transpose_a=transpose_a,
         transpose_b=transpose_b,
-        has_scale=has_scale,
-        has_bias=has_bias,
-        activation=activation,
-        num_sms=num_sms,
-        interpret=interpret,
+        has_scale=spec.has_scale,
+        has_bias=spec.has_bias,
+        activation=spec.activation,
+        num_sms=sms.grid,
     )
+    a3, b3, mp, np_, kp = _pad_for_kernel(p, a3, b3, mm, n, k, interpret=interpret)
+    p = dataclasses.replace(p, m=mp, n=np_, k=kp)
+
+    operands = [a3, b3]
+    if p.has_vec:
+        operands.append(mc.scale_bias_rows(scale, bias, n, cfg.cluster_tile[1]))
+    if residual is not None:
+        r3 = residual.reshape((batch, mm, n))
+        operands.append(mc.pad_to_extent(mc.pad_to_extent(r3, 1, mp), 2, np_))
+
+    call = _build(p)
     out = _run_interpret(call, operands) if interpret else call(*operands)
     if (mp, np_) != (mm, n):
         out = out[:, :mm, :n]
-    if m_fold is not None:
+    if fold or lead:
         return out.reshape((*lead, m, n))
-    return out.reshape((*lead, m, n)) if lead else out[0]
+    return out[0]
 
 
 # --- dispatch ----------------------------------------------------------------------------------
 
 
-def _aval_dtype(x) -> np.dtype:
-    return np.dtype(x.dtype)
-
-
-def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | None) -> str | None:
-    """None if this kernel can run the case, else why not."""
-    a, b = avals_in[0], avals_in[1]
-    da, db = _aval_dtype(a), _aval_dtype(b)
-    if mc.kernel_operand_dtypes(da, db) is None:
-        return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
-    reason = mc.unsupported_contract(avals_in, params)
-    if reason is not None:
-        return reason
-    if platform == "cuda" and not device.is_sm90():
+def hardware(platform: str) -> str | None:
+    """None if this machine's ``platform`` devices can run the compiled kernel, else why not."""
+    if platform != "cuda":
+        return f"a Mosaic GPU kernel for cuda, not {platform}"
+    if not device.is_sm90():
         return "not a Hopper (sm_90) GPU"
-    if platform not in (None, "cuda") and platform != "cpu":
-        return f"platform {platform}"
-    if params.get("tile_shape") is not None:
-        try:
-            validate_tile_shape(tuple(params["tile_shape"]), da, db)
-        except ValueError as e:
-            return str(e)
     return None
 
 
-# Dispatch rules, from the interleaved H100 measurements in benchmarks/NOTES-matmul.md:
-# * fp8 (one format for both operands): the kernel ran 1.39-1.46x XLA's cuBLASLt fp8 dot at
-#   8192^3, 1.8x at 4096^3 and 1.24x at a ragged 8000^3 -> from 1024 on each of M, N, K.
-# * 16-bit with a fused epilogue (bias / activation / residual / scale): 1.02-1.07x XLA's
-#   cuBLASLt-fused expression at 8192^3, a tie (0.99-1.0x) at a ragged 8000^3 -> from 4096
-#   on each of M, N, K, whole tiles only.
-# * 16-bit with M <= 64 (decode; memory-bound): 1.00-1.06x jnp.dot at 16x8192x8192 (four
-#   readings) and 1.13-1.28x at 64x8192x8192 with 128-column tiles (one wave over N), but
-#   0.96-0.97x at K = 28672 and 0.99-1.02x at N = 28672 -> 4096 <= K <= 8192, N >= 4096 and
-#   one wave of tiles over N.
-# * plain 16-bit products otherwise: within +-1.5% of cuBLAS at 4096^3 and 8192^3 (parity,
-#   not a win), 0.88-0.89x at K=1024, 0.98x at a ragged 8000^3 -> XLA.
-# * mixed e4m3 x e5m2: 0.93-0.97x on the fp8 tensor cores (jax >= 0.11; XLA's cuBLASLt runs
-#   this pair at ~1260 TF/s at 8192^3, well above its ~850 for e4m3 x e4m3), 0.52x on bf16
-#   copies (jax 0.10) -> XLA.
-# Batched x batched products (the batch loop) are unmeasured -> XLA.
+def supports(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
+    """None if this kernel can run the case, else why not (never raises): the operand
+    dtypes, the parts of the contract it does not cover, and a tile (``spec.tile_shape``, or
+    the heuristic's) that sm_90 cannot run with this epilogue."""
+    a, b = avals[0], avals[1]
+    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
+    dts = mc.kernel_operand_dtypes(da, db)
+    if dts is None:
+        return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
+    reason = mc.unsupported_contract(spec, avals)
+    if reason is not None:
+        return reason
+    m, n, k = spec.problem_shape(a.shape, b.shape)
+    if _folds_into_m(a.ndim, b.ndim, spec.transpose_a and dts[0].itemsize > 1):
+        m *= int(np.prod(a.shape[:-2]))
+    res_dtype = np.dtype(avals[2 + spec.has_bias].dtype) if spec.has_residual else None
+    try:
+        _config(spec, *dts, m, n, k, res_dtype, tuned_sms=device.sm_counts(interpret=False).tuned)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# Dispatch rules: the classes of cases where the kernel measured at least as fast as XLA's
+# cuBLAS(Lt) path in the same process on the H100 (benchmarks/results/matmul-h100.json and
+# the edge-shape probes, benchmarks/results/matmul-edges-h100-*.txt):
+# * fp8 with one format for both operands, from PREFER_MIN_FP8 on each of M, N, K (ragged
+#   shapes included);
+# * 16-bit with a fused epilogue (bias / activation / residual / scale), from
+#   PREFER_MIN_EPILOGUE on each of M, N, K and whole tiles only (ragged shapes tie);
+# * 16-bit with M <= DECODE_M (decode; memory-bound): K in DECODE_K, N >= DECODE_MIN_N and one
+#   wave of 128-column tiles over N (longer K or wider N measured behind cuBLAS).
+# Everything else goes to XLA: plain 16-bit products are at parity with cuBLAS (not a win,
+# behind it at small K); XLA runs mixed e4m3 x e5m2 faster; batched x batched products (the
+# batch loop) are unmeasured.
 PREFER_MIN_FP8 = 1024
 PREFER_MIN_EPILOGUE = 4096
 DECODE_K = (4096, 8192)
 DECODE_MIN_N = 4096
-# Plain 16-bit products: None = XLA. 4096 would route them to the kernel (a tie with cuBLAS,
-# 0.987-1.02x jnp.dot measured), worth it only while the XLA path is slower than jnp.dot.
+# Plain 16-bit products: None = XLA. A size here would route them to the kernel (a tie with
+# cuBLAS), worth it only while the XLA path is slower than jnp.dot.
 PREFER_PLAIN_MIN: int | None = None
 
 
-def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+def prefer(spec: MatmulSpec, avals: Sequence[Any]) -> bool:
     """Whether the kernel is expected to beat XLA/cuBLAS here (``auto`` mode on cuda).
 
-    Only classes of cases where the kernel measured at least as fast as XLA in the same
-    process (the rules above); everything else goes to XLA, so ``ts.op.matmul`` is never
-    slower than ``jnp.dot``.
+    Only classes of cases where the kernel measured at least as fast as XLA (the rules
+    above); everything else goes to XLA, so ``ts.op.matmul`` is never slower than
+    ``jnp.dot``. Asked only of cases :func:`supports` accepts.
     """
-    a, b = avals_in[0], avals_in[1]
-    da, db = _aval_dtype(a), _aval_dtype(b)
+    a, b = avals[0], avals[1]
+    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     if da != db:
-        return False  # mixed fp8: XLA's cuBLASLt path measured faster
+        return False  # mixed fp8: XLA's cuBLASLt path is faster
     if a.ndim > 2 and b.ndim > 2:
         return False  # batched x batched: the batch loop is unmeasured
-    m, n, k = mc.problem_shape(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
-    if a.ndim > 2 and not params["transpose_a"]:
-        m *= int(np.prod(a.shape[:-2]))  # a batch of A against a shared B folds into M
+    m, n, k = spec.problem_shape(a.shape, b.shape)
+    if _folds_into_m(a.ndim, b.ndim, spec.transpose_a):
+        m *= int(np.prod(a.shape[:-2]))
     elif a.ndim > 2 or b.ndim > 2:
         return False
-    if da in _F8:
+    if da in FP8_DTYPES:
         return min(m, n, k) >= PREFER_MIN_FP8
-    if params.get("tile_shape") is None and m <= mc.DECODE_M:
-        one_wave = mc.decode_config(n, device.num_sms()) is mc.CANDIDATES["bf16_64x128x128_s4"]
+    sms = device.sm_counts(interpret=False).tuned
+    if spec.tile_shape is None and m <= mc.DECODE_M:
+        one_wave = mc.decode_config(n, num_sms=sms) is mc.CANDIDATES["bf16_64x128x128_s4"]
         return DECODE_K[0] <= k <= DECODE_K[1] and n >= DECODE_MIN_N and one_wave
-    epilogue = (
-        params.get("has_bias")
-        or params.get("has_residual")
-        or params.get("has_scale")
-        or params.get("activation") is not None
-    )
-    lo = PREFER_MIN_EPILOGUE if epilogue else PREFER_PLAIN_MIN
+    lo = PREFER_MIN_EPILOGUE if spec.has_epilogue else PREFER_PLAIN_MIN
     if lo is None or min(m, n, k) < lo:
         return False
     cfg = (
-        mc.config_for_tile_shape(tuple(params["tile_shape"]), da, db)
-        if params.get("tile_shape") is not None
-        else mc.default_config(m, n, k, da, db)
+        mc.config_for_tile_shape(spec.tile_shape, da, db)
+        if spec.tile_shape is not None
+        else mc.default_config(m, n, k, da, db, num_sms=sms)
     )
     cm, cn = cfg.cluster_tile
     return m % cm == 0 and n % cn == 0 and k % cfg.block_k == 0
