@@ -32,7 +32,6 @@ from typing import Any
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import device
@@ -398,57 +397,24 @@ def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
 # --- the problem both kernels solve (matmul_mgpu and matmul_portable) ---------------------------
 
 
-def split_extras(
-    extras: Any,
-    *,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
-    **_params: Any,
-) -> tuple[Any, Any, Any]:
-    """``(bias, residual, scale)`` from the extra operands of a ``ts_matmul`` bind.
-
-    The contract orders them bias, residual, scale, each present only if its flag is
-    set; a missing one is None. Other bind parameters are ignored, so a bind's whole
-    ``params`` can be passed as keywords (``split_extras(extras, **params)``).
-    """
-    it = iter(extras)
-    bias = next(it) if has_bias else None
-    residual = next(it) if has_residual else None
-    scale = next(it) if has_scale else None
-    return bias, residual, scale
-
-
-def unsupported_contract(avals_in: Any, params: dict[str, Any]) -> str | None:
+def unsupported_contract(spec: Any, avals: Any) -> str | None:
     """What both kernels refuse beyond their operand dtypes (None if nothing): the parts of
     the ``ts_matmul`` contract their epilogue and batching do not cover."""
-    a, b = avals_in[0], avals_in[1]
-    if params.get("activation") not in ACTIVATIONS:
-        return f"activation {params.get('activation')!r}"
-    if np.dtype(params.get("accumulate_dtype") or np.float32) != np.float32:
+    a, b = avals[0], avals[1]
+    if spec.accumulate_dtype != np.float32:
         return "accumulate_dtype other than float32"
     if a.ndim < 2 or b.ndim < 2:
         return "operands of rank < 2"
     if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
         return "batch dims differ"
-    if params.get("has_residual"):
-        rdt = np.dtype(avals_in[2 + bool(params.get("has_bias"))].dtype)
+    if spec.has_residual:
+        rdt = np.dtype(avals[2 + spec.has_bias].dtype)
         if not jnp.issubdtype(rdt, jnp.floating):
             return f"residual dtype {rdt}"
-    out_dtype = np.dtype(params.get("out_dtype") or a.dtype)
+    out_dtype = spec.out_dtype
     if not jnp.issubdtype(out_dtype, jnp.floating) or out_dtype.itemsize > 4:
         return f"out_dtype {out_dtype}"
     return None
-
-
-def problem_shape(
-    a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool, transpose_b: bool
-) -> tuple[int, int, int]:
-    """``(M, N, K)`` of ``op(a) @ op(b)`` from the stored shapes and the transpose flags."""
-    m = a_shape[-1] if transpose_a else a_shape[-2]
-    k = a_shape[-2] if transpose_a else a_shape[-1]
-    n = b_shape[-2] if transpose_b else b_shape[-1]
-    return m, n, k
 
 
 TILE_ROWS = 8  # rows of Mosaic GPU's swizzled (8, one swizzle row) shared-memory tiles
@@ -511,24 +477,3 @@ def scale_bias_rows(scale: Any, bias: Any, n: int, tile_n: int) -> Any:
     )
     bv = bias.astype(jnp.float32) if bias is not None else jnp.zeros((n,), jnp.float32)
     return pad_to(jnp.stack([sv, bv]), 1, tile_n)
-
-
-# --- the epilogue activation, shared by the kernels and the reference ---------------------
-
-ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
-_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
-
-
-def apply_activation(x, activation: str | None, erf=lax.erf):
-    """The fused epilogue's activation on ``x`` (``gelu`` exact via ``erf``, ``gelu_tanh``
-    the tanh form). ``erf`` is a parameter because Mosaic GPU cannot lower ``lax.erf``."""
-    if activation is None:
-        return x
-    if activation == "relu":
-        return jnp.maximum(x, 0.0)
-    if activation == "gelu":
-        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
-    if activation == "gelu_tanh":
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
-    raise ValueError(f"matmul: activation={activation!r} must be one of {ACTIVATIONS}")

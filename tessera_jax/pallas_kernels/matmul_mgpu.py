@@ -43,11 +43,12 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
+from tessera_jax.contracts.matmul import MatmulSpec, apply_activation
 from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels.matmul_configs import MatmulConfig, validate_tile_shape
 
-__all__ = ["MatmulConfig", "matmul", "prefer", "supports", "validate_tile_shape"]
+__all__ = ["MatmulConfig", "hardware", "matmul", "prefer", "supports", "validate_tile_shape"]
 
 _F8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
@@ -255,7 +256,7 @@ def _build_kernel(
                                 if has_bias:
                                     brow = vec_smem[wg_idx, 1, esl_n]
                                     v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
-                                v = mc.apply_activation(v, activation, erf=_erf)
+                                v = apply_activation(v, activation, erf=_erf)
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 if has_res:
                                     plgpu.barrier_wait(bar)
@@ -344,19 +345,11 @@ def _to3d(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
 
 
 def matmul(
+    spec: MatmulSpec,
     a: jax.Array,
     b: jax.Array,
     *extras: jax.Array,
     interpret: bool = False,
-    transpose_a: bool = False,
-    transpose_b: bool = False,
-    out_dtype: Any = None,
-    accumulate_dtype: Any = jnp.float32,
-    tile_shape: tuple[int, int, int] | None = None,
-    activation: str | None = None,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
     config: MatmulConfig | None = None,
     num_sms: int | None = None,
 ) -> jax.Array:
@@ -367,12 +360,12 @@ def matmul(
     if its flag is set. ``config`` overrides the tile heuristic (benchmarks, autotuning);
     ``tile_shape`` from the user is turned into a config (ValueError if sm_90 cannot run it).
     """
-    del accumulate_dtype  # f32 for every dtype this kernel supports
-    bias, residual, scale = mc.split_extras(
-        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
-    )
-    out_dtype = np.dtype(out_dtype if out_dtype is not None else a.dtype)
-    m, n, k = mc.problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    bias, residual, scale = spec.split(extras)
+    out_dtype = spec.out_dtype
+    transpose_a, transpose_b = spec.transpose_a, spec.transpose_b
+    has_bias, has_scale, activation = spec.has_bias, spec.has_scale, spec.activation
+    tile_shape = spec.tile_shape
+    m, n, k = spec.problem_shape(a.shape, b.shape)
 
     dts = mc.kernel_operand_dtypes(a.dtype, b.dtype)
     if dts is None:
@@ -481,24 +474,27 @@ def _aval_dtype(x) -> np.dtype:
     return np.dtype(x.dtype)
 
 
-def supports(avals_in: Sequence[Any], params: dict[str, Any], platform: str | None) -> str | None:
+def supports(spec: MatmulSpec, avals_in: Sequence[Any]) -> str | None:
     """None if this kernel can run the case, else why not."""
     a, b = avals_in[0], avals_in[1]
     da, db = _aval_dtype(a), _aval_dtype(b)
     if mc.kernel_operand_dtypes(da, db) is None:
         return f"operand dtypes {da} x {db} (the kernel takes bf16/f16 pairs or fp8 e4m3/e5m2)"
-    reason = mc.unsupported_contract(avals_in, params)
+    reason = mc.unsupported_contract(spec, avals_in)
     if reason is not None:
         return reason
-    if platform == "cuda" and not device.is_sm90():
-        return "not a Hopper (sm_90) GPU"
-    if platform not in (None, "cuda") and platform != "cpu":
-        return f"platform {platform}"
-    if params.get("tile_shape") is not None:
+    if spec.tile_shape is not None:
         try:
-            validate_tile_shape(tuple(params["tile_shape"]), da, db)
+            validate_tile_shape(spec.tile_shape, da, db)
         except ValueError as e:
             return str(e)
+    return None
+
+
+def hardware(platform: str) -> str | None:
+    """None if this process's GPUs can run the compiled kernel (Hopper), else why not."""
+    if platform != "cuda" or not device.is_sm90():
+        return "not a Hopper (sm_90) GPU"
     return None
 
 
@@ -527,7 +523,7 @@ DECODE_MIN_N = 4096
 PREFER_PLAIN_MIN: int | None = None
 
 
-def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
+def prefer(spec: MatmulSpec, avals_in: Sequence[Any]) -> bool:
     """Whether the kernel is expected to beat XLA/cuBLAS here (``auto`` mode on cuda).
 
     Only classes of cases where the kernel measured at least as fast as XLA in the same
@@ -540,28 +536,22 @@ def prefer(avals_in: Sequence[Any], params: dict[str, Any]) -> bool:
         return False  # mixed fp8: XLA's cuBLASLt path measured faster
     if a.ndim > 2 and b.ndim > 2:
         return False  # batched x batched: the batch loop is unmeasured
-    m, n, k = mc.problem_shape(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
-    if a.ndim > 2 and not params["transpose_a"]:
+    m, n, k = spec.problem_shape(a.shape, b.shape)
+    if a.ndim > 2 and not spec.transpose_a:
         m *= int(np.prod(a.shape[:-2]))  # a batch of A against a shared B folds into M
     elif a.ndim > 2 or b.ndim > 2:
         return False
     if da in _F8:
         return min(m, n, k) >= PREFER_MIN_FP8
-    if params.get("tile_shape") is None and m <= mc.DECODE_M:
+    if spec.tile_shape is None and m <= mc.DECODE_M:
         one_wave = mc.decode_config(n, device.num_sms()) is mc.CANDIDATES["bf16_64x128x128_s4"]
         return DECODE_K[0] <= k <= DECODE_K[1] and n >= DECODE_MIN_N and one_wave
-    epilogue = (
-        params.get("has_bias")
-        or params.get("has_residual")
-        or params.get("has_scale")
-        or params.get("activation") is not None
-    )
-    lo = PREFER_MIN_EPILOGUE if epilogue else PREFER_PLAIN_MIN
+    lo = PREFER_MIN_EPILOGUE if spec.has_epilogue else PREFER_PLAIN_MIN
     if lo is None or min(m, n, k) < lo:
         return False
     cfg = (
-        mc.config_for_tile_shape(tuple(params["tile_shape"]), da, db)
-        if params.get("tile_shape") is not None
+        mc.config_for_tile_shape(spec.tile_shape, da, db)
+        if spec.tile_shape is not None
         else mc.default_config(m, n, k, da, db)
     )
     cm, cn = cfg.cluster_tile

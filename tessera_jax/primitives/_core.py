@@ -162,10 +162,31 @@ class Operator:
                 out[k.name] = why
         return out
 
+    def _check_request_honoured(
+        self, platform: str | None, avals_in: Sequence[Any], params: dict[str, Any]
+    ) -> None:
+        """In ``pallas`` mode, a ValueError if the spec explicitly asks for a kernel tile
+        (``spec.tile_shape``) that no kernel can run here, naming each kernel's reason.
+
+        Without an explicit request, ``pallas`` mode runs the reference where no kernel
+        supports the case; a requested tile the reference would silently ignore is an
+        error instead, raised once, after every kernel has declined.
+        """
+        tile = getattr(self.spec(params), "tile_shape", None)
+        if tile is None or not self.kernels:
+            return
+        why = "; ".join(f"{k}: {r}" for k, r in self.reasons(platform, avals_in, params).items())
+        raise ValueError(
+            f"{self.name}: tile_shape={tile} was requested with TESSERA_KERNELS=pallas, but no "
+            f"kernel can run this case on {platform or 'several platforms'} ({why})"
+        )
+
     def _lower(self, ctx, *args, **params):
         platforms = tuple(ctx.module_context.platforms)
         platform = platforms[0] if len(platforms) == 1 else None
         impl, fn = self.select(platform, ctx.avals_in, params)
+        if impl == "reference" and get_kernel_mode() == "pallas":
+            self._check_request_honoured(platform, ctx.avals_in, params)
         rule = SHARDING_RULES.get(self.name)
         if rule is not None and _compat.lowering_is_partitioned(ctx):
             fn = rule(self, impl, fn, platform, ctx.avals_in, params) or fn
