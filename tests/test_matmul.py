@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend.core import ClosedJaxpr
 from jax.test_util import check_grads
 
 import tessera_jax as ts
@@ -300,6 +301,47 @@ def test_interpret_mode_runs_the_portable_kernel_through_the_operator():
     # The interpreted pallas_call is a loop over its grid; the reference is one dot.
     assert "stablehlo.while" in kernel_hlo and "stablehlo.while" not in xla_hlo
     assert_matmul_close(out, ref_matmul(a, b), jnp.bfloat16, jnp.float32, 72)
+
+
+def test_grad_through_the_portable_kernel_in_interpret_mode():
+    # linear with bias + gelu in f32 (a portable-kernel case): the forward, the recomputed
+    # pre-activation and the transposed products of the backward all run the kernel.
+    x, w, b = rand((48, 32)), rand((32, 40), scale=0.2), rand((40,))
+
+    def loss(x, w, b):
+        return jnp.sum(ts.op.linear(x, w, b, activation="gelu", tile_shape=(16, 16, 16)) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    with ts.kernel_mode("interpret"):
+        eqns = _matmul_eqns(grad, x, w, b)
+        names = {matmul_op.select("cpu", *_avals_params(e))[0] for e in eqns}
+        got = grad(x, w, b)
+    assert len(eqns) >= 3 and names == {"pallas_portable"}
+    with ts.kernel_mode("xla"):
+        want = grad(x, w, b)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def _matmul_eqns(f, *args):
+    """The ts_matmul equations of ``f``'s jaxpr, nested ones included."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "ts_matmul":
+                out.append(e)
+            for p in e.params.values():  # a jit's ClosedJaxpr
+                if isinstance(p, ClosedJaxpr):
+                    walk(p.jaxpr)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return out
+
+
+def _avals_params(eqn):
+    return [v.aval for v in eqn.invars], eqn.params
 
 
 def test_pallas_mode_with_a_tile_no_kernel_runs_is_one_error():

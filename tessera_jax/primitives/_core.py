@@ -136,7 +136,9 @@ class Operator:
         in an interpreter on any platform; ``pallas`` the first supporting kernel
         compiled for this platform and hardware; ``auto`` additionally requires the
         kernel's ``prefer``. ``fn`` takes the operands and the bind parameters, as the
-        reference does.
+        reference does. (Where ``pallas`` mode would run the reference for a spec that
+        explicitly requests a ``tile_shape``, the lowering raises instead: see
+        :meth:`_check_request_honoured`.)
         """
         mode = get_kernel_mode()
         if mode != "xla" and platform is not None and self.kernels:

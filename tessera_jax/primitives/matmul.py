@@ -178,8 +178,9 @@ def matmul(
         must grow is broadcast (materialised) first, except that a 2-D operand, or one
         whose batch dimensions are all 1, is shared by every batch element at no cost.
       tile_shape: ``(BM, BN, BK)`` for the Pallas kernels, or ``None`` to let the kernel
-        choose. The form is checked here (see :func:`_check_tile_shape`); whether a
-        kernel can run the tile is that kernel's to say. The XLA reference ignores it.
+        choose. Only its form is checked here: a tuple or list of exactly 3 positive ints
+        (else ValueError); whether a kernel can run the tile (instruction multiples,
+        registers, shared memory) is that kernel's to say. The XLA reference ignores it.
         In ``TESSERA_KERNELS=pallas`` mode, a tile that no kernel can run here raises a
         ValueError naming each kernel's reason; without ``tile_shape``, a case no kernel
         supports runs the reference. Other modes never raise over a tile.
