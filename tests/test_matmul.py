@@ -421,6 +421,9 @@ def test_batch_dims_broadcast_as_jnp_matmul(sa, sb):
     assert_matmul_close(out, ref, jnp.float32, jnp.float32, sa[-1])
     names = [e.primitive.name for e in jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns]
     assert names.count("ts_matmul") == 1
+    lin = ts.op.linear(a, b)  # the same broadcasting for a batched weight
+    assert lin.shape == ref.shape
+    assert_matmul_close(lin, ref, jnp.float32, jnp.float32, sa[-1])
 
 
 @pytest.mark.parametrize("sa,sb", [((2, 4, 5), (3, 5, 6)), ((2, 3, 4, 5), (2, 5, 6))])
