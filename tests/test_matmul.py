@@ -731,6 +731,20 @@ def test_vmap_any_in_axes(sa, sb, in_axes):
     assert "ts_matmul" in str(jaxpr)
 
 
+@pytest.mark.parametrize(
+    "sa,sb,in_axes",
+    [((3, 5), (5, 4), (0, None)), ((3, 5), (3, 5), (0, 0)), ((2, 5), (3, 5), (None, 0))],
+)
+def test_vmap_of_one_dimensional_operands(sa, sb, in_axes):
+    """Per example, a mapped ``(B, K)`` operand is a vector: jnp.matmul's 1-D rules."""
+    a, b = rand(sa), rand(sb)
+    out = jax.vmap(ts.matmul, in_axes=in_axes)(a, b)
+    pick = lambda x, ax, i: f64(x) if ax is None else f64(x)[i]
+    ref = np.stack([np.matmul(pick(a, in_axes[0], i), pick(b, in_axes[1], i)) for i in range(3)])
+    assert out.shape == ref.shape
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, 5)
+
+
 @pytest.mark.parametrize("mapped", ["x", "w", "b", "r", "all"])
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_vmap_linear_any_operand(mapped, activation):
