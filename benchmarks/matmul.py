@@ -38,8 +38,10 @@ from benchmarks._common import (  # noqa: E402
     write_records,
 )
 from benchmarks._common import normal as rand  # noqa: E402
+from tessera_jax.contracts.matmul import MatmulSpec  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_configs as mc  # noqa: E402
 from tessera_jax.pallas_kernels import matmul_mgpu as mg  # noqa: E402
+from tessera_jax.primitives.matmul import matmul_op  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -123,18 +125,17 @@ def make_case(kind, m, n, k):
         def base(a, b):
             return jnp.dot(a.T if ta else a, b.T if tb else b)
 
+        spec = MatmulSpec(BF16, F32, transpose_a=ta, transpose_b=tb)
+
         def kern(a, b):
-            return mg.matmul(a, b, transpose_a=ta, transpose_b=tb, out_dtype=BF16)
+            return mg.matmul(spec, a, b)
 
         if ta or tb:
             # The backward products: ts_matmul with transpose flags, as the adjoints bind it
             # (``ts.op.matmul(a, b.T)`` on a user-transposed array is a copy plus a product).
-            from tessera_jax.primitives.matmul import _bind
 
             def tsf(a, b):
-                return _bind(
-                    a, b, transpose_a=ta, transpose_b=tb, out_dtype=BF16, accumulate_dtype=F32
-                )
+                return matmul_op.bind(a, b, spec=spec)
         else:
 
             def tsf(a, b):
@@ -148,7 +149,8 @@ def make_case(kind, m, n, k):
             return gelu_tanh(jnp.dot(a, b) + bias)
 
         def kern(a, b, bias):
-            return mg.matmul(a, b, bias, has_bias=True, activation="gelu_tanh", out_dtype=BF16)
+            spec = MatmulSpec(BF16, F32, activation="gelu_tanh", has_bias=True)
+            return mg.matmul(spec, a, b, bias)
 
         def tsf(a, b, bias):
             return ts.op.linear(a, b, bias, activation="gelu_tanh")
@@ -160,7 +162,7 @@ def make_case(kind, m, n, k):
         a, b = rand(1, (m, k), E4M3), rand(2, (k, n), db)
 
         def kern(a, b):
-            return mg.matmul(a, b, out_dtype=F32)
+            return mg.matmul(MatmulSpec(F32, F32), a, b)
 
         def tsf(a, b):
             return ts.op.matmul(a, b)
@@ -251,7 +253,7 @@ def run_sweep():
         for cname, cfg in mc.candidates_for(dt, dt).items():
             if cname not in SWEEP_SKIP:
                 fns[cname] = jax.jit(
-                    lambda a, b, cfg=cfg, odt=odt: mg.matmul(a, b, out_dtype=odt, config=cfg)
+                    lambda a, b, cfg=cfg, odt=odt: mg.matmul(MatmulSpec(odt, F32), a, b, config=cfg)
                 )
         ref = ref_dot(a, b)
         errs = checked(fns, (a, b), ref, "sweep")

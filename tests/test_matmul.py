@@ -13,14 +13,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend.core import ClosedJaxpr
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.primitives.matmul import matmul_op, matmul_reference
-from tests._util import f64, matmul_params, np_activation, rand, rel_err
+from tests._util import f64, np_activation, rand, rel_err
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F32 = np.dtype(np.float32)
 
 
 def eps(dtype) -> float:
@@ -85,7 +88,7 @@ def test_values_and_dtypes_match_float64(name, mkn):
     assert_matmul_close(out, ref_matmul(a, b), out_dt, acc_dt, k)
     assert_matmul_close(jax.jit(ts.matmul)(a, b), ref_matmul(a, b), out_dt, acc_dt, k)
     eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
-    assert eqn.params["accumulate_dtype"] == np.dtype(acc_dt)
+    assert eqn.params["spec"].accumulate_dtype == np.dtype(acc_dt)
 
 
 @pytest.mark.parametrize("mkn", [(4, 2, 4), (4, 6, 4), (8, 13, 8), (17, 33, 9), (3, 63, 3)])
@@ -105,7 +108,7 @@ def test_float64(x64):
     assert out.dtype == jnp.float64
     assert_matmul_close(out, ref_matmul(a, b), jnp.float64, jnp.float64, 136)
     eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
-    assert eqn.params["accumulate_dtype"] == np.float64
+    assert eqn.params["spec"].accumulate_dtype == np.float64
 
 
 @pytest.mark.parametrize(
@@ -161,14 +164,14 @@ def test_primitive_transpose_flags(ta, tb, layout):
     """The flags are dimension numbers of the reference; the adjoints rely on them."""
     m, k, n = 7, 11, 5
     a, b = flag_operands(ta, tb, layout, m, k, n, lead=(2, 3))
-    params = matmul_params(transpose_a=ta, transpose_b=tb)
-    out = matmul_op.bind(a, b, **params)
+    spec = MatmulSpec(F32, F32, transpose_a=ta, transpose_b=tb)
+    out = matmul_op.bind(a, b, spec=spec)
     sw = lambda x, t: np.swapaxes(x, -1, -2) if t else x
     ref = np.matmul(sw(f64(a), ta), sw(f64(b), tb))
     assert out.shape == ref.shape
     assert_matmul_close(out, ref, jnp.float32, jnp.float32, k)
     np.testing.assert_allclose(
-        np.asarray(matmul_reference(a, b, **params)), np.asarray(out), rtol=1e-6, atol=1e-6
+        np.asarray(matmul_reference(a, b, spec=spec)), np.asarray(out), rtol=1e-6, atol=1e-6
     )
 
 
@@ -189,10 +192,10 @@ def test_accumulation_context_sets_the_accumulate_dtype():
     a, b = rand((8, 16), jnp.float16), rand((16, 4), jnp.float16)
     with accumulation(ts.f16):
         eqn = jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns[0]
-    assert eqn.params["accumulate_dtype"] == np.float16
+    assert eqn.params["spec"].accumulate_dtype == np.float16
     with accumulation(ts.f16):  # never narrower than the inputs
         eqn = jax.make_jaxpr(ts.matmul)(rand((8, 16)), rand((16, 4))).jaxpr.eqns[0]
-    assert eqn.params["accumulate_dtype"] == np.float32
+    assert eqn.params["spec"].accumulate_dtype == np.float32
 
 
 def test_seed_mixed_precision_gemm_under_ts_jit():
@@ -220,7 +223,7 @@ def test_tile_shape_is_a_primitive_param():
         jaxpr = jax.make_jaxpr(lambda a, b, fn=fn: fn(a, b, tile_shape=(128, 128, 64)))(a, b)
         (eqn,) = jaxpr.jaxpr.eqns
         assert eqn.primitive.name == "ts_matmul"
-        assert eqn.params["tile_shape"] == (128, 128, 64)
+        assert eqn.params["spec"].tile_shape == (128, 128, 64)
     out = ts.op.matmul(a, b, tile_shape=[64, 64, 32])
     assert_matmul_close(out, ref_matmul(a, b), jnp.float32, jnp.float32, 64)
 
@@ -233,16 +236,125 @@ def test_tile_shape_is_a_primitive_param():
         ("128", "must be 3 ints"),
         ((128.0, 128, 64), "must be 3 ints"),
         ((True, 128, 64), "must be 3 ints"),
-        ((100, 128, 64), "BM=100"),
+        ((0, 128, 64), "BM=0"),
         ((128, 0, 64), "BN=0"),
         ((128, 128, -16), "BK=-16"),
-        ((128, 128, 8), "BK=8"),
     ],
 )
-def test_bad_tile_shape(tile, what):
+@pytest.mark.parametrize("fn", ["matmul", "linear", "fused_mlp"])
+def test_bad_tile_shape_form(tile, what, fn):
+    """The operator checks the form only (3 positive ints), in every kernel mode."""
+    x, w, b = rand((32, 32)), rand((32, 32)), rand((32,))
+    call = {
+        "matmul": lambda: ts.matmul(x, w, tile_shape=tile),
+        "linear": lambda: ts.op.linear(x, w, tile_shape=tile),
+        "fused_mlp": lambda: ts.op.fused_mlp(x, w, b, w, b, tile_shape=tile),
+    }[fn]
     with pytest.raises(ValueError, match=re.escape(what)) as e:
-        ts.matmul(rand((32, 32)), rand((32, 32)), tile_shape=tile)
-    assert "tile_shape" in str(e.value)
+        call()
+    assert str(e.value).startswith(f"{fn}: tile_shape=")
+
+
+@pytest.mark.parametrize("mode", ["auto", "xla", "interpret"])
+@pytest.mark.parametrize("tile", [(32, 32, 32), (48, 16, 100), (64, 128, 64)])
+def test_any_tile_shape_runs_outside_pallas_mode(mode, tile):
+    """A tile no kernel can run (the Hopper kernel needs BM a multiple of 64, the portable
+    kernel powers of two) is not an error outside ``pallas`` mode: another kernel or the
+    reference runs the product."""
+    a, b = rand((2, 40, 72), jnp.bfloat16), rand((72, 24), jnp.bfloat16)
+    bias = rand((24,), jnp.float32)
+    with ts.kernel_mode(mode):
+        out = jax.jit(lambda a, b: ts.matmul(a, b, tile_shape=tile))(a, b)
+        lin = ts.op.linear(a, b, bias, activation="relu", tile_shape=tile)
+    assert out.dtype == jnp.bfloat16
+    assert_matmul_close(out, ref_matmul(a, b), jnp.bfloat16, jnp.float32, 72)
+    ref = np.maximum(ref_matmul(a, b) + f64(bias), 0)
+    assert_matmul_close(lin, ref, jnp.bfloat16, jnp.float32, 72, factor=2)
+
+
+@pytest.mark.parametrize(
+    "dtype,tile,kernel",
+    [
+        (jnp.bfloat16, (32, 32, 32), "pallas_portable"),  # BM=32: not a wgmma tile
+        (jnp.bfloat16, (128, 128, 64), "mosaic_gpu"),
+        (jnp.float32, (64, 64, 64), "pallas_portable"),  # f32: not a Hopper kernel dtype
+        (jnp.bfloat16, (48, 64, 64), "reference"),  # no kernel runs BM=48
+    ],
+)
+def test_interpret_mode_selects_the_kernel_that_supports_the_tile(dtype, tile, kernel):
+    avals = [jax.core.ShapedArray((128, 64), dtype), jax.core.ShapedArray((64, 96), dtype)]
+    params = {"spec": MatmulSpec(dtype, F32, tile_shape=tile)}
+    with ts.kernel_mode("interpret"):
+        assert matmul_op.select("cpu", avals, params)[0] == kernel
+        reasons = matmul_op.reasons("cpu", avals, params)
+    assert (kernel == "reference") == (set(reasons) == {"mosaic_gpu", "pallas_portable"})
+
+
+def test_interpret_mode_runs_the_portable_kernel_through_the_operator():
+    a, b = rand((3, 40, 72), jnp.bfloat16), rand((72, 24), jnp.bfloat16)
+    f = jax.jit(lambda a, b: ts.matmul(a, b, tile_shape=(32, 32, 32)))
+    with ts.kernel_mode("interpret"):
+        kernel_hlo = f.lower(a, b).as_text()
+        out = f(a, b)
+    with ts.kernel_mode("xla"):
+        xla_hlo = f.lower(a, b).as_text()
+    # The interpreted pallas_call is a loop over its grid; the reference is one dot.
+    assert "stablehlo.while" in kernel_hlo and "stablehlo.while" not in xla_hlo
+    assert_matmul_close(out, ref_matmul(a, b), jnp.bfloat16, jnp.float32, 72)
+
+
+def test_grad_through_the_portable_kernel_in_interpret_mode():
+    # linear with bias + gelu in f32 (a portable-kernel case): the forward, the recomputed
+    # pre-activation and the transposed products of the backward all run the kernel.
+    x, w, b = rand((48, 32)), rand((32, 40), scale=0.2), rand((40,))
+
+    def loss(x, w, b):
+        return jnp.sum(ts.op.linear(x, w, b, activation="gelu", tile_shape=(16, 16, 16)) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    with ts.kernel_mode("interpret"):
+        eqns = _matmul_eqns(grad, x, w, b)
+        names = {matmul_op.select("cpu", *_avals_params(e))[0] for e in eqns}
+        got = grad(x, w, b)
+    assert len(eqns) >= 3 and names == {"pallas_portable"}
+    with ts.kernel_mode("xla"):
+        want = grad(x, w, b)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def _matmul_eqns(f, *args):
+    """The ts_matmul equations of ``f``'s jaxpr, nested ones included."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "ts_matmul":
+                out.append(e)
+            for p in e.params.values():  # a jit's ClosedJaxpr
+                if isinstance(p, ClosedJaxpr):
+                    walk(p.jaxpr)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return out
+
+
+def _avals_params(eqn):
+    return [v.aval for v in eqn.invars], eqn.params
+
+
+def test_pallas_mode_with_a_tile_no_kernel_runs_is_one_error():
+    a, b = rand((64, 64), jnp.bfloat16), rand((64, 64), jnp.bfloat16)
+    with ts.kernel_mode("pallas"):
+        with pytest.raises(ValueError) as e:
+            jax.jit(lambda a, b: ts.matmul(a, b, tile_shape=(48, 64, 64)))(a, b)
+        # Without an explicit tile, pallas mode falls back to the reference.
+        out = jax.jit(ts.matmul)(a, b)
+    msg = str(e.value)
+    assert msg.startswith("matmul: tile_shape=(48, 64, 64) was requested with TESSERA_KERNELS")
+    assert "mosaic_gpu: " in msg and "pallas_portable: " in msg
+    assert_matmul_close(out, ref_matmul(a, b), jnp.bfloat16, jnp.float32, 64)
 
 
 # --- bad inputs ---------------------------------------------------------------------------
@@ -259,35 +371,123 @@ def test_contraction_mismatch_message():
         ts.op.linear(rand((4, 5)), rand((6, 3)))
 
 
-def test_one_dimensional_operands_are_refused():
-    with pytest.raises(ValueError, match=r"matmul: A.shape=\(5,\) has rank 1.*x\[None, :\]"):
-        ts.matmul(rand((5,)), rand((5, 3)))
-    with pytest.raises(ValueError, match=r"B.shape=\(5,\) has rank 1"):
-        ts.matmul(rand((3, 5)), rand((5,)))
-    with pytest.raises(ValueError, match="has rank 0"):
+ONE_D_SHAPES = [
+    ((5,), (5, 3)),
+    ((3, 5), (5,)),
+    ((5,), (5,)),
+    ((5,), (2, 4, 5, 3)),
+    ((2, 4, 3, 5), (5,)),
+    ((1,), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("sa,sb", ONE_D_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_dimensional_operands_as_jnp_matmul(sa, sb, dtype):
+    a, b = rand(sa, dtype), rand(sb, dtype)
+    out = ts.matmul(a, b)
+    ref = np.matmul(f64(a), f64(b))
+    assert out.shape == jnp.matmul(a, b).shape == ref.shape and out.dtype == dtype
+    assert_matmul_close(out, ref, dtype, jnp.float32, sa[-1])
+
+
+def test_rank_0_and_contraction_of_vectors_are_refused():
+    with pytest.raises(ValueError, match=re.escape("matmul: A.shape=() has rank 0")):
         ts.matmul(jnp.float32(2.0), rand((5, 3)))
+    with pytest.raises(ValueError, match=re.escape("matmul: B.shape=() has rank 0")):
+        ts.matmul(rand((5, 3)), jnp.float32(2.0))
+    with pytest.raises(ValueError, match=re.escape("A.shape[-1]=5 must equal B.shape[0]=4")):
+        ts.matmul(rand((3, 5)), rand((4,)))
+    with pytest.raises(ValueError, match=re.escape("linear: w.shape=(5,) has rank 1")):
+        ts.op.linear(rand((3, 5)), rand((5,)))
 
 
-@pytest.mark.parametrize(
-    "sa,sb", [((2, 4, 5), (3, 5, 6)), ((2, 3, 4, 5), (3, 5, 6)), ((1, 4, 5), (3, 5, 6))]
-)
-def test_batch_dims_never_broadcast(sa, sb):
-    msg = f"A.shape={sa} and B.shape={sb} differ"
+BROADCAST_SHAPES = [
+    ((2, 1, 4, 5), (3, 5, 6)),
+    ((1, 4, 5), (3, 5, 6)),
+    ((3, 4, 5), (1, 5, 6)),
+    ((2, 3, 4, 5), (3, 5, 6)),
+    ((4, 5), (2, 1, 5, 6)),
+    ((1, 1, 4, 5), (5, 6)),
+]
+
+
+@pytest.mark.parametrize("sa,sb", BROADCAST_SHAPES)
+def test_batch_dims_broadcast_as_jnp_matmul(sa, sb):
+    a, b = rand(sa), rand(sb)
+    out = ts.matmul(a, b)
+    ref = ref_matmul(a, b)
+    assert out.shape == ref.shape == jnp.matmul(a, b).shape
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, sa[-1])
+    names = [e.primitive.name for e in jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns]
+    assert names.count("ts_matmul") == 1
+    lin = ts.op.linear(a, b)  # the same broadcasting for a batched weight
+    assert lin.shape == ref.shape
+    assert_matmul_close(lin, ref, jnp.float32, jnp.float32, sa[-1])
+
+
+@pytest.mark.parametrize("sa,sb", [((2, 4, 5), (3, 5, 6)), ((2, 3, 4, 5), (2, 5, 6))])
+def test_batch_dims_that_do_not_broadcast(sa, sb):
+    msg = f"matmul: the batch dimensions of A.shape={sa} and B.shape={sb} do not broadcast"
     with pytest.raises(ValueError, match=re.escape(msg)):
         ts.matmul(rand(sa), rand(sb))
+    with pytest.raises(ValueError, match=re.escape("linear: the batch dimensions of x.shape")):
+        ts.op.linear(rand(sa), rand(sb))
+
+
+@pytest.fixture
+def standard_promotion():
+    """jax's default dtype promotion, under which jnp.matmul mixes wide floats (the suite
+    runs with strict promotion)."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+MIXED = [
+    (jnp.float32, jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.float16, jnp.bfloat16, jnp.float32),
+    (jnp.float16, jnp.float32, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("da,db,promoted", MIXED)
+def test_mixed_wide_floats_promote_as_jnp_matmul(standard_promotion, da, db, promoted):
+    a, b = rand((2, 20, 24), da), rand((24, 16), db)
+    out = ts.matmul(a, b)
+    assert out.dtype == jnp.matmul(a, b).dtype == promoted
+    assert_matmul_close(out, ref_matmul(a, b), promoted, jnp.float32, 24)
+    (eqn,) = [
+        e for e in jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns if e.primitive.name.startswith("ts_")
+    ]
+    assert eqn.params["spec"].accumulate_dtype == np.float32
+    assert [v.aval.dtype for v in eqn.invars] == [np.dtype(promoted)] * 2
+    bias = rand((16,), jnp.float32)
+    lin = ts.op.linear(a, b, bias, activation="gelu")
+    assert lin.dtype == promoted
+    ref = np_activation(ref_matmul(a, b) + f64(bias), "gelu")
+    assert_matmul_close(lin, ref, promoted, jnp.float32, 24, factor=2)
+
+
+def test_mixed_float64_promotes(x64, standard_promotion):
+    a, b = rand((6, 5), jnp.float32), rand((5, 4), jnp.float64)
+    out = ts.matmul(a, b)
+    assert out.dtype == jnp.float64
+    assert_matmul_close(out, ref_matmul(a, b), jnp.float64, jnp.float64, 5)
+
+
+def test_mixed_wide_floats_under_strict_promotion_are_refused():
+    msg = "matmul: A.dtype=float32 and B.dtype=bfloat16 differ, and jax_numpy_dtype_promotion"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        ts.matmul(rand((4, 5)), rand((5, 3), jnp.bfloat16))
 
 
 @pytest.mark.parametrize(
     "da,db",
-    [
-        (jnp.float32, jnp.bfloat16),
-        (jnp.float16, jnp.bfloat16),
-        (jnp.int8, jnp.float32),
-        (F8E4, jnp.bfloat16),
-    ],
+    [(jnp.int8, jnp.float32), (jnp.float32, jnp.int8), (F8E4, jnp.bfloat16), (jnp.float32, F8E5)],
 )
-def test_dtype_mismatch_names_both(da, db):
-    msg = f"A.dtype={np.dtype(da)} and B.dtype={np.dtype(db)} must be the same"
+def test_fp8_and_int8_mix_only_with_their_kind(da, db):
+    msg = f"A.dtype={np.dtype(da)} and B.dtype={np.dtype(db)} cannot be mixed"
     with pytest.raises(TypeError, match=re.escape(msg)):
         ts.matmul(operand((4, 5), da), operand((5, 3), db))
 
@@ -338,8 +538,9 @@ def test_linear_values(activation, dtype, xshape):
     jaxpr = jax.make_jaxpr(lambda *a: ts.op.linear(*a, activation=activation, residual=r))(x, w, b)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("ts_")]
     assert eqn.primitive.name == "ts_matmul"
-    assert eqn.params["has_bias"] and eqn.params["has_residual"]
-    assert eqn.params["activation"] == activation
+    spec = eqn.params["spec"]
+    assert spec.has_bias and spec.has_residual and not spec.has_scale
+    assert spec.activation == activation
 
 
 def test_linear_with_batched_weights_and_int8():
@@ -398,13 +599,10 @@ def test_check_grads_order_2_transposed_inputs(x64, sa, sb):
 def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
     a, b = flag_operands(ta, tb, layout, 4, 6, 3, lead=(2,), dtype=jnp.float64)
     s = jnp.asarray(1.5, jnp.float64)
-    d64 = np.dtype(np.float64)
-    params = matmul_params(
-        transpose_a=ta, transpose_b=tb, out_dtype=d64, accumulate_dtype=d64, has_scale=True
-    )
+    spec = MatmulSpec(np.float64, np.float64, transpose_a=ta, transpose_b=tb, has_scale=True)
 
     def f(a, b, s):
-        return matmul_op.bind(a, b, s, **params)
+        return matmul_op.bind(a, b, s, spec=spec)
 
     check_grads(f, (a, b, s), order=2, modes=("fwd", "rev"))
 
@@ -433,6 +631,32 @@ def test_second_order_linear_without_kinks(x64):
     check_grads(f, args, order=2, modes=("fwd", "rev"))
 
 
+@pytest.mark.parametrize("sa,sb", ONE_D_SHAPES[:5] + BROADCAST_SHAPES)
+def test_grads_of_1d_and_broadcast_operands_match_jnp_matmul(x64, sa, sb):
+    a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
+    check_grads(ts.matmul, (a, b), order=2, modes=("fwd", "rev"))
+    ct = rand(jnp.matmul(a, b).shape, jnp.float64)
+    got = jax.vjp(ts.matmul, a, b)[1](ct)
+    want = jax.vjp(jnp.matmul, a, b)[1](ct)
+    for g, w, x in zip(got, want, (a, b)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("da,db,promoted", MIXED)
+def test_grads_of_mixed_dtypes_have_the_operand_dtypes(standard_promotion, da, db, promoted):
+    a, b = rand((2, 20, 24), da), rand((24, 16), db)
+    ct = rand((2, 20, 16), promoted)
+    ga, gb = jax.vjp(ts.matmul, a, b)[1](ct)
+    assert ga.dtype == np.dtype(da) and gb.dtype == np.dtype(db)
+    assert ga.shape == a.shape and gb.shape == b.shape
+    wa = np.matmul(f64(ct), f64(b).T)  # d(a @ b) in float64
+    wb = np.einsum("bmk,bmn->kn", f64(a), f64(ct))
+    # one rounding of the f32 product to each operand's dtype
+    assert_matmul_close(ga, wa, da, jnp.float32, 16)
+    assert_matmul_close(gb, wb, db, jnp.float32, 40)
+
+
 def test_gradients_are_ts_matmuls_with_transpose_flags():
     x, w = rand((4, 6, 8)), rand((8, 5))
     loss = lambda x, w: jnp.sum(ts.matmul(x, w) ** 2)
@@ -441,7 +665,7 @@ def test_gradients_are_ts_matmuls_with_transpose_flags():
     assert names.count("ts_matmul") == 3
     assert not {"dot_general", "transpose"} & set(names)
     flags = {
-        (e.params["transpose_a"], e.params["transpose_b"])
+        (e.params["spec"].transpose_a, e.params["spec"].transpose_b)
         for e in jaxpr.jaxpr.eqns
         if e.primitive.name == "ts_matmul"
     }
@@ -505,6 +729,20 @@ def test_vmap_any_in_axes(sa, sb, in_axes):
     assert_matmul_close(out, ref, jnp.float32, jnp.float32, 7)
     jaxpr = jax.make_jaxpr(jax.vmap(ts.matmul, in_axes=in_axes))(a, b)
     assert "ts_matmul" in str(jaxpr)
+
+
+@pytest.mark.parametrize(
+    "sa,sb,in_axes",
+    [((3, 5), (5, 4), (0, None)), ((3, 5), (3, 5), (0, 0)), ((2, 5), (3, 5), (None, 0))],
+)
+def test_vmap_of_one_dimensional_operands(sa, sb, in_axes):
+    """Per example, a mapped ``(B, K)`` operand is a vector: jnp.matmul's 1-D rules."""
+    a, b = rand(sa), rand(sb)
+    out = jax.vmap(ts.matmul, in_axes=in_axes)(a, b)
+    pick = lambda x, ax, i: f64(x) if ax is None else f64(x)[i]
+    ref = np.stack([np.matmul(pick(a, in_axes[0], i), pick(b, in_axes[1], i)) for i in range(3)])
+    assert out.shape == ref.shape
+    assert_matmul_close(out, ref, jnp.float32, jnp.float32, 5)
 
 
 @pytest.mark.parametrize("mapped", ["x", "w", "b", "r", "all"])
@@ -572,7 +810,10 @@ def test_jaxpr_shows_one_ts_matmul_per_call():
     a, b = rand((4, 5)), rand((5, 3))
     for fn in (ts.matmul, ts.gemm, ts.op.matmul, ts.op.gemm, ts.op.linear):
         jaxpr = jax.make_jaxpr(fn)(a, b)
-        assert [e.primitive.name for e in jaxpr.jaxpr.eqns] == ["ts_matmul"]
+        (eqn,) = jaxpr.jaxpr.eqns
+        assert eqn.primitive.name == "ts_matmul"
+        assert list(eqn.params) == ["spec"]
+        assert eqn.params["spec"] == MatmulSpec(F32, F32)
     assert "matmul" in ts.op.OPERATORS
 
 

@@ -246,7 +246,8 @@ def test_fp8_path_uses_the_scale_on_the_accumulator(pa, pb, mkn):
     (eqn,) = [
         e for e in jax.make_jaxpr(ts.matmul)(a, b).jaxpr.eqns if e.primitive.name == "ts_matmul"
     ]
-    assert eqn.params["has_scale"] and eqn.params["accumulate_dtype"] == np.float32
+    spec = eqn.params["spec"]
+    assert spec.has_scale and spec.accumulate_dtype == np.float32
     assert [v.aval.dtype for v in eqn.invars[:2]] == [a.dtype, b.dtype]
 
 
@@ -270,7 +271,8 @@ def test_int8_policy_dequantizes_to_compute_dtype():
     eqns = [
         e for e in jax.make_jaxpr(ts.matmul)(x, w).jaxpr.eqns if e.primitive.name == "ts_matmul"
     ]
-    assert eqns[0].params["accumulate_dtype"] == np.float32 and not eqns[0].params["has_scale"]
+    spec = eqns[0].params["spec"]
+    assert spec.accumulate_dtype == np.float32 and not spec.has_scale
     # A bf16 activation against the int8 weight computes in the policy's f32.
     assert_product_close(ts.matmul(x.astype(jnp.bfloat16), w), x.astype(jnp.bfloat16), w, 48)
 

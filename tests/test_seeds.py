@@ -102,7 +102,7 @@ def test_mixed_precision_gemm():
         for e in jax.make_jaxpr(mixed_precision_gemm)(A, B).eqns[0].params["jaxpr"].eqns
         if str(e.primitive) == "ts_matmul"
     ]
-    assert eqn.params["accumulate_dtype"] == np.float32
+    assert eqn.params["spec"].accumulate_dtype == np.float32
     assert eqn.invars[0].aval.dtype == jnp.float8_e4m3fn  # no upcast before the matmul
 
 

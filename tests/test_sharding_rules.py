@@ -24,12 +24,19 @@ from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
 from tests._util import np_tree, rand
 
 
+def _params_of(spec):
+    """The bind parameters a kernel's ``spec`` was decoded from (``Operator.spec``): the
+    operator's spec dataclass, or the frozen items of an operator without one."""
+    return dict(spec) if isinstance(spec, tuple) else {"spec": spec}
+
+
 def block_kernel(reference):
     """A Pallas kernel computing ``reference`` one leading-dim row at a time (a grid over
     dim 0 of the first result; operands of that leading size are blocked, the others
     whole), as a real kernel tiles its batch."""
 
-    def fn(*xs, interpret, **params):
+    def fn(spec, *xs, interpret):
+        params = _params_of(spec)
         outs = jax.eval_shape(lambda *a: reference(*a, **params), *xs)
         flat, tree = jax.tree.flatten(outs)
         rows = flat[0].shape[0]
@@ -63,7 +70,12 @@ def pallas_kernel(*names):
     added = []
     for name in names:
         op = OPERATORS[name]
-        k = Kernel("test_block", block_kernel(op.reference), lambda *a: None, ("cpu", "cuda"))
+        k = Kernel(
+            name="test_block",
+            fn=block_kernel(op.reference),
+            supports=lambda spec, avals: None,
+            platforms=("cpu", "cuda"),
+        )
         op.kernels.insert(0, k)
         added.append((op, k))
     try:

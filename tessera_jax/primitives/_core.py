@@ -151,7 +151,9 @@ class Operator:
         in an interpreter on any platform; ``pallas`` the first supporting kernel
         compiled for this platform and hardware; ``auto`` additionally requires the
         kernel's ``prefer``. ``fn`` takes the operands and the bind parameters, as the
-        reference does.
+        reference does. (Where ``pallas`` mode would run the reference for a spec that
+        explicitly requests a ``tile_shape``, the lowering raises instead: see
+        :meth:`_check_request_honoured`.)
         """
         mode = get_kernel_mode()
         if mode != "xla" and platform is not None and self.kernels:
@@ -198,10 +200,31 @@ class Operator:
             out = out.update(sharding=ref.sharding)
         return _with_operands_vma(out, avals)
 
+    def _check_request_honoured(
+        self, platform: str | None, avals_in: Sequence[Any], params: dict[str, Any]
+    ) -> None:
+        """In ``pallas`` mode, a ValueError if the spec explicitly asks for a kernel tile
+        (``spec.tile_shape``) that no kernel can run here, naming each kernel's reason.
+
+        Without an explicit request, ``pallas`` mode runs the reference where no kernel
+        supports the case; a requested tile the reference would silently ignore is an
+        error instead, raised once, after every kernel has declined.
+        """
+        tile = getattr(self.spec(params), "tile_shape", None)
+        if tile is None or not self.kernels:
+            return
+        why = "; ".join(f"{k}: {r}" for k, r in self.reasons(platform, avals_in, params).items())
+        raise ValueError(
+            f"{self.name}: tile_shape={tile} was requested with TESSERA_KERNELS=pallas, but no "
+            f"kernel can run this case on {platform or 'several platforms'} ({why})"
+        )
+
     def _lower(self, ctx, *args, **params):
         platforms = tuple(ctx.module_context.platforms)
         platform = platforms[0] if len(platforms) == 1 else None
         impl, fn = self.select(platform, ctx.avals_in, params)
+        if impl == "reference" and get_kernel_mode() == "pallas":
+            self._check_request_honoured(platform, ctx.avals_in, params)
         rule = SHARDING_RULES.get(self.name)
         if rule is not None and _compat.lowering_is_partitioned(ctx):
             fn = rule(self, impl, fn, platform, ctx.avals_in, params) or fn

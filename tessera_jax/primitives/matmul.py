@@ -1,49 +1,50 @@
 """Matmul: one primitive, ``ts_matmul``, for plain and fused-epilogue matrix products.
 
-Semantics (the contract in ``.notes/MATMUL_CONTRACT.md``)
----------------------------------------------------------
-``ts_matmul(a, b, *extras)`` with static parameters ``transpose_a``, ``transpose_b``,
-``out_dtype``, ``accumulate_dtype``, ``tile_shape``, ``activation``, ``has_bias``,
-``has_residual`` and ``has_scale``; ``extras`` are ``bias (N,)``, ``residual`` (the
-output's shape) and ``scale`` (an f32 scalar), in that order, each present only if its
-flag is set::
+The contract
+------------
+``ts_matmul(a, b, *extras, spec=MatmulSpec(...))`` binds one static parameter, the frozen
+:class:`~tessera_jax.contracts.matmul.MatmulSpec` (transposes, output and accumulate
+dtypes, activation, tile shape, which of bias / residual / scale follow ``a`` and ``b``)::
 
-    acc = op(a) @ op(b)                      in accumulate_dtype
-    out = cast(act(scale·acc + bias) + residual, out_dtype)
+    acc = op(a) @ op(b)                      in spec.accumulate_dtype
+    out = cast(act(scale·acc + bias) + residual, spec.out_dtype)
 
-``op`` transposes the last two dimensions when the flag is set: ``a`` is stored
-``(..., K, M)`` with ``transpose_a``, else ``(..., M, K)``; ``b`` is ``(..., N, K)`` with
-``transpose_b``, else ``(..., K, N)``. The reference expresses the flags as
-``lax.dot_general`` dimension numbers, never as copies. Precision follows jax's
-``jax_default_matmul_precision``, exactly as ``jnp.dot`` does, so ``ts.matmul`` is never
-slower than the ``jnp.dot`` it replaces: on GPUs the default rounds f32 operands to TF32
-(measured on H100: ~1e-4 relative error; ``"highest"`` runs f32 at ~52 TFLOP/s against
-TF32's ~376) and lets cuBLASLt accumulate fp8 products in its fast accumulator (5e-5
-relative error at K=136; ``"highest"`` costs ~6%: 863 vs 916 TFLOP/s at 8192³). Set
-``jax.config.update("jax_default_matmul_precision", "highest")`` for full f32 products
-(the test-suite does). The epilogue (scale, bias,
-activation, residual) runs in the accumulate dtype when that is a float, else in f32
-(an int8 × int8 product with an epilogue); a product without any epilogue is cast
-straight from the accumulator (exact int32 for int8).
+:mod:`tessera_jax.contracts.matmul` owns that contract and its epilogue; this module builds
+the spec once per bind, and everything downstream (abstract eval, batching, adjoints, the
+reference, the sharding rule, the kernels) reads the spec, never raw parameters. The
+reference expresses the transposes as ``lax.dot_general`` dimension numbers, never as
+copies. Precision follows jax's ``jax_default_matmul_precision``, exactly as ``jnp.dot``
+does, so ``ts.matmul`` is never slower than the ``jnp.dot`` it replaces: on GPUs the
+default rounds f32 operands to TF32 and lets cuBLASLt accumulate fp8 products in its fast
+accumulator. Set ``jax.config.update("jax_default_matmul_precision", "highest")`` for full
+f32 products (the test-suite does).
 
-Batch dimensions: ``a`` and ``b`` have identical leading dimensions, or one of them is
-2-D and shared by every batch element. Nothing else broadcasts.
+Batch dimensions of the primitive: ``a`` and ``b`` have identical leading dimensions, or
+one of them is 2-D and shared by every batch element. The public functions broadcast the
+batch dimensions of their arguments (numpy rules, as ``jnp.matmul``) down to that form.
 
 Dtypes (the public functions enforce them; the primitive itself accepts any pair that
 ``lax.dot_general`` does, which transposes use for fp8 operands)
 -------------------------------------------------------------------------------------
 ============================  ===============  ====================
-inputs                        accumulate       default output
+operands                      accumulate       default output
 ============================  ===============  ====================
-float16, bfloat16             f32              the input dtype
-float32 / float64             f32 / f64        the input dtype
+float16, bfloat16             f32              the operand dtype
+float32 / float64             f32 / f64        the operand dtype
+two different wide floats     as promoted      ``jnp.promote_types``
 fp8 e4m3 / e5m2 (any mix)     f32              f32
 int8 × int8                   int32            int32 (f32 with a float epilogue)
 ============================  ===============  ====================
 
-Inside ``ts.jit`` over arguments with a ``ts.accum(...)`` policy the accumulate dtype is
-that policy's (:func:`tessera_jax.numerics.context.accumulate_dtype`), never narrower
-than the inputs.
+Two different wide floats (f16, bf16, f32, f64: an f32 parameter against bf16
+activations, as Flax models mix them) are both cast to ``jnp.promote_types`` of the pair
+first, as ``jnp.matmul`` does (f32 × bf16 and f16 × bf16 run as f32 × f32), and under
+``jax_numpy_dtype_promotion='strict'`` refused, as ``jnp.matmul`` refuses them; gradients
+come back in each operand's own dtype. An fp8 operand multiplies only with fp8, and int8 only
+with int8: ``jnp.matmul`` would silently run those in a wide float, which defeats the
+narrow format. Inside ``ts.jit`` over arguments with a ``ts.accum(...)`` policy the
+accumulate dtype is that policy's (:func:`tessera_jax.numerics.context.accumulate_dtype`),
+never narrower than the operands.
 
 Adjoints
 --------
@@ -61,22 +62,17 @@ elementwise operators, whose JVPs give ``act'(z)``.
 Batching: ``jax.vmap`` over any operands and ``in_axes`` moves the mapped axes to the
 front and makes them a leading batch dimension (broadcasting an operand only when the
 other has extra batch dimensions); a mapped bias or scale, which the fused form cannot
-express, is applied by the reference epilogue after a batched ``ts_matmul``.
+express, is applied by the contract's epilogue after a batched ``ts_matmul``.
 
-Kernels (``tessera_jax/pallas_kernels``) are registered in the ``# --- kernels ---``
-block at the bottom with the :class:`~tessera_jax.primitives._core.Kernel` convention
-``fn(a, b, *extras, interpret, **params)``.
-
-For code that runs ``ts_matmul`` in pieces (the sharding rule of a sharded K: partial
-products, a reduction, then the epilogue): :func:`split_extras` takes a bind's extras
-apart (it lives with the kernels, which know nothing about primitives, and is
-re-exported here) and :func:`epilogue` applies the fused epilogue to an accumulator.
+Kernels (``tessera_jax/pallas_kernels``) are registered at the bottom as
+:class:`~tessera_jax.primitives._core.Kernel` records: ``fn(spec, a, b, *extras,
+interpret)``, ``supports(spec, avals)`` and ``prefer(spec, avals)``.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -85,13 +81,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax.contracts.matmul import ACTIVATIONS, MatmulSpec, epilogue, epilogue_dtype
 from tessera_jax.numerics import context as _numerics_context
 from tessera_jax.numerics.dtypes import as_np_dtype
-from tessera_jax.pallas_kernels import matmul_configs as _mc
-from tessera_jax.pallas_kernels.matmul_configs import split_extras
+from tessera_jax.numerics.policy import QuantizedTensor, fp8_scaled_values
+from tessera_jax.pallas_kernels import matmul_mgpu as _mgpu
+from tessera_jax.pallas_kernels import matmul_portable as _portable
 from tessera_jax.primitives import elementwise as _ew
 from tessera_jax.primitives import reductions as _red
 from tessera_jax.primitives._core import (
+    Kernel,
     Operator,
     ad,
     as_array,
@@ -99,8 +98,6 @@ from tessera_jax.primitives._core import (
     not_mapped,
     zero_tangent,
 )
-
-ACTIVATIONS = _mc.ACTIVATIONS
 
 _F16 = np.dtype(np.float16)
 _BF16 = np.dtype(jnp.bfloat16)
@@ -121,51 +118,32 @@ def _is_int(dtype: Any) -> bool:
     return bool(jnp.issubdtype(np.dtype(dtype), jnp.integer))
 
 
-def epilogue_dtype(accumulate_dtype: Any) -> np.dtype:
-    """The dtype the epilogue runs in: the accumulator's when a float, else f32."""
-    acc = np.dtype(accumulate_dtype)
-    return acc if _is_float(acc) else _F32
-
-
 # --- the primitive ------------------------------------------------------------------------
 
 matmul_op = Operator(
     "matmul",
     reference=lambda *args, **params: matmul_reference(*args, **params),
     abstract_eval=lambda *args, **params: _matmul_abstract_eval(*args, **params),
+    spec=lambda params: params["spec"],
 )
 
 
 def _bind(
     a: jax.Array,
     b: jax.Array,
+    spec: MatmulSpec,
     *,
     bias: jax.Array | None = None,
     residual: jax.Array | None = None,
     scale: jax.Array | None = None,
-    transpose_a: bool = False,
-    transpose_b: bool = False,
-    out_dtype: Any,
-    accumulate_dtype: Any,
-    tile_shape: tuple[int, int, int] | None = None,
-    activation: str | None = None,
 ) -> jax.Array:
-    """Binds ``ts_matmul`` with the extras given (the flags follow from which are present)."""
-    extras = [x for x in (bias, residual, scale) if x is not None]
-    return matmul_op.bind(
-        a,
-        b,
-        *extras,
-        transpose_a=bool(transpose_a),
-        transpose_b=bool(transpose_b),
-        out_dtype=np.dtype(out_dtype),
-        accumulate_dtype=np.dtype(accumulate_dtype),
-        tile_shape=tile_shape,
-        activation=activation,
-        has_bias=bias is not None,
-        has_residual=residual is not None,
-        has_scale=scale is not None,
+    """Binds ``ts_matmul`` with the extras given (the spec's flags follow from which are
+    present)."""
+    spec = spec.replace(
+        has_bias=bias is not None, has_residual=residual is not None, has_scale=scale is not None
     )
+    extras = [x for x in (bias, residual, scale) if x is not None]
+    return matmul_op.bind(a, b, *extras, spec=spec)
 
 
 # --- the public functions -----------------------------------------------------------------
@@ -188,42 +166,66 @@ def matmul(
 ) -> jax.Array:
     """Matrix product ``A @ B`` as one ``ts_matmul``, accumulating in wide precision.
 
+    Shapes follow ``jnp.matmul``.
+
     Arguments:
-      A: ``(..., M, K)`` array or :class:`~tessera_jax.QuantizedTensor`. A transposed
+      A: ``(..., M, K)`` array or :class:`~tessera_jax.QuantizedTensor`; a 1-D ``(K,)``
+        is a row vector (a 1 is prepended, and removed from the result). A transposed
         input (``A.T``) is just another array.
-      B: ``(..., K, N)``, the same. Leading (batch) dimensions of ``A`` and ``B`` must be
-        identical, or one operand must be 2-D (shared by every batch element); anything
-        else is an error, never a silent broadcast. 1-D operands are refused (write
-        ``x[None, :]`` for a row vector).
-      tile_shape: ``(BM, BN, BK)`` for the Pallas kernels, each a positive multiple of 16
-        (and within the hardware budget the kernel module checks); ``None`` lets the
-        kernel choose. The reference (XLA) lowering ignores it.
-      out_dtype: the output dtype (a ts dtype, numpy dtype or name). Default: the input
-        dtype for float16/bfloat16/float32/float64, float32 for fp8, int32 for int8.
+      B: ``(..., K, N)``, the same; a 1-D ``(K,)`` is a column vector (a 1 is appended,
+        and removed from the result). The leading (batch) dimensions of ``A`` and ``B``
+        broadcast against each other by numpy's rules; an operand whose batch dimensions
+        must grow is broadcast (materialised) first, except that a 2-D operand, or one
+        whose batch dimensions are all 1, is shared by every batch element at no cost.
+      tile_shape: ``(BM, BN, BK)`` for the Pallas kernels, or ``None`` to let the kernel
+        choose. Only its form is checked here: a tuple or list of exactly 3 positive ints
+        (else ValueError); whether a kernel can run the tile (instruction multiples,
+        registers, shared memory) is that kernel's to say. The XLA reference ignores it.
+        In ``TESSERA_KERNELS=pallas`` mode, a tile that no kernel can run here raises a
+        ValueError naming each kernel's reason; without ``tile_shape``, a case no kernel
+        supports runs the reference. Other modes never raise over a tile.
+      out_dtype: the output dtype (a ts dtype, numpy dtype or name). Default: the
+        (promoted) operand dtype for wide floats, float32 for fp8, int32 for int8.
     Returns:
-      ``(..., M, N)`` array of ``out_dtype``.
+      ``(..., M, N)`` array of ``out_dtype`` (without the M or N of a 1-D operand).
 
     Dtypes: float16, bfloat16, float32, float64, the fp8 formats (float8_e4m3fn and
-    float8_e5m2, which may be mixed) and int8 × int8; otherwise ``A`` and ``B`` must have
-    the same dtype. Accumulation: f32 for 8- and 16-bit floats, int32 for int8, else the
-    input dtype, or the ``ts.accum(...)`` in force under ``ts.jit``.
+    float8_e5m2, which may be mixed) and int8 × int8. Two different wide floats are both
+    cast to ``jnp.promote_types`` of the pair (f32 × bf16 runs as f32, accumulating in
+    f32); gradients have each operand's own dtype. Accumulation: f32 for 8- and 16-bit
+    floats, int32 for int8, else the operand dtype, or the ``ts.accum(...)`` in force
+    under ``ts.jit``.
 
     QuantizedTensor operands: per-tensor scaled fp8 values (``ts.quantize(x, ts.fp8_e4m3)``)
     are multiplied in the fp8 path with the product of the scales applied to the
     accumulator (output f32 by default); other policies are dequantized to their compute
     dtype and accumulate in their accumulate dtype.
     """
-    ops = _prepare("matmul", A, B, ("A", "B"), out_dtype, epilogue=False)
-    _check_shapes("matmul", ops.a, ops.b, ("A", "B"))
-    tile = _check_tile_shape("matmul", tile_shape, ops.a.dtype, ops.b.dtype)
-    return _bind(
-        ops.a,
-        ops.b,
-        scale=ops.scale,
+    tile = _check_tile_shape("matmul", tile_shape)
+    ops = _prepare("matmul", A, B, ("A", "B"), epilogue=False)
+    a, b = ops.a, ops.b
+    for x, name in ((a, "A"), (b, "B")):
+        if x.ndim == 0:
+            raise ValueError(f"matmul: {name}.shape=() has rank 0; matmul takes 1-D or more")
+    row, col = a.ndim == 1, b.ndim == 1
+    k_b = "B.shape[0]" if col else "B.shape[-2]"
+    a2 = a[None, :] if row else a
+    b2 = b[:, None] if col else b
+    if a2.shape[-1] != b2.shape[-2]:
+        raise ValueError(
+            f"matmul: A.shape[-1]={a.shape[-1]} must equal {k_b}={b2.shape[-2]} "
+            f"(A.shape={a.shape}, B.shape={b.shape})"
+        )
+    a2, b2, lead = _broadcast_batch("matmul", a2, b2, ("A", "B"), (a.shape, b.shape))
+    spec = MatmulSpec(
         out_dtype=ops.default_out if out_dtype is None else _out_dtype("matmul", out_dtype, ops),
         accumulate_dtype=ops.accumulate,
         tile_shape=tile,
     )
+    out = _bind(a2, b2, spec, scale=ops.scale)
+    m, n = a2.shape[-2], b2.shape[-1]
+    shape = (*lead, *(() if row else (m,)), *(() if col else (n,)))
+    return out.reshape(shape) if out.shape != shape else out
 
 
 gemm = matmul
@@ -245,8 +247,9 @@ def linear(
       x: ``(..., K)`` activations (a 1-D ``(K,)`` vector is allowed) or a QuantizedTensor.
         With a 2-D ``w`` the leading dimensions are flattened into rows (a free reshape),
         so the kernel sees one 2-D product.
-      w: ``(K, N)`` weights (or batched ``(..., K, N)`` with ``x``'s batch dimensions), or
-        a QuantizedTensor.
+      w: ``(K, N)`` weights, or batched ``(..., K, N)`` whose batch dimensions broadcast
+        against ``x``'s as in :func:`matmul`; or a QuantizedTensor. ``x`` and ``w`` may
+        be different wide floats (promoted as in :func:`matmul`).
       b: optional bias ``(N,)`` of a float dtype, added in the accumulate dtype.
       activation: ``None``, ``"relu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``.
       residual: optional array of the output's shape, added after the activation.
@@ -260,23 +263,29 @@ def linear(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} must be one of {ACTIVATIONS}")
-    ops = _prepare(
-        "linear",
-        x,
-        w,
-        ("x", "w"),
-        out_dtype,
-        epilogue=b is not None or activation is not None,
-    )
+    tile = _check_tile_shape("linear", tile_shape)
+    ops = _prepare("linear", x, w, ("x", "w"), epilogue=b is not None or activation is not None)
     a, wt = ops.a, ops.b
+    if a.ndim == 0:
+        raise ValueError("linear: x.shape=() has rank 0; x must be (..., K)")
+    if wt.ndim < 2:
+        raise ValueError(f"linear: w.shape={wt.shape} has rank {wt.ndim}; w must be (..., K, N)")
     vector = a.ndim == 1  # a single example (K,)
-    if vector:
-        a = a[None, :]
-    lead = _check_shapes("linear", a, wt, ("x", "w"))
+    a2 = a[None, :] if vector else a
+    if a2.shape[-1] != wt.shape[-2]:
+        raise ValueError(
+            f"linear: x.shape[-1]={a.shape[-1]} must equal w.shape[-2]={wt.shape[-2]} "
+            f"(x.shape={a.shape}, w.shape={wt.shape})"
+        )
     n = wt.shape[-1]
-    out_shape = (*lead, a.shape[-2], n)
-    if vector:
-        out_shape = (*lead, n)
+    if wt.ndim == 2:
+        lead = ()
+        out_shape = (*a.shape[:-1], n)
+        # Rows of a 2-D weight: flatten x's leading dimensions (row-major, free) into M.
+        a2 = a2.reshape(-1, a2.shape[-1])
+    else:
+        a2, wt, lead = _broadcast_batch("linear", a2, wt, ("x", "w"), (a.shape, wt.shape))
+        out_shape = (*lead, n) if vector else (*lead, a2.shape[-2], n)
     bias = None
     if b is not None:
         bias = as_array("linear", "b", b)
@@ -293,24 +302,16 @@ def linear(
             raise ValueError(
                 f"linear: residual.shape={res.shape} must equal the output shape {out_shape}"
             )
-    tile = _check_tile_shape("linear", tile_shape, a.dtype, wt.dtype)
-    # Rows of a 2-D weight: flatten x's leading dimensions (row-major, free) into M.
-    if wt.ndim == 2 and a.ndim > 2:
-        a = a.reshape(-1, a.shape[-1])
-    bind_shape = (*(a.shape[:-2] or wt.shape[:-2]), a.shape[-2], n)
+    bind_shape = (*(a2.shape[:-2] or wt.shape[:-2]), a2.shape[-2], n)
     if res is not None:
         res = res.reshape(bind_shape)
-    out = _bind(
-        a,
-        wt,
-        bias=bias,
-        residual=res,
-        scale=ops.scale,
+    spec = MatmulSpec(
         out_dtype=ops.default_out if out_dtype is None else _out_dtype("linear", out_dtype, ops),
         accumulate_dtype=ops.accumulate,
         tile_shape=tile,
         activation=activation,
     )
+    out = _bind(a2, wt, spec, bias=bias, residual=res, scale=ops.scale)
     return out.reshape(out_shape) if out.shape != out_shape else out
 
 
@@ -323,6 +324,7 @@ def fused_mlp(
     activation: str | None = "relu",
     *,
     out_dtype: Any = None,
+    tile_shape: tuple[int, int, int] | None = None,
 ) -> jax.Array:
     """The fused MLP of the execution-model walkthrough: ``act(X @ W1 + b1) @ W2 + b2``.
 
@@ -333,57 +335,25 @@ def fused_mlp(
       X: ``(..., D)``; W1: ``(D, H)``; b1: ``(H,)``; W2: ``(H, F)``; b2: ``(F,)``.
       activation: ``"relu"`` (default), ``"gelu"``, ``"gelu_tanh"`` or ``None``.
       out_dtype: the output dtype (default: as :func:`linear`).
+      tile_shape: as :func:`matmul`, for both products.
     Returns:
       ``(..., F)`` array.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_mlp: activation={activation!r} must be one of {ACTIVATIONS}")
-    h = linear(X, W1, b1, activation=activation)
-    return linear(h, W2, b2, out_dtype=out_dtype)
+    tile = _check_tile_shape("fused_mlp", tile_shape)
+    h = linear(X, W1, b1, activation=activation, tile_shape=tile)
+    return linear(h, W2, b2, out_dtype=out_dtype, tile_shape=tile)
 
 
 # --- validation ---------------------------------------------------------------------------
 
 
-def _check_dtype_pair(op: str, a: jax.Array, b: jax.Array, names: tuple[str, str]) -> None:
-    for x, name in zip((a, b), names):
-        if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            expected = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-            raise TypeError(f"{op}: {name}.dtype={x.dtype} is not supported; expected {expected}")
-    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
-    if da != db and not (da in _FP8 and db in _FP8):
-        raise TypeError(
-            f"{op}: {names[0]}.dtype={da} and {names[1]}.dtype={db} must be the same "
-            "(only the fp8 formats float8_e4m3fn and float8_e5m2 may be mixed); cast one first"
-        )
-
-
-def _check_shapes(op: str, a: jax.Array, b: jax.Array, names: tuple[str, str]) -> tuple:
-    """Validates ``(..., M, K) @ (..., K, N)``; returns the output's leading dimensions."""
-    na, nb = names
-    for x, name in zip((a, b), names):
-        if x.ndim < 2:
-            raise ValueError(
-                f"{op}: {name}.shape={x.shape} has rank {x.ndim}; {op} takes matrices "
-                f"(..., M, K) @ (..., K, N) (1-D operands are not promoted: "
-                f"write x[None, :] or x[:, None])"
-            )
-    if a.shape[-1] != b.shape[-2]:
-        raise ValueError(
-            f"{op}: {na}.shape[-1]={a.shape[-1]} must equal {nb}.shape[-2]={b.shape[-2]} "
-            f"({na}.shape={a.shape}, {nb}.shape={b.shape})"
-        )
-    la, lb = a.shape[:-2], b.shape[:-2]
-    if la and lb and la != lb:
-        raise ValueError(
-            f"{op}: the batch dimensions of {na}.shape={a.shape} and {nb}.shape={b.shape} "
-            "differ; they must be identical, or one operand must be 2-D (no broadcasting)"
-        )
-    return la or lb
-
-
-def _check_tile_shape(op: str, tile_shape: Any, dtype_a: Any, dtype_b: Any):
-    """``tile_shape`` as a tuple of 3 ints, validated; None stays None."""
+def _check_tile_shape(op: str, tile_shape: Any) -> tuple[int, int, int] | None:
+    """The form check of ``tile_shape``, the only one the operator makes: None, or a tuple
+    or list of exactly 3 ints (Python or NumPy, not bool), each positive. Returned as a
+    tuple of Python ints. Hardware limits (instruction multiples, registers, shared memory)
+    are the kernels' to check, in their ``supports``."""
     if tile_shape is None:
         return None
     ok = (
@@ -395,28 +365,69 @@ def _check_tile_shape(op: str, tile_shape: Any, dtype_a: Any, dtype_b: Any):
         raise ValueError(f"{op}: tile_shape={tile_shape!r} must be 3 ints (BM, BN, BK)")
     tile = tuple(int(t) for t in tile_shape)
     for name, t in zip(("BM", "BN", "BK"), tile):
-        if t <= 0 or t % 16:
-            raise ValueError(
-                f"{op}: tile_shape={tile} has {name}={t}; BM, BN and BK must each be a "
-                "positive multiple of 16"
-            )
-    for validate in _kernel_tile_validators():
-        validate(tile, np.dtype(dtype_a), np.dtype(dtype_b))
+        if t <= 0:
+            raise ValueError(f"{op}: tile_shape={tile} has {name}={t}; each must be positive")
     return tile
 
 
-def _kernel_tile_validators():
-    """``validate_tile_shape`` of every registered kernel's module that exports one."""
-    seen, out = set(), []
-    for k in matmul_op.kernels:
-        fn = getattr(k.fn, "func", k.fn)  # a functools.partial's function
-        mod = inspect.getmodule(fn)
-        if mod is None or mod.__name__ in seen:
-            continue
-        seen.add(mod.__name__)
-        if hasattr(mod, "validate_tile_shape"):
-            out.append(mod.validate_tile_shape)
-    return out
+def _broadcast_batch(
+    op: str,
+    a: jax.Array,
+    b: jax.Array,
+    names: tuple[str, str],
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+    """``a (..., M, K)``, ``b (..., K, N)`` in the primitive's batch form (identical
+    leading dimensions, or one operand 2-D), and the broadcast leading dimensions.
+
+    An operand whose batch dimensions are all 1 becomes 2-D (a free reshape: shared by
+    every batch element); one whose batch dimensions must grow is broadcast.
+    """
+    la, lb = a.shape[:-2], b.shape[:-2]
+    try:
+        lead = tuple(np.broadcast_shapes(la, lb))
+    except ValueError:
+        (na, nb), (sa, sb) = names, shapes
+        raise ValueError(
+            f"{op}: the batch dimensions of {na}.shape={sa} and {nb}.shape={sb} do not "
+            "broadcast (numpy rules, as jnp.matmul)"
+        ) from None
+
+    def fit(x, lx):
+        if lx == lead or not lx:
+            return x
+        if math.prod(lx) == 1:
+            return x.reshape(x.shape[-2:])
+        return jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+
+    return fit(a, la), fit(b, lb), lead
+
+
+def _check_dtypes(op: str, a: jax.Array, b: jax.Array, names: tuple[str, str]):
+    """``a``, ``b`` in the dtypes the product runs in: equal, an fp8 pair, or both cast to
+    the promoted dtype of two different wide floats."""
+    for x, name in zip((a, b), names):
+        if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            expected = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{op}: {name}.dtype={x.dtype} is not supported; expected {expected}")
+    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
+    if da == db or (da in _FP8 and db in _FP8):
+        return a, b
+    if da in _WIDE_FLOATS and db in _WIDE_FLOATS:
+        try:
+            common = np.dtype(jnp.promote_types(da, db))
+        except jax.dtypes.TypePromotionError:
+            raise TypeError(
+                f"{op}: {names[0]}.dtype={da} and {names[1]}.dtype={db} differ, and "
+                "jax_numpy_dtype_promotion='strict' forbids promoting them (as in "
+                "jnp.matmul); cast one first"
+            ) from None
+        return a.astype(common), b.astype(common)
+    raise TypeError(
+        f"{op}: {names[0]}.dtype={da} and {names[1]}.dtype={db} cannot be mixed: an fp8 "
+        "operand multiplies only with fp8 (float8_e4m3fn or float8_e5m2) and int8 only with "
+        "int8; cast one first (or ts.quantize the wide one)"
+    )
 
 
 def _out_dtype(op: str, out_dtype: Any, ops: _Operands) -> np.dtype:
@@ -455,17 +466,13 @@ def _default_accumulate(op: str, da: np.dtype, db: np.dtype) -> np.dtype:
     )
 
 
-def _prepare(
-    op: str, A: Any, B: Any, names: tuple[str, str], out_dtype: Any, *, epilogue: bool
-) -> _Operands:
+def _prepare(op: str, A: Any, B: Any, names: tuple[str, str], *, epilogue: bool) -> _Operands:
     """Operands, dequantization scale, default output and accumulate dtypes."""
-    from tessera_jax.numerics.policy import QuantizedTensor
-
     if isinstance(A, QuantizedTensor) or isinstance(B, QuantizedTensor):
         return _prepare_quantized(op, A, B, names)
     a = as_array(op, names[0], A)
     b = as_array(op, names[1], B)
-    _check_dtype_pair(op, a, b, names)
+    a, b = _check_dtypes(op, a, b, names)
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     acc = _default_accumulate(op, da, db)
     if da in _FP8:
@@ -479,7 +486,6 @@ def _prepare(
 
 def _prepare_quantized(op: str, A: Any, B: Any, names: tuple[str, str]) -> _Operands:
     """QuantizedTensor operands: the fp8 path with a scale, or dequantization."""
-    from tessera_jax.numerics.policy import QuantizedTensor, fp8_scaled_values
 
     def plain(x, name):
         return None if isinstance(x, QuantizedTensor) else as_array(op, name, x)
@@ -527,50 +533,29 @@ def _widest(dtypes: Sequence[Any]) -> np.dtype:
 # --- abstract evaluation ------------------------------------------------------------------
 
 
-def _matmul_abstract_eval(
-    a,
-    b,
-    *extras,
-    transpose_a,
-    transpose_b,
-    out_dtype,
-    accumulate_dtype,
-    tile_shape,
-    activation,
-    has_bias,
-    has_residual,
-    has_scale,
-):
+def _matmul_abstract_eval(a, b, *extras, spec: MatmulSpec):
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"ts_matmul: operands of shapes {a.shape} and {b.shape} must be ≥ 2-D")
-    m, ka = (a.shape[-1], a.shape[-2]) if transpose_a else a.shape[-2:]
-    kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else b.shape[-2:]
-    if ka != kb:
+    m, n, k = spec.problem_shape(a.shape, b.shape)
+    kb = b.shape[-1] if spec.transpose_b else b.shape[-2]
+    if k != kb:
         raise ValueError(
-            f"ts_matmul: contraction sizes differ: {ka} vs {kb} "
-            f"({a.shape=}, {b.shape=}, {transpose_a=}, {transpose_b=})"
+            f"ts_matmul: contraction sizes differ: {k} vs {kb} ({a.shape=}, {b.shape=}, "
+            f"transpose_a={spec.transpose_a}, transpose_b={spec.transpose_b})"
         )
     la, lb = a.shape[:-2], b.shape[:-2]
     if la and lb and la != lb:
         raise ValueError(f"ts_matmul: batch dimensions differ: {a.shape=}, {b.shape=}")
     shape = (*(la or lb), m, n)
-    if len(extras) != has_bias + has_residual + has_scale:
-        raise ValueError(f"ts_matmul: {len(extras)} extra operands for the flags set")
-    bias, residual, scale = split_extras(
-        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
-    )
+    bias, residual, scale = spec.split(extras)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"ts_matmul: bias.shape={bias.shape} must be ({n},)")
     if residual is not None and residual.shape != shape:
         raise ValueError(f"ts_matmul: residual.shape={residual.shape} must be {shape}")
     if scale is not None and scale.shape != ():
         raise ValueError(f"ts_matmul: scale.shape={scale.shape} must be ()")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"ts_matmul: activation={activation!r} must be one of {ACTIVATIONS}")
-    return jax.core.ShapedArray(shape, np.dtype(out_dtype))
+    return jax.core.ShapedArray(shape, spec.out_dtype)
 
-
-# --- lowerings: the reference (XLA) below; Pallas kernels in the block at the bottom ------
 
 # --- batching -----------------------------------------------------------------------------
 
@@ -603,18 +588,23 @@ def _conform(a, da, b, db, size):
     return fit(a, da is not not_mapped, la), fit(b, db is not not_mapped, lb)
 
 
-def _matmul_batch(args, dims, **params):
+def _product_spec(spec: MatmulSpec, out_dtype: Any) -> MatmulSpec:
+    """``spec`` without its epilogue (activation, extras), writing ``out_dtype``."""
+    return spec.replace(
+        out_dtype=out_dtype, activation=None, has_bias=False, has_residual=False, has_scale=False
+    )
+
+
+def _matmul_batch(args, dims, *, spec: MatmulSpec):
     a, b, *extras = args
     da, db, *dextras = dims
-    bias, residual, scale = split_extras(extras, **params)
-    dbias, dres, dscale = split_extras(dextras, **params)
+    bias, residual, scale = spec.split(extras)
+    dbias, dres, dscale = spec.split(dextras)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
-    ta, tb = params["transpose_a"], params["transpose_b"]
     shared_product = da is not_mapped and db is not_mapped
     if not shared_product:
         a, b = _conform(a, da, b, db, size)
-    m = a.shape[-1] if ta else a.shape[-2]
-    n = b.shape[-2] if tb else b.shape[-1]
+    m, n, _ = spec.problem_shape(a.shape, b.shape)
     out_shape = (*(a.shape[:-2] if a.ndim > 2 else b.shape[:-2]), m, n)
     mapped_bias = bias is not None and dbias is not not_mapped
     mapped_scale = scale is not None and dscale is not not_mapped
@@ -623,31 +613,10 @@ def _matmul_batch(args, dims, **params):
             residual = _to_front(residual, dres)
             if dres is not_mapped:
                 residual = jnp.broadcast_to(residual, out_shape)
-        out = _bind(
-            a,
-            b,
-            bias=bias,
-            residual=residual,
-            scale=scale,
-            transpose_a=ta,
-            transpose_b=tb,
-            out_dtype=params["out_dtype"],
-            accumulate_dtype=params["accumulate_dtype"],
-            tile_shape=params["tile_shape"],
-            activation=params["activation"],
-        )
-        return out, 0
+        return _bind(a, b, spec, bias=bias, residual=residual, scale=scale), 0
     # A per-example bias or scale has no fused form, and a product shared by every
-    # example (only extras mapped) is computed once: product, then the reference epilogue.
-    acc = _bind(
-        a,
-        b,
-        transpose_a=ta,
-        transpose_b=tb,
-        out_dtype=epilogue_dtype(params["accumulate_dtype"]),
-        accumulate_dtype=params["accumulate_dtype"],
-        tile_shape=params["tile_shape"],
-    )
+    # example (only extras mapped) is computed once: product, then the contract's epilogue.
+    acc = _bind(a, b, _product_spec(spec, spec.epilogue_dtype))
     if shared_product:
         acc = acc[None]  # broadcasts against the mapped extras
     rank = acc.ndim
@@ -661,9 +630,7 @@ def _matmul_batch(args, dims, **params):
         residual = _to_front(residual, dres)
         if dres is not_mapped:
             residual = residual[None]
-    out = epilogue(
-        acc, bias, residual, scale, activation=params["activation"], out_dtype=params["out_dtype"]
-    )
+    out = epilogue(acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype)
     if out.shape[0] != size:
         out = jnp.broadcast_to(out, (size, *out.shape[1:]))
     return out, 0
@@ -689,17 +656,18 @@ def _bias_tangent(tbias: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.A
     return jnp.broadcast_to(t.reshape(*([1] * (len(shape) - 1)), shape[-1]), shape)
 
 
-def _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, shape):
-    """The tangent of ``scale·op(a)@op(b) + bias`` in ``p['out_dtype']`` (None: zero)."""
+def _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p: MatmulSpec, shape):
+    """The tangent of ``scale·op(a)@op(b) + bias`` in ``p.out_dtype`` (None: zero);
+    ``p`` is the product's spec without its epilogue."""
     terms = []
     if not _is_zero(ta):
-        terms.append(_bind(ta, b, scale=scale, **p))
+        terms.append(_bind(ta, b, p, scale=scale))
     if not _is_zero(tb):
-        terms.append(_bind(a, tb, scale=scale, **p))
+        terms.append(_bind(a, tb, p, scale=scale))
     if scale is not None and not _is_zero(tscale):
-        terms.append(_bind(a, b, scale=tscale, **p))
+        terms.append(_bind(a, b, p, scale=tscale))
     if bias is not None and not _is_zero(tbias):
-        terms.append(_bias_tangent(tbias, shape, p["out_dtype"]))
+        terms.append(_bias_tangent(tbias, shape, p.out_dtype))
     return _add_all(terms)
 
 
@@ -710,26 +678,19 @@ def _ts_activation(z: jax.Array, activation: str) -> jax.Array:
     return _ew.gelu(z, approximate=activation == "gelu_tanh")
 
 
-def _matmul_jvp(primals, tangents, **params):
+def _matmul_jvp(primals, tangents, *, spec: MatmulSpec):
     a, b, *extras = primals
     ta, tb, *textras = tangents
-    bias, residual, scale = split_extras(extras, **params)
-    tbias, tres, tscale = split_extras(textras, **params)
-    out_dtype = params["out_dtype"]
+    bias, residual, scale = spec.split(extras)
+    tbias, tres, tscale = spec.split(textras)
+    out_dtype = spec.out_dtype
     if not _is_float(out_dtype):  # an int32 product: not differentiable
-        y = matmul_op.bind(*primals, **params)
+        y = matmul_op.bind(*primals, spec=spec)
         return y, zero_tangent(y)
-    base = dict(
-        transpose_a=params["transpose_a"],
-        transpose_b=params["transpose_b"],
-        accumulate_dtype=params["accumulate_dtype"],
-        tile_shape=params["tile_shape"],
-    )
-    activation = params["activation"]
-    if activation is None:
+    if spec.activation is None:
         # Affine in each of a, b, scale, bias, residual: the fused primal, tangents in out_dtype.
-        y = matmul_op.bind(*primals, **params)
-        p = dict(base, out_dtype=out_dtype)
+        y = matmul_op.bind(*primals, spec=spec)
+        p = _product_spec(spec, out_dtype)
         dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, y.shape)
         terms = [] if dz is None else [dz]
         if residual is not None and not _is_zero(tres):
@@ -737,14 +698,15 @@ def _matmul_jvp(primals, tangents, **params):
         dy = _add_all(terms)
         return y, zero_tangent(y) if dy is None else dy
     # With an activation: recompute the pre-activation z (epilogue dtype) with ts_matmul.
-    ep = epilogue_dtype(params["accumulate_dtype"])
-    p = dict(base, out_dtype=ep)
-    z = _bind(a, b, bias=bias, scale=scale, **p)
+    ep = spec.epilogue_dtype
+    p = _product_spec(spec, ep)
+    z = _bind(a, b, p, bias=bias, scale=scale)
     dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, z.shape)
     if dz is None:
-        h, dh = _ts_activation(z, activation), None
+        h, dh = _ts_activation(z, spec.activation), None
     else:
-        h, dh = jax.jvp(functools.partial(_ts_activation, activation=activation), (z,), (dz,))
+        act = functools.partial(_ts_activation, activation=spec.activation)
+        h, dh = jax.jvp(act, (z,), (dz,))
     if residual is not None:
         h = h + residual.astype(ep)
         if not _is_zero(tres):
@@ -769,13 +731,13 @@ def _sum_leading(x: jax.Array, nlead: int) -> jax.Array:
     return _red.sum(x, axis=tuple(range(nlead))) if nlead else x
 
 
-def _matmul_transpose(ct, a, b, *extras, **params):
-    if params["has_bias"] or params["has_residual"] or params["activation"] is not None:
+def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
+    if spec.has_bias or spec.has_residual or spec.activation is not None:
         raise NotImplementedError(
             "ts_matmul is linear only without bias, residual and activation; "
             "its JVP emits such products only"
         )
-    _, _, scale = split_extras(extras, **params)
+    _, _, scale = spec.split(extras)
     ua, ub = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
     us = scale is not None and ad.is_undefined_primal(scale)
     if ua + ub + us != 1:
@@ -786,18 +748,26 @@ def _matmul_transpose(ct, a, b, *extras, **params):
     if _is_zero(ct):
         cts[slot] = ad.Zero(lin.aval)
         return cts
-    ta, tb = params["transpose_a"], params["transpose_b"]
-    acc = np.dtype(params["accumulate_dtype"])
-    acc = acc if _is_float(acc) else _F32
+    ta, tb = spec.transpose_a, spec.transpose_b
+    acc = spec.accumulate_dtype if _is_float(spec.accumulate_dtype) else _F32
     ep = epilogue_dtype(acc)
     nlead = ct.ndim - 2
 
-    def mm(x, y, out, **flags_):
-        return _bind(x, y, scale=scale, out_dtype=out, accumulate_dtype=acc, **flags_)
+    def mm(x, y, out, *, transpose_a=False, transpose_b=False):
+        # The adjoint products have other shapes than the forward: they pick their own
+        # tiles (the user's tile_shape was chosen for the forward product).
+        s = MatmulSpec(
+            out_dtype=out,
+            accumulate_dtype=acc,
+            transpose_a=transpose_a,
+            transpose_b=transpose_b,
+        )
+        return _bind(x, y, s, scale=scale)
 
     if us:
         # d scale = Σ ct ⊙ op(a)@op(b): a scalar.
-        prod = _bind(a, b, transpose_a=ta, transpose_b=tb, out_dtype=ep, accumulate_dtype=acc)
+        s = MatmulSpec(out_dtype=ep, accumulate_dtype=acc, transpose_a=ta, transpose_b=tb)
+        prod = _bind(a, b, s)
         ds = _red.sum(ct.astype(ep) * prod)
         cts[slot] = ds.astype(lin.aval.dtype)
         return cts
@@ -839,8 +809,8 @@ ad.primitive_transposes[matmul_op.prim] = _matmul_transpose
 
 # XLA GPU (jax 0.11.2, H100) returns twice the true int8 × int8 → int32 product from its
 # Triton GEMM fusion for some contraction sizes that are not multiples of 4 (17×33×9,
-# 4×{2,3,5,6,7}×4, 8×13×8; measured 2026-11-21). Zero-padding K to a multiple of this
-# sidesteps it; zeros add nothing to the product.
+# 4×{2,3,5,6,7}×4, 8×13×8). Zero-padding K to a multiple of this sidesteps it; zeros add
+# nothing to the product.
 _INT8_K_MULTIPLE = 16
 
 
@@ -872,77 +842,49 @@ def _dot(a, b, *, transpose_a, transpose_b, accumulate_dtype):
     return out  # shared b: (…, M, N)
 
 
-def epilogue(
-    acc: jax.Array,
-    bias: jax.Array | None = None,
-    residual: jax.Array | None = None,
-    scale: jax.Array | None = None,
-    *,
-    activation: str | None = None,
-    out_dtype: Any,
-) -> jax.Array:
-    """``cast(act(scale·acc + bias) + residual, out_dtype)`` of an accumulator ``acc``.
-
-    The contract's fused epilogue: it runs in :func:`epilogue_dtype` of ``acc.dtype``;
-    ``bias`` broadcasts over the rows. Without bias, residual, scale and activation it is
-    a plain cast straight from the accumulator (exact int32 for an int8 product).
-    """
-    if bias is None and residual is None and scale is None and activation is None:
-        return acc.astype(out_dtype)
-    ep = epilogue_dtype(acc.dtype)
-    z = acc.astype(ep)
-    if scale is not None:
-        z = z * scale.astype(ep)
-    if bias is not None:
-        z = z + bias.astype(ep).reshape(*([1] * (z.ndim - bias.ndim)), *bias.shape)
-    z = _mc.apply_activation(z, activation)
-    if residual is not None:
-        z = z + residual.astype(ep)
-    return z.astype(out_dtype)
-
-
-def matmul_reference(
-    a: jax.Array,
-    b: jax.Array,
-    *extras: jax.Array,
-    transpose_a: bool,
-    transpose_b: bool,
-    out_dtype: Any,
-    accumulate_dtype: Any,
-    tile_shape: tuple[int, int, int] | None = None,
-    activation: str | None = None,
-    has_bias: bool = False,
-    has_residual: bool = False,
-    has_scale: bool = False,
-) -> jax.Array:
-    """The XLA lowering of ``ts_matmul`` and the oracle of its kernels (``tile_shape`` unused)."""
-    del tile_shape
-    bias, residual, scale = split_extras(
-        extras, has_bias=has_bias, has_residual=has_residual, has_scale=has_scale
-    )
-    plain = not (has_bias or has_residual or has_scale) and activation is None
-    out_dtype = np.dtype(out_dtype)
-    if plain and out_dtype in (_F16, _BF16) and a.dtype == b.dtype == out_dtype:
+def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: MatmulSpec):
+    """The XLA lowering of ``ts_matmul`` and the oracle of its kernels (``spec.tile_shape``
+    unused): ``lax.dot_general`` then the contract's epilogue."""
+    bias, residual, scale = spec.split(extras)
+    accumulate = spec.accumulate_dtype
+    out_dtype = spec.out_dtype
+    if not spec.has_epilogue and out_dtype in (_F16, _BF16) and a.dtype == b.dtype == out_dtype:
         # Ask XLA for the 16-bit result, as jnp.dot does: cuBLAS still accumulates in f32,
-        # but writes C once in 16 bits instead of an f32 C plus a convert pass (measured on
-        # H100: the f32 detour ran 0.74-0.96x jnp.dot; benchmarks/NOTES-matmul.md).
-        accumulate_dtype = out_dtype
+        # but writes C once in 16 bits instead of an f32 C plus a convert pass, which ran
+        # slower than jnp.dot (benchmarks/results/matmul-h100.json).
+        accumulate = out_dtype
     acc = _dot(
-        a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate_dtype=accumulate_dtype
+        a,
+        b,
+        transpose_a=spec.transpose_a,
+        transpose_b=spec.transpose_b,
+        accumulate_dtype=accumulate,
     )
-    return epilogue(acc, bias, residual, scale, activation=activation, out_dtype=out_dtype)
+    return epilogue(acc, bias, residual, scale, activation=spec.activation, out_dtype=out_dtype)
 
 
 # --- kernels ------------------------------------------------------------------------------
-# (helper D) The Hopper Mosaic GPU kernel first (sm_90 only; ``prefer`` routes a case to it in
-# ``auto`` mode only where it measured at least as fast as cuBLAS), then the portable
-# BlockSpec kernel for other GPUs (never preferred over cuBLAS; runs under ``pallas``).
-# ``interpret`` mode takes the first kernel that supports the case, on any platform.
-from tessera_jax.pallas_kernels import matmul_mgpu as _mgpu  # noqa: E402
-from tessera_jax.pallas_kernels import matmul_portable as _portable  # noqa: E402
-from tessera_jax.primitives._core import Kernel as _Kernel  # noqa: E402
-
-matmul_op.add_kernel(_Kernel("mosaic_gpu", _mgpu.matmul, _mgpu.supports, ("cuda",), _mgpu.prefer))
+# The Hopper Mosaic GPU kernel first (sm_90 only; ``prefer`` routes a case to it in ``auto``
+# mode only where it measured at least as fast as cuBLAS), then the portable BlockSpec kernel
+# for other GPUs (never preferred over cuBLAS; runs under ``pallas``). ``interpret`` mode
+# takes the first kernel that supports the case, on any platform.
 matmul_op.add_kernel(
-    _Kernel("pallas_portable", _portable.matmul, _portable.supports, ("cuda",), _portable.prefer)
+    Kernel(
+        name="mosaic_gpu",
+        fn=_mgpu.matmul,
+        supports=_mgpu.supports,
+        prefer=_mgpu.prefer,
+        platforms=("cuda",),
+        hardware=_mgpu.hardware,
+    )
+)
+matmul_op.add_kernel(
+    Kernel(
+        name="pallas_portable",
+        fn=_portable.matmul,
+        supports=_portable.supports,
+        prefer=_portable.prefer,
+        platforms=("cuda",),
+        hardware=_portable.hardware,
+    )
 )

@@ -79,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
 from tessera_jax._config import get_kernel_mode, kernel_mode
+from tessera_jax.contracts.matmul import MatmulSpec, epilogue
 from tessera_jax.primitives import _core
 from tessera_jax.primitives import collectives as _coll
 from tessera_jax.primitives.reductions import canonical_sum, pairwise_tree_sum
@@ -433,20 +434,21 @@ def _reduce_combine(kind: str):
 
 
 def matmul_factors(avals_in, params) -> Factors:
-    """``ts_matmul`` (MATMUL_CONTRACT): a (…, m, k), b (…, k, n), bias (n), residual
-    (…, m, n), scale (); K is a reduction factor."""
+    """``ts_matmul`` (``contracts/matmul.py``): a (…, m, k), b (…, k, n), bias (n),
+    residual (…, m, n), scale (); K is a reduction factor."""
+    spec: MatmulSpec = params["spec"]
     a, b = avals_in[0], avals_in[1]
     nb = max(a.ndim, b.ndim) - 2
     batch = _names("b", nb)
-    a_m = (*(batch if a.ndim > 2 else ()), *(("k", "m") if params["transpose_a"] else ("m", "k")))
-    b_m = (*(batch if b.ndim > 2 else ()), *(("n", "k") if params["transpose_b"] else ("k", "n")))
+    a_m = (*(batch if a.ndim > 2 else ()), *(("k", "m") if spec.transpose_a else ("m", "k")))
+    b_m = (*(batch if b.ndim > 2 else ()), *(("n", "k") if spec.transpose_b else ("k", "n")))
     out = (*batch, "m", "n")
     extras = []
-    if params["has_bias"]:
+    if spec.has_bias:
         extras.append(("n",))
-    if params["has_residual"]:
+    if spec.has_residual:
         extras.append(out)
-    if params["has_scale"]:
+    if spec.has_scale:
         extras.append(())
     sizes = {**_sizes(a_m, a.shape), **_sizes(b_m, b.shape)}
     return Factors((a_m, b_m, *extras), (out,), sizes, reduction=("k",))
@@ -454,25 +456,23 @@ def matmul_factors(avals_in, params) -> Factors:
 
 def _matmul_local(local_impl, xs, assign, factors, params):
     """Local shards; a sharded K: partial products in the accumulate dtype, the
-    deterministic all-reduce, then the epilogue (bias, activation, residual, cast)."""
+    deterministic all-reduce, then the contract's epilogue (scale, bias, activation,
+    residual, cast)."""
     if not assign.get("k"):
         return local_impl(*xs)
-    from tessera_jax.primitives import matmul as _mm
-
+    spec: MatmulSpec = params["spec"]
     a, b, *extras = xs
-    bias, residual, scale = _mm.split_extras(extras, **params)
-    acc = local_impl(
-        a,
-        b,
+    bias, residual, scale = spec.split(extras)
+    product = spec.replace(
+        out_dtype=spec.accumulate_dtype,
         activation=None,
         has_bias=False,
         has_residual=False,
         has_scale=False,
-        out_dtype=np.dtype(params["accumulate_dtype"]),
     )
-    acc = _coll.tree_all_reduce(acc, assign["k"])
-    return _mm.epilogue(
-        acc, bias, residual, scale, activation=params["activation"], out_dtype=params["out_dtype"]
+    acc = _coll.tree_all_reduce(local_impl(a, b, spec=product), assign["k"])
+    return epilogue(
+        acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
     )
 
 
