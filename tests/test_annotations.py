@@ -274,7 +274,7 @@ def test_accumulation_context_is_part_of_the_jit_key(dtype):
         params = [e.params for e in jax.make_jaxpr(f)(a).eqns[0].params["jaxpr"].eqns]
     f(a)  # back outside: the first trace's cache entry again, no new trace
     assert seen == [None, np.dtype(dtype.container)]
-    assert params[0]["accumulate_dtype"] == np.dtype(dtype.container)
+    assert params[0]["spec"].accumulate_dtype == np.dtype(dtype.container)
 
 
 def test_accumulation_context_is_thread_local():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -119,3 +119,14 @@ def test_bad_mode_and_duplicate_operator():
 def test_every_operator_is_named_ts_in_jaxprs():
     for name, op in OPERATORS.items():
         assert op.prim.name == f"ts_{name}"
+
+
+def test_ts_and_ts_op_export_the_same_operators():
+    """Every public function of ``ts.op`` is reachable as ``ts.<name>`` (the same object)."""
+    import tessera_jax.op as op_module
+
+    names = [n for n in dir(op_module) if not n.startswith("_") and callable(getattr(ts.op, n))]
+    names = [n for n in names if n not in ("OPERATORS", "FlashAttentionConfig")]
+    assert names
+    for n in names:
+        assert getattr(ts, n) is getattr(ts.op, n), n

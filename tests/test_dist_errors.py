@@ -578,7 +578,7 @@ LAUNCH = [
             _tensor(m, init=np.ones((8, 8), np.float32)).parts("tp")
         ),
         ValueError,
-        "all_reduce: axis 'zz' is not an axis of the mesh ('dp', 'tp')",
+        "all_reduce: axis='zz' is not an axis of the mesh ('dp', 'tp')",
     ),
     (
         "no-mesh",

@@ -121,7 +121,9 @@ def test_seed002_nvl72_train_step_scaled():
     def loss_fn(out, batch):
         return ts.sum((out - batch[1]) ** 2)
 
-    @ts.jit(capture_graph=True)
+    # Seed 002 writes @jit(capture_graph=True); graph capture is not implemented, so ts.jit
+    # refuses the flag (tests/test_autodiff.py) and the step is jitted plainly.
+    @ts.jit
     def train_step(W, batch):
         out = model(W, batch)
         loss = loss_fn(out, batch)

@@ -572,7 +572,7 @@ def _checked(f: Callable) -> Callable:
     return body
 
 
-def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwargs: Any):
+def jit(f: Callable | None = None, /, **jit_kwargs: Any):
     """``jax.jit`` with Tessera's trace-time annotation checks.
 
     Usable as ``@ts.jit``, ``@ts.jit(static_argnames=...)`` or ``ts.jit(f, ...)``.
@@ -584,8 +584,8 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     parameters carry region privileges are first wrapped by
     ``tessera_jax.sharding.regions``.
 
-    ``capture_graph=True`` (CUDA-graph capture in Tessera) is accepted and currently
-    equivalent to plain jit: XLA already runs one compiled executable per call.
+    Tessera's ``capture_graph=True`` (CUDA-graph capture and replay) is not offered: a
+    flag that changed nothing would only pretend. Passing it is a TypeError.
 
     Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
     attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s. For a
@@ -594,11 +594,14 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool = False, **jit_kwar
     to two parameters is only visible outside), then calls the ``jax.jit`` object
     (available as ``.jitted``; ``.lower`` is forwarded).
     """
+    if "capture_graph" in jit_kwargs:
+        raise TypeError(
+            "ts.jit: capture_graph is not supported (graph capture and replay is not "
+            "implemented; jit already runs one compiled executable per call): remove it"
+        )
     if f is None:
-        return lambda g: jit(g, capture_graph=capture_graph, **jit_kwargs)
+        return lambda g: jit(g, **jit_kwargs)
     _check_callable("ts.jit", f)
-    if not isinstance(capture_graph, bool):
-        raise TypeError(f"ts.jit: capture_graph={capture_graph!r} must be a bool")
     if not regions.has_regions(f):
         return jax.jit(_checked(f), **jit_kwargs)
     wrapped = regions.wrap(f)

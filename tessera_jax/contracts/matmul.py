@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax.contracts.activations import gelu
+
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
-_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-_INV_SQRT_2 = float(1.0 / np.sqrt(2.0))
 _F32 = np.dtype(np.float32)
 
 
@@ -47,6 +47,10 @@ class MatmulSpec:
       activation: the epilogue activation, one of :data:`ACTIVATIONS`.
       tile_shape: ``(BM, BN, BK)`` requested by the user for the kernels, or None.
       has_bias / has_residual / has_scale: which extra operands follow ``a`` and ``b``.
+      out_sharding: on a mesh with Explicit axes, the output's PartitionSpec where the
+        operands' shardings leave it ambiguous (a sharded contraction, as in the adjoint
+        products), as ``jax.lax.dot_general``'s ``out_sharding``; None elsewhere. A type
+        annotation: kernels, which run on local shards, ignore it.
     """
 
     out_dtype: np.dtype
@@ -58,6 +62,7 @@ class MatmulSpec:
     has_bias: bool = False
     has_residual: bool = False
     has_scale: bool = False
+    out_sharding: Any = None
 
     def __post_init__(self):
         # Normalised so that equal specs compare (and hash, and cache) equal.
@@ -120,10 +125,8 @@ def apply_activation(x, activation: str | None, erf=lax.erf):
         return x
     if activation == "relu":
         return jnp.maximum(x, 0.0)
-    if activation == "gelu":
-        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
-    if activation == "gelu_tanh":
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+    if activation in ("gelu", "gelu_tanh"):
+        return gelu(x, approximate=activation == "gelu_tanh", erf=erf)
     raise ValueError(f"matmul: activation={activation!r} must be one of {ACTIVATIONS}")
 
 

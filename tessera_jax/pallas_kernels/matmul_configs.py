@@ -36,6 +36,7 @@ import numpy as np
 
 from tessera_jax import _compat
 from tessera_jax.contracts.matmul import MatmulSpec
+from tessera_jax.numerics.dtypes import FP8_DTYPES
 
 # --- hardware budget (sm_90) -------------------------------------------------------------------
 SMEM_BYTES = 232_448  # max dynamic shared memory of one block on H100/H200 (227 KiB)
@@ -49,7 +50,6 @@ NUM_COMPUTE_WGS = 2
 _DIMS = ("m", "n")
 
 # The 8-bit float formats of Hopper's tensor cores (the one such tuple of the matmul kernels).
-FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 KERNEL_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), *FP8_DTYPES)
 
 

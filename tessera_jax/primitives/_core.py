@@ -295,7 +295,7 @@ def unshard_axes(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     if all(spec[a] is None for a in axes):
         return x
     keep = jax.sharding.PartitionSpec(*(None if d in axes else s for d, s in enumerate(spec)))
-    return jax.sharding.reshard(x, keep)
+    return jax.sharding.reshard(x, aval.sharding.update(spec=keep))
 
 
 def _unsharded(aval: Any) -> Any:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tessera_jax.contracts.activations import gelu as gelu_formula
 from tessera_jax.primitives._core import (
     Operator,
     ad,
@@ -71,17 +72,6 @@ round_op, _round = _unary("round", jnp.round, None)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-
-
-def gelu_formula(x: jax.Array, *, approximate: bool, erf=jax.lax.erf) -> jax.Array:
-    """``x·Φ(x)`` (``approximate``: the tanh form) in ``x``'s dtype.
-
-    The one definition shared by the gelu operator's reference and matmul's fused
-    epilogue; ``erf`` is a parameter because Mosaic GPU kernels cannot lower ``lax.erf``.
-    """
-    if approximate:
-        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
-    return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
 
 
 def _gelu_deriv(x, y, *, approximate):

@@ -83,7 +83,7 @@ from jax import lax
 
 from tessera_jax.contracts.matmul import ACTIVATIONS, MatmulSpec, epilogue, epilogue_dtype
 from tessera_jax.numerics import context as _numerics_context
-from tessera_jax.numerics.dtypes import as_np_dtype
+from tessera_jax.numerics.dtypes import FP8_DTYPES, as_np_dtype
 from tessera_jax.numerics.policy import QuantizedTensor, fp8_scaled_values
 from tessera_jax.pallas_kernels import matmul_mgpu as _mgpu
 from tessera_jax.pallas_kernels import matmul_portable as _portable
@@ -95,6 +95,7 @@ from tessera_jax.primitives._core import (
     ad,
     as_array,
     batching,
+    explicit_sharding,
     not_mapped,
     zero_tangent,
 )
@@ -105,9 +106,8 @@ _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _I8 = np.dtype(np.int8)
 _I32 = np.dtype(np.int32)
-_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _WIDE_FLOATS = (_F16, _BF16, _F32, _F64)
-SUPPORTED_DTYPES = (*_WIDE_FLOATS, *_FP8, _I8)
+SUPPORTED_DTYPES = (*_WIDE_FLOATS, *FP8_DTYPES, _I8)
 
 
 def _is_float(dtype: Any) -> bool:
@@ -411,7 +411,7 @@ def _check_dtypes(op: str, a: jax.Array, b: jax.Array, names: tuple[str, str]):
             expected = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise TypeError(f"{op}: {name}.dtype={x.dtype} is not supported; expected {expected}")
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
-    if da == db or (da in _FP8 and db in _FP8):
+    if da == db or (da in FP8_DTYPES and db in FP8_DTYPES):
         return a, b
     if da in _WIDE_FLOATS and db in _WIDE_FLOATS:
         try:
@@ -475,7 +475,7 @@ def _prepare(op: str, A: Any, B: Any, names: tuple[str, str], *, epilogue: bool)
     a, b = _check_dtypes(op, a, b, names)
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     acc = _default_accumulate(op, da, db)
-    if da in _FP8:
+    if da in FP8_DTYPES:
         default_out = _F32  # FP8 inputs, FP32 accumulation and output
     elif _is_int(da):
         default_out = _F32 if epilogue else _I32
@@ -491,8 +491,8 @@ def _prepare_quantized(op: str, A: Any, B: Any, names: tuple[str, str]) -> _Oper
         return None if isinstance(x, QuantizedTensor) else as_array(op, name, x)
 
     pa, pb = plain(A, names[0]), plain(B, names[1])
-    fa = fp8_scaled_values(A) if pa is None else ((pa, None) if pa.dtype in _FP8 else None)
-    fb = fp8_scaled_values(B) if pb is None else ((pb, None) if pb.dtype in _FP8 else None)
+    fa = fp8_scaled_values(A) if pa is None else ((pa, None) if pa.dtype in FP8_DTYPES else None)
+    fb = fp8_scaled_values(B) if pb is None else ((pb, None) if pb.dtype in FP8_DTYPES else None)
     specs = [x.spec for x in (A, B) if isinstance(x, QuantizedTensor)]
     accs = [s.accumulate for s in specs if s.accumulate is not None]
     if fa is not None and fb is not None:
@@ -753,14 +753,19 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
     ep = epilogue_dtype(acc)
     nlead = ct.ndim - 2
 
-    def mm(x, y, out, *, transpose_a=False, transpose_b=False):
+    def mm(x, y, out, *, transpose_a=False, transpose_b=False, like=None):
         # The adjoint products have other shapes than the forward: they pick their own
-        # tiles (the user's tile_shape was chosen for the forward product).
+        # tiles (the user's tile_shape was chosen for the forward product). Their
+        # contraction runs over the forward's rows, which may be sharded: on a mesh with
+        # Explicit axes the result takes the operand's sharding, as jax's dot_general
+        # transpose does.
+        sharding = None if like is None else explicit_sharding(like)
         s = MatmulSpec(
             out_dtype=out,
             accumulate_dtype=acc,
             transpose_a=transpose_a,
             transpose_b=transpose_b,
+            out_sharding=None if sharding is None else sharding.spec,
         )
         return _bind(x, y, s, scale=scale)
 
@@ -775,10 +780,11 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
         out_dt, shared = lin.aval.dtype, lin.aval.ndim == 2 and nlead > 0
         g = _cotangent_for(ct, b)
         dt = ep if shared else out_dt
+        like = None if shared else lin.aval
         if not ta:  # dA = ct · op(b)ᵀ
-            d = mm(g, b, dt, transpose_b=not tb)
+            d = mm(g, b, dt, transpose_b=not tb, like=like)
         else:  # stored (…, K, M): dAᵀ = op(b) · ctᵀ
-            d = mm(b, g, dt, transpose_a=tb, transpose_b=True)
+            d = mm(b, g, dt, transpose_a=tb, transpose_b=True, like=like)
         cts[0] = _sum_leading(d, nlead).astype(out_dt) if shared else d
         return cts
     out_dt, shared = lin.aval.dtype, lin.aval.ndim == 2 and nlead > 0
@@ -787,15 +793,16 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
         # x (…, M, K) against a shared weight: fold the batch into the contraction (free).
         a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
         if not tb:
-            cts[1] = mm(a2, g2, out_dt, transpose_a=True)
+            cts[1] = mm(a2, g2, out_dt, transpose_a=True, like=lin.aval)
         else:
-            cts[1] = mm(g2, a2, out_dt, transpose_a=True)
+            cts[1] = mm(g2, a2, out_dt, transpose_a=True, like=lin.aval)
         return cts
     dt = ep if shared else out_dt
+    like = None if shared else lin.aval
     if not tb:  # dB = op(a)ᵀ · ct
-        d = mm(a, g, dt, transpose_a=not ta)
+        d = mm(a, g, dt, transpose_a=not ta, like=like)
     else:  # stored (…, N, K): dBᵀ = ctᵀ · op(a)
-        d = mm(g, a, dt, transpose_a=True, transpose_b=ta)
+        d = mm(g, a, dt, transpose_a=True, transpose_b=ta, like=like)
     cts[1] = _sum_leading(d, nlead).astype(out_dt) if shared else d
     return cts
 
@@ -825,7 +832,7 @@ def _pad_contraction(a, b, ca, cb):
     return jnp.pad(a, pa), jnp.pad(b, pb)
 
 
-def _dot(a, b, *, transpose_a, transpose_b, accumulate_dtype):
+def _dot(a, b, *, transpose_a, transpose_b, accumulate_dtype, out_sharding=None):
     """``op(a) @ op(b)`` with ``lax.dot_general``: the transposes are dimension numbers."""
     ca = a.ndim - 2 if transpose_a else a.ndim - 1
     cb = b.ndim - 1 if transpose_b else b.ndim - 2
@@ -835,8 +842,11 @@ def _dot(a, b, *, transpose_a, transpose_b, accumulate_dtype):
     dot = functools.partial(lax.dot_general, preferred_element_type=pet)
     if a.ndim == b.ndim:  # identical batch dimensions (or plain 2-D)
         batch = tuple(range(a.ndim - 2))
-        return dot(a, b, (((ca,), (cb,)), (batch, batch)))
-    out = dot(a, b, (((ca,), (cb,)), ((), ())))
+        return dot(a, b, (((ca,), (cb,)), (batch, batch)), out_sharding=out_sharding)
+    if out_sharding is not None and a.ndim == 2:  # dot_general's (M, …, N) order
+        spec = tuple(out_sharding) + (None,) * (b.ndim - len(out_sharding))
+        out_sharding = jax.sharding.PartitionSpec(spec[-2], *spec[:-2], spec[-1])
+    out = dot(a, b, (((ca,), (cb,)), ((), ())), out_sharding=out_sharding)
     if a.ndim == 2:  # shared a: dot_general gives (M, …, N)
         out = jnp.moveaxis(out, 0, -2)
     return out  # shared b: (…, M, N)
@@ -859,6 +869,7 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
         transpose_a=spec.transpose_a,
         transpose_b=spec.transpose_b,
         accumulate_dtype=accumulate,
+        out_sharding=spec.out_sharding,
     )
     return epilogue(acc, bias, residual, scale, activation=spec.activation, out_dtype=out_dtype)
 
