@@ -107,7 +107,9 @@ class _KernelCases:
         qx, qw = ts.quantize(x, fmt), ts.quantize(w, fmt)
         assert _chosen(ts.matmul, qx, qw) == ["mosaic_gpu"]
         ref = f64(qx.dequantize()) @ f64(qw.dequantize())
-        assert_close(jax.jit(ts.matmul)(qx, qw), ref, factor=2)
+        # Hopper's fp8 wgmma keeps fewer accumulator bits than f32 (about 1e-4 relative
+        # here, as cuBLASLt's fast fp8 accumulation): an f32 tolerance would not hold.
+        assert_close(jax.jit(ts.matmul)(qx, qw), ref, rtol=5e-4)
 
     @pytest.mark.parametrize("mkn", SHAPES)
     def test_portable_matmul(self, mkn):

@@ -201,6 +201,21 @@ def matmul(
     accumulator (output f32 by default); other policies are dequantized to their compute
     dtype and accumulate in their accumulate dtype.
     """
+    if (
+        out_dtype is None
+        and isinstance(A, jax.Array)
+        and isinstance(B, jax.Array)
+        and A.ndim == 2
+        and B.ndim == 2
+        and A.dtype == B.dtype
+        and A.shape[1] == B.shape[0]
+    ):
+        # Two matrices of one dtype, the common case: every check below reduces to these
+        # and a cached spec, so an eager call costs what jnp.dot's does.
+        tile = None if tile_shape is None else _check_tile_shape("matmul", tile_shape)
+        spec = _plain_spec(A.dtype, tile, _numerics_context.accumulate_dtype())
+        if spec is not None:
+            return matmul_op.bind(A, B, spec=spec)
     tile = _check_tile_shape("matmul", tile_shape)
     ops = _prepare("matmul", A, B, ("A", "B"), epilogue=False)
     a, b = ops.a, ops.b
@@ -229,6 +244,23 @@ def matmul(
 
 
 gemm = matmul
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_spec(dtype: Any, tile: tuple[int, int, int] | None, ctx: Any) -> MatmulSpec | None:
+    """The spec of :func:`matmul` of two ``dtype`` matrices under the accumulation context
+    ``ctx`` (the cache key; :func:`_default_accumulate` reads it), or None where the full
+    checks must run (an unsupported dtype, an accumulation that cannot apply)."""
+    del ctx
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        return None
+    try:
+        acc = _default_accumulate("matmul", dtype, dtype)
+    except TypeError:
+        return None
+    out = _F32 if dtype in FP8_DTYPES else (_I32 if _is_int(dtype) else dtype)
+    return MatmulSpec(out_dtype=out, accumulate_dtype=acc, tile_shape=tile)
 
 
 def linear(
