@@ -63,17 +63,18 @@ shard_map = jax.shard_map
 not_mapped = None
 
 
-def enum_config_state(name: str, values: list[str], default: str, help: str) -> Any:
+def enum_config_state(name: str, values: list[str], default: str | None, help: str) -> Any:
     """A jax config option that is part of the jit cache key.
 
     Read from the environment variable ``name.upper()`` at import. Part of the
     jit key and of the trace context (the lowering cache's key), so changing it
-    (``with state(value):``) retraces and relowers instead of reusing a function
-    compiled under the other setting.
+    (``with state(value):``, thread-local) retraces and relowers instead of reusing a
+    function compiled under the other setting. ``default=None``: unset until given.
     """
     from jax._src import config as _config
 
-    return _config.enum_state(
+    make = _config.enum_state if default is not None else _config.optional_enum_state
+    return make(
         name=name,
         enum_values=values,
         default=default,
@@ -417,22 +418,3 @@ def outside_mesh_context():
     from jax._src import mesh as mesh_lib
 
     return jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
-
-
-def optional_enum_config_state(name: str, values: list[str], help: str) -> Any:
-    """A jax config option, unset (None) by default, that is part of the jit cache key.
-
-    As :func:`enum_config_state`: thread-local under ``with state(value):``, read from
-    the environment variable ``name.upper()`` at import, and part of the jit key and the
-    trace context, so a function traced under one value is retraced under another.
-    """
-    from jax._src import config as _config
-
-    return _config.optional_enum_state(
-        name=name,
-        enum_values=values,
-        default=None,
-        help=help,
-        include_in_jit_key=True,
-        include_in_trace_context=True,
-    )

@@ -29,9 +29,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# Property tests: few examples, the same ones every run (CI must not depend on luck), no
-# deadline (the first example of a shape compiles).
-settings.register_profile("tessera", max_examples=20, deadline=None, derandomize=True)
+# Property tests, bounded here for the whole suite: few examples, the same ones every run
+# (CI must not depend on luck), no deadline (the first example of a shape compiles).
+settings.register_profile("tessera", max_examples=15, deadline=None, derandomize=True)
 settings.load_profile("tessera")
 
 

@@ -51,6 +51,25 @@ CASES = {
     "tanh": (ts.tanh, jnp.tanh, [X2]),
     "exp": (ts.exp, jnp.exp, [X2]),
     "rmsnorm": (ts.rmsnorm, _rms, [X2, W16]),
+    "rmsnorm_safe": (ts.rmsnorm_safe, _rms, [X2, W16]),
+    "abs": (ts.abs, jnp.abs, [X2]),
+    "sqrt": (lambda x: ts.sqrt(x * x + 1.0), lambda x: jnp.sqrt(x * x + 1.0), [X2]),
+    "round": (lambda x: ts.round(x) + x, lambda x: jnp.round(x) + x, [X2]),
+    "cast": (
+        lambda x: ts.cast(x, ts.bf16).astype(jnp.float32),
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+        [X2],
+    ),
+    "fft_abs": (
+        lambda x: jnp.abs(ts.fft(x, axis=0)),
+        lambda x: jnp.abs(jnp.fft.fft(x, axis=0)),
+        [((16, 8), P(None, "tp"))],
+    ),
+    "fused_mlp": (
+        lambda x, w1, w2: ts.op.fused_mlp(x, w1, jnp.zeros(16), w2, jnp.zeros(4)),
+        lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2,
+        [((8, 16), P("dp", None)), ((16, 16), P()), ((16, 4), P())],
+    ),
     "layernorm": (ts.layernorm, _ln, [X2, W16, W16]),
     "matmul": (ts.matmul, jnp.matmul, [((8, 16), P("dp", None)), ((16, 4), P(None, "tp"))]),
     "matmul_batched": (

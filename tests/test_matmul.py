@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.extend.core import ClosedJaxpr
 from jax.test_util import check_grads
@@ -820,7 +820,6 @@ def test_jaxpr_shows_one_ts_matmul_per_call():
 # --- hypothesis ---------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(1, 40),
     k=st.integers(1, 40),

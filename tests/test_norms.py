@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
@@ -142,7 +142,6 @@ def test_jaxpr_shows_the_primitives():
     assert "ts_layernorm" in str(jax.make_jaxpr(ts.layernorm)(x, w, w))
 
 
-@settings(max_examples=15, deadline=None)
 @given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3))
 def test_norms_hypothesis_shapes(shape):
     x = rand(tuple(shape), scale=2.0)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
@@ -106,7 +106,6 @@ def test_vmap_grad_of_vmap():
     assert gm.shape == (4, 6, 3)
 
 
-@settings(max_examples=25, deadline=None)
 @given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), data=st.data())
 def test_sum_hypothesis_shapes(shape, data):
     axes = data.draw(st.sets(st.integers(0, len(shape) - 1)))

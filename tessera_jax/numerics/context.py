@@ -27,9 +27,10 @@ ACCUMULATE_DTYPES: dict[str, np.dtype] = {
     str(d.container): np.dtype(d.container) for d in ALL_DTYPES.values()
 }
 
-_accumulate_state = _compat.optional_enum_config_state(
+_accumulate_state = _compat.enum_config_state(
     name="tessera_accumulate",
     values=list(ACCUMULATE_DTYPES),
+    default=None,
     help="The default accumulation dtype of tessera_jax operators traced in this context.",
 )
 

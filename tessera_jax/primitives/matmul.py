@@ -96,6 +96,7 @@ from tessera_jax.primitives._core import (
     as_array,
     batching,
     explicit_sharding,
+    is_float,
     not_mapped,
     zero_tangent,
 )
@@ -108,10 +109,6 @@ _I8 = np.dtype(np.int8)
 _I32 = np.dtype(np.int32)
 _WIDE_FLOATS = (_F16, _BF16, _F32, _F64)
 SUPPORTED_DTYPES = (*_WIDE_FLOATS, *FP8_DTYPES, _I8)
-
-
-def _is_float(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
 
 
 def _is_int(dtype: Any) -> bool:
@@ -321,14 +318,14 @@ def linear(
     bias = None
     if b is not None:
         bias = as_array("linear", "b", b)
-        if not _is_float(bias.dtype):
+        if not is_float(bias.dtype):
             raise TypeError(f"linear: b.dtype={bias.dtype} must be a float dtype")
         if bias.shape != (n,):
             raise ValueError(f"linear: b.shape={bias.shape} must be (N,)=({n},)")
     res = None
     if residual is not None:
         res = as_array("linear", "residual", residual)
-        if not (_is_float(res.dtype) or _is_int(res.dtype)):
+        if not (is_float(res.dtype) or _is_int(res.dtype)):
             raise TypeError(f"linear: residual.dtype={res.dtype} must be a real dtype")
         if res.shape != out_shape:
             raise ValueError(
@@ -468,7 +465,7 @@ def _out_dtype(op: str, out_dtype: Any, ops: _Operands) -> np.dtype:
     except TypeError as e:
         raise TypeError(f"{op}: out_dtype={out_dtype!r}: {e}") from None
     ints_in = _is_int(ops.a.dtype)
-    if not (_is_float(out) or (ints_in and out == _I32)):
+    if not (is_float(out) or (ints_in and out == _I32)):
         allowed = "a float dtype or int32" if ints_in else "a float dtype"
         raise TypeError(f"{op}: out_dtype={out} must be {allowed}")
     return out
@@ -487,9 +484,9 @@ def _default_accumulate(op: str, da: np.dtype, db: np.dtype) -> np.dtype:
         return default
     ctx = np.dtype(ctx)
     if _is_int(da):
-        if ctx == _I32 or (_is_float(ctx) and ctx.itemsize >= 4):
+        if ctx == _I32 or (is_float(ctx) and ctx.itemsize >= 4):
             return ctx
-    elif _is_float(ctx):
+    elif is_float(ctx):
         # Never narrower than the inputs (an f64 product under ts.accum(ts.f32) stays f64).
         return ctx if ctx.itemsize >= max(da.itemsize, db.itemsize) else default
     raise TypeError(
@@ -544,7 +541,7 @@ def _prepare_quantized(op: str, A: Any, B: Any, names: tuple[str, str]) -> _Oper
             x = x.dequantize()
         else:
             x = p
-            if not _is_float(x.dtype):
+            if not is_float(x.dtype):
                 raise TypeError(
                     f"{op}: {name}.dtype={x.dtype} cannot be multiplied with a "
                     "QuantizedTensor; pass a float array"
@@ -716,7 +713,7 @@ def _matmul_jvp(primals, tangents, *, spec: MatmulSpec):
     bias, residual, scale = spec.split(extras)
     tbias, tres, tscale = spec.split(textras)
     out_dtype = spec.out_dtype
-    if not _is_float(out_dtype):  # an int32 product: not differentiable
+    if not is_float(out_dtype):  # an int32 product: not differentiable
         y = matmul_op.bind(*primals, spec=spec)
         return y, zero_tangent(y)
     if spec.activation is None:
@@ -754,7 +751,7 @@ def _cotangent_for(ct: jax.Array, other: jax.Array) -> jax.Array:
     accumulating in f32); against fp8 operands the cotangent stays as it is.
     """
     od = np.dtype(other.dtype)
-    if ct.dtype != od and od in _WIDE_FLOATS and _is_float(ct.dtype):
+    if ct.dtype != od and od in _WIDE_FLOATS and is_float(ct.dtype):
         return ct.astype(od)
     return ct
 
@@ -781,7 +778,7 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
         cts[slot] = ad.Zero(lin.aval)
         return cts
     ta, tb = spec.transpose_a, spec.transpose_b
-    acc = spec.accumulate_dtype if _is_float(spec.accumulate_dtype) else _F32
+    acc = spec.accumulate_dtype if is_float(spec.accumulate_dtype) else _F32
     ep = epilogue_dtype(acc)
     nlead = ct.ndim - 2
 

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
+from tessera_jax.primitives.collectives import partition_entry
 from tessera_jax.sharding import regions as _regions
 from tessera_jax.sharding.mesh import Mesh, as_mesh, axis_names, constrain, current_mesh
 from tessera_jax.sharding.spec import ShardSpec, as_partition_spec, entry_axes, spec_axes
@@ -63,10 +64,6 @@ def _is_array(x: Any) -> bool:
 
 def _order(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axes if a in set(axes))
-
-
-def _entry(axes: tuple[str, ...]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def index_launch(
@@ -288,7 +285,7 @@ def _result_types(body, m: Mesh, arrays, specs):
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(jm, s))
         for a, s in zip(arrays, specs)
     ]
-    spec = P(_entry(tuple(m.axes)))
+    spec = P(partition_entry(tuple(m.axes)))
     jax.eval_shape(
         _compat.shard_map(probe, mesh=jm, in_specs=tuple(specs), out_specs=spec, check_vma=True),
         *shapes,
@@ -311,6 +308,6 @@ def _result_specs(m: Mesh, info, out: Any) -> tuple[list[P], list[bool]]:
         return [as_partition_spec(s, nd) for s, (_, nd) in zip(user, info)], [False] * len(info)
     specs, scalar = [], []
     for vma, nd in info:
-        specs.append(P(_entry(_order(m, vma))) if vma else P())
+        specs.append(P(partition_entry(_order(m, vma))) if vma else P())
         scalar.append(bool(vma) and nd == 0)
     return specs, scalar

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from tessera_jax.sharding.mesh import constrain, is_int
-from tessera_jax.sharding.tensor import DistTensor, Parts
+from tessera_jax.sharding.tensor import DistTensor, Parts, add_arithmetic
 
 
 class RegionError(ValueError):
@@ -251,18 +250,7 @@ def _read_written(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[..
     return method
 
 
-for _name, _op in {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "matmul": operator.matmul,
-    "pow": operator.pow,
-    "mod": operator.mod,
-}.items():
-    setattr(WriteRegion, f"__{_name}__", _read_written(_op, False))
-    setattr(WriteRegion, f"__r{_name}__", _read_written(_op, True))
+add_arithmetic(WriteRegion, _read_written)
 WriteRegion.__neg__ = lambda self: -self.__jax_array__()
 
 

@@ -82,6 +82,7 @@ from tessera_jax._config import get_kernel_mode, kernel_mode
 from tessera_jax.contracts.matmul import MatmulSpec, epilogue
 from tessera_jax.primitives import _core
 from tessera_jax.primitives import collectives as _coll
+from tessera_jax.primitives.collectives import partition_entry
 from tessera_jax.primitives.reductions import canonical_sum, pairwise_tree_sum
 from tessera_jax.sharding.spec import entry_axes
 
@@ -138,10 +139,6 @@ def _major(d: Dim) -> str:
     return d[0] if isinstance(d, tuple) else d
 
 
-def _entry(axes: tuple[str, ...]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _mesh_size(mesh: Any, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
@@ -172,7 +169,7 @@ def assign_factors(mesh: Any, factors: Factors, shardings: Sequence[Any]) -> dic
 
 
 def _sharding(mesh: Any, mapping: tuple[Dim, ...], assign: dict[str, tuple]) -> NamedSharding:
-    return NamedSharding(mesh, P(*(_entry(assign.get(_major(d), ())) for d in mapping)))
+    return NamedSharding(mesh, P(*(partition_entry(assign.get(_major(d), ())) for d in mapping)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,7 +137,8 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[..., Any
     return method
 
 
-for _name, _op in {
+# The binary arithmetic operators an array-like wrapper forwards (and their reflections).
+ARITHMETIC = {
     "add": operator.add,
     "sub": operator.sub,
     "mul": operator.mul,
@@ -146,9 +147,17 @@ for _name, _op in {
     "matmul": operator.matmul,
     "pow": operator.pow,
     "mod": operator.mod,
-}.items():
-    setattr(DistTensor, f"__{_name}__", _binary(_op, False))
-    setattr(DistTensor, f"__r{_name}__", _binary(_op, True))
+}
+
+
+def add_arithmetic(cls: type, method: Callable[[Any, bool], Callable[..., Any]]) -> None:
+    """Sets ``cls.__add__``, ``cls.__radd__``, … from ``method(op, reflected)``."""
+    for name, op in ARITHMETIC.items():
+        setattr(cls, f"__{name}__", method(op, False))
+        setattr(cls, f"__r{name}__", method(op, True))
+
+
+add_arithmetic(DistTensor, _binary)
 for _name, _op in {
     "lt": operator.lt,
     "le": operator.le,
