@@ -51,10 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Start N local processes of a multi-process JAX run; each calls "
         "ts.dist.initialize() to join it.",
     )
-    p.add_argument("--nproc", type=str, required=True, help="number of processes (>= 1)")
+    p.add_argument("--nproc", metavar="N", required=True, help="number of processes (>= 1)")
     p.add_argument(
         "--devices-per-proc",
-        type=str,
+        metavar="K",
         default="1",
         help="devices per process: K virtual CPU devices on the CPU, K local GPUs on GPUs "
         "(default 1)",

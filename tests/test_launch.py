@@ -50,13 +50,13 @@ from jax.sharding import PartitionSpec as P
 
 assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
 inputs = np.load(sys.argv[1])
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+mesh = ts.dist.mesh(axes=("d",))
 out = {}
 for name in inputs.files:
     x = inputs[name]
     if name.endswith("bf16"):
         x = x.astype(jax.numpy.bfloat16)
-    xg = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("d")), lambda i: x[i])
+    xg = jax.make_array_from_callback(x.shape, NamedSharding(mesh.jax_mesh, P("d")), lambda i: x[i])
     y = ts.op.all_reduce(xg, name.split("_")[0], "d", mesh=mesh)
     out[name] = np.asarray(y.addressable_data(0)).astype(np.float32)
 np.savez(f"{sys.argv[2]}.{jax.process_index()}.npz", **out)
@@ -296,6 +296,20 @@ def test_initialize_environment_errors(monkeypatch, env, message):
     with pytest.raises(ValueError, match="^ts.dist.initialize: ") as e:
         ts.dist.initialize()
     assert message in str(e.value)
+
+
+def test_initialize_with_no_run_to_join():
+    """Outside the launcher and any cluster, with no arguments, the error says what to do."""
+    env = {k: v for k, v in _env().items() if not k.startswith(("TESSERA_", "SLURM_", "OMPI_"))}
+    code = "import tessera_jax as ts; ts.dist.initialize()"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 1
+    assert (
+        "ValueError: ts.dist.initialize: no run to join: coordinator_address, num_processes, "
+        "process_id not given"
+    ) in run.stderr, run.stderr
 
 
 def test_initialize_after_the_backend_started():

@@ -170,8 +170,21 @@ def initialize(
             initialization_timeout=initialization_timeout,
         )
     except ValueError as e:
-        # JAX's detection found no cluster for the arguments still unset.
+        unset = [
+            name
+            for name, value in (
+                ("coordinator_address", coordinator_address),
+                ("num_processes", num_processes),
+                ("process_id", process_id),
+            )
+            if value is None
+        ]
+        if not unset:
+            raise
+        # JAX's cluster detection found nothing to fill the arguments still unset.
         raise ValueError(
-            f"{_FN}: {e} Pass coordinator_address, num_processes and process_id, start the "
-            "processes with tessera-launch, or run under SLURM (srun) or Open MPI (mpirun)"
+            f"{_FN}: no run to join: {', '.join(unset)} not given, no TESSERA_* variables "
+            f"(tessera-launch) and no SLURM or Open MPI environment detected ({e}). Pass "
+            "coordinator_address, num_processes and process_id, start the processes with "
+            "tessera-launch, or run under srun or mpirun"
         ) from e
