@@ -31,7 +31,8 @@ from typing import IO
 __all__ = ["main"]
 
 PROG = "tessera-launch"
-#: Seconds a child gets between SIGTERM and SIGKILL once the run is being torn down.
+#: Seconds a child gets between SIGTERM and SIGKILL once the run is being torn down. JAX's
+#: preemption service takes SIGTERM as a notice, so a JAX child often needs the SIGKILL.
 GRACE_S = 5.0
 _POLL_S = 0.05
 

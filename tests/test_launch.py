@@ -86,6 +86,29 @@ if rank == 1:
 time.sleep(120)
 """
 
+# Both ranks reduce in a loop, so once rank 1 is killed rank 0 is blocked in a collective.
+BLOCKED = """
+import os, sys
+
+import numpy as np
+
+import tessera_jax as ts
+
+ts.dist.initialize()
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+mesh = ts.dist.mesh(axes=("d",))
+rows = NamedSharding(mesh.jax_mesh, P("d"))
+x = jax.make_array_from_callback((2, 8), rows, lambda i: np.ones((1, 8), np.float32))
+ts.op.all_reduce(x, "sum", "d", mesh=mesh).block_until_ready()
+open(f"{sys.argv[1]}/pid.{jax.process_index()}", "w").write(str(os.getpid()))
+while True:
+    x = ts.op.all_reduce(x, "max", "d", mesh=mesh).block_until_ready()
+"""
+
 SLEEPER = """
 import os, sys, time
 
@@ -191,6 +214,25 @@ def test_failed_rank_stops_the_run(tmp_path, how):
         assert "tessera-launch: rank 1 was killed by SIGKILL (signal 9)" in stderr
     assert stdout.count("] started") == 3 and "[rank 2] started" in stdout
     pids = _pids(tmp_path, ["pid.0", "pid.1", "pid.2", "grandchild"], within_s=0)
+    assert _all_dead(pids), [p for p in pids if _alive(p)]
+
+
+def test_killed_jax_worker_stops_the_run(tmp_path):
+    """A JAX worker killed from outside while its peer waits in a collective: the launcher
+    ends the run within 30 s, naming the rank."""
+    (tmp_path / "blocked.py").write_text(BLOCKED)
+    proc = _launch(["--nproc", "2", str(tmp_path / "blocked.py"), str(tmp_path)], _env())
+    try:
+        pids = _pids(tmp_path, ["pid.0", "pid.1"])
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    elapsed = time.monotonic() - killed
+    assert elapsed < 30, f"the launcher took {elapsed:.1f} s"
+    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    assert "tessera-launch: rank 1 was killed by SIGKILL (signal 9)" in stderr
     assert _all_dead(pids), [p for p in pids if _alive(p)]
 
 
