@@ -110,7 +110,7 @@ def initialize(
 
     Call it once per process, before any JAX computation (the backend must not have
     started: it is then built with every process's devices). On the CPU, cross-process
-    collectives use gloo.
+    collectives use gloo unless ``jax_cpu_collectives_implementation`` names another.
 
     **Arguments:**
 
@@ -159,8 +159,10 @@ def initialize(
             f"{_FN}: must run before any JAX computation (jax.devices(), device_put, jit "
             "...): a backend that has started cannot see the other processes' devices"
         )
-    # gloo is JAX's default today; naming it keeps a run on the CPU working if that moves.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without a CPU collectives implementation, processes on the CPU could not reduce
+    # across each other; gloo needs nothing installed. A user's choice (mpi) is kept.
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
             coordinator_address,
