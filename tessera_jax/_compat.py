@@ -418,3 +418,10 @@ def outside_mesh_context():
     from jax._src import mesh as mesh_lib
 
     return jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
+
+
+def backends_started() -> bool:
+    """Whether a JAX backend has started (after which ``jax.distributed.initialize`` fails)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
