@@ -78,6 +78,20 @@ class Kernel:
     hardware: Callable[[str], str | None] | None = None
     interpretable: bool = True
 
+    @classmethod
+    def from_module(cls, name: str, module: Any, fn: Callable[..., Any]) -> Kernel:
+        """The record of a kernel module that offers the vocabulary by name (``supports``,
+        ``prefer``, ``hardware``, optionally ``PLATFORMS`` and ``INTERPRETABLE``)."""
+        return cls(
+            name=name,
+            fn=fn,
+            supports=module.supports,
+            prefer=module.prefer,
+            platforms=getattr(module, "PLATFORMS", ("cuda",)),
+            hardware=module.hardware,
+            interpretable=getattr(module, "INTERPRETABLE", True),
+        )
+
     def unavailable(self, mode: str, platform: str | None) -> str | None:
         """Why the kernel cannot be lowered in ``mode`` for ``platform`` (None if it can),
         before looking at the case itself."""

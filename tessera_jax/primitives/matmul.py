@@ -908,23 +908,5 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
 # mode only where it measured at least as fast as cuBLAS), then the portable BlockSpec kernel
 # for other GPUs (never preferred over cuBLAS; runs under ``pallas``). ``interpret`` mode
 # takes the first kernel that supports the case, on any platform.
-matmul_op.add_kernel(
-    Kernel(
-        name="mosaic_gpu",
-        fn=_mgpu.matmul,
-        supports=_mgpu.supports,
-        prefer=_mgpu.prefer,
-        platforms=("cuda",),
-        hardware=_mgpu.hardware,
-    )
-)
-matmul_op.add_kernel(
-    Kernel(
-        name="pallas_portable",
-        fn=_portable.matmul,
-        supports=_portable.supports,
-        prefer=_portable.prefer,
-        platforms=("cuda",),
-        hardware=_portable.hardware,
-    )
-)
+matmul_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.matmul))
+matmul_op.add_kernel(Kernel.from_module("pallas_portable", _portable, _portable.matmul))

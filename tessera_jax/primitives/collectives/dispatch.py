@@ -50,15 +50,7 @@ class AllReduceSpec:
     n: int
 
 
-NVLINK = Kernel(
-    name="nvlink",
-    fn=allreduce_mgpu.fn,
-    supports=allreduce_mgpu.supports,
-    prefer=allreduce_mgpu.prefer,
-    platforms=("cuda",),
-    hardware=allreduce_mgpu.hardware,
-    interpretable=allreduce_mgpu.INTERPRETABLE,
-)
+NVLINK = Kernel.from_module("nvlink", allreduce_mgpu, allreduce_mgpu.fn)
 
 # The all-reduce kernels, in the order dispatch tries them.
 KERNELS: tuple[Kernel, ...] = (NVLINK,)
