@@ -1,25 +1,179 @@
-"""The main job: `python -m tessera_jax demo` trains, prints loss/grad norm, is deterministic."""
+"""The main job: `python -m tessera_jax demo` trains a transformer on a dp×tp mesh; its
+fingerprint does not depend on the mesh, the process count, or stopping and resuming."""
 
+import argparse
+import os
+import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
-from tessera_jax.__main__ import demo, main
+import numpy as np
+import pytest
+
+from tessera_jax.__main__ import main
+from tessera_jax.train import data, demo, model
+
+ROOT = pathlib.Path(__file__).parent.parent
+# A model small enough for CI: a few steps compile and run in seconds.
+TINY = ["--layers", "1", "--width", "64", "--seq", "32", "--batch", "8"]
 
 
-def test_demo_trains_and_is_deterministic(capsys):
-    a = demo(steps=8, seed=3)
-    b = demo(steps=8, seed=3)
-    assert a["final_loss"] < a["first_loss"]
-    assert a == b
-    out = capsys.readouterr().out
-    assert "loss" in out and "grad_norm" in out and a["fingerprint"] in out
+def run(*argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return demo.run(parser.parse_args([*TINY, *argv]), log=lambda *a, **k: None)
 
 
-def test_cli_entry_point():
-    assert main(["demo", "--steps", "2"]) == 0
+def fingerprint_of(output: str) -> str:
+    found = re.findall(r"fingerprint: ([0-9a-f]{16})", output)
+    assert found, output[-2000:]
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """4 steps on all 8 devices (the default mesh, dp=4 × tp=2)."""
+    return run("--steps", "4")
+
+
+# The in-process runs share compiled programs (step.py caches them per mesh): one worker.
+pytestmark = pytest.mark.xdist_group("demo")
+
+
+def test_fingerprint_is_mesh_invariant(reference):
+    assert reference["final_loss"] < reference["first_loss"]
+    for argv in (
+        ["--devices", "1"],
+        ["--devices", "2", "--mesh", "dp=2,tp=1"],
+        ["--mesh", "dp=2,tp=4"],
+    ):
+        assert run("--steps", "4", *argv)["fingerprint"] == reference["fingerprint"], argv
+    assert run("--steps", "4")["fingerprint"] == reference["fingerprint"]  # and run to run
+
+
+def test_resume_on_another_mesh_and_corrupt_checkpoints(reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run("--steps", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "1")
+    assert sorted(os.listdir(ckpt)) == ["1", "2"]
+    # Resumed on 2 devices (dp=1 × tp=2) from the 8-device checkpoint.
+    out = run("--steps", "4", "--devices", "2", "--checkpoint-dir", ckpt, "--resume")
+    assert out["fingerprint"] == reference["fingerprint"]
+
+    # Damage the newest checkpoint (4): its bytes no longer read back as saved.
+    files = [p for p in (pathlib.Path(ckpt) / "4").rglob("*") if p.is_file() and p.stat().st_size]
+    for p in files:
+        if "meta" not in p.parts:
+            p.write_bytes(b"\0" * p.stat().st_size)
+    messages = []
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([*TINY, "--steps", "4", "--checkpoint-dir", ckpt, "--resume"])
+    out = demo.run(args, log=messages.append)
+    assert any("checkpoint" in m and "corrupt" in m for m in messages), messages
+    assert any("resumed from step 2" in m for m in messages), messages
+    assert out["fingerprint"] == reference["fingerprint"]
+    assert (pathlib.Path(ckpt) / "corrupt" / "4").is_dir()  # kept, moved aside
+
+
+def test_resume_settings_must_match(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run("--steps", "1", "--checkpoint-dir", ckpt)
+    with pytest.raises(ValueError, match="was written with"):
+        run("--steps", "2", "--checkpoint-dir", ckpt, "--resume", "--seed", "1")
+    with pytest.raises(ValueError, match="--resume needs --checkpoint-dir"):
+        run("--steps", "2", "--resume")
+
+
+def _demo_cmd(*argv):
+    return [sys.executable, "-m", "tessera_jax", "demo", *TINY, *argv]
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def test_killed_run_resumes_to_the_same_fingerprint(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        _demo_cmd("--steps", "400", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not (ckpt / "2").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # The run died somewhere after step 2, maybe while saving: resume from what is there.
+    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert steps and steps[-1] >= 2
+    out = run("--steps", "4", "--checkpoint-dir", str(ckpt), "--resume")
+    assert out["fingerprint"] == reference["fingerprint"]
+
+
+def test_two_processes_match_one(reference):
+    """tessera-launch --nproc 2 --devices-per-proc 4: the 8-device fingerprint."""
+    cmd = [sys.executable, "-m", "tessera_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
     proc = subprocess.run(
-        [sys.executable, "-m", "tessera_jax", "demo", "--steps", "0"],
+        [*cmd, "-m", "tessera_jax", "demo", *TINY, "--steps", "4"],
+        env=_env(),
         capture_output=True,
         text=True,
+        timeout=300,
     )
-    assert proc.returncode != 0 and "--steps=0 must be at least 1" in proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "8 cpu device(s) in 2 process(es), mesh dp=4 × tp=2" in proc.stdout
+    assert "sample: 'The " in proc.stdout and "final loss" in proc.stdout
+    assert fingerprint_of(proc.stdout) == reference["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps=0 must be >= 1"),
+        (["--batch", "12"], "--batch=12 must be a multiple of the 8 gradient groups"),
+        (["--mesh", "dp=2,tp=3"], "does not cover the 8 devices"),
+        (["--mesh", "dp=1,tp=8"], "tp=8 must divide the model's 4 tensor-parallel chunks"),
+        (["--mesh", "pp=8"], "must look like dp=4,tp=2"),
+        (["--devices", "9"], "--devices=9 must be in [1, 8]"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *TINY, *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_data_is_a_function_of_the_step():
+    tokens = data.encode(data.corpus())
+    a = data.batch(tokens, 7, batch_size=8, seq_len=32, seed=0)
+    assert (
+        a.shape == (8, 33) and (a == data.batch(tokens, 7, batch_size=8, seq_len=32, seed=0)).all()
+    )
+    assert not (a == data.batch(tokens, 8, batch_size=8, seq_len=32, seed=0)).all()
+    assert data.decode(data.encode("tile → mesh")) == "tile → mesh"
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match="n_heads=6 must be a multiple of chunks=4"):
+        model.ModelConfig(d_model=96, n_heads=6)
+    with pytest.raises(ValueError, match="chunks=3 must be a power of two"):
+        model.ModelConfig(chunks=3)
+
+
+def test_tree_sum_is_the_canonical_order():
+    import jax.numpy as jnp
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 5)), jnp.float32)
+    want = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))
+    assert (np.asarray(model.tree_sum(x, None)) == np.asarray(want)).all()

@@ -1,0 +1,167 @@
+"""The demo's training step on a ``dp × tp`` mesh: per-group gradients added on the
+canonical tree (``model.py`` says why), then AdamW.
+
+The loss and gradients are computed under ``jax.shard_map`` — each device runs its
+groups with ``lax.map`` and the tensor-parallel chunks it holds, and every sum across
+devices is ``ts.all_reduce(..., deterministic=True)``. The optimizer update is
+elementwise, so it runs in the global view on the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tessera_jax import _compat
+from tessera_jax.train import model
+from tessera_jax.train.model import DP, TP, ModelConfig
+
+# The global batch is cut into this many groups: the data-parallel invariance holds for
+# every dp dividing it.
+GROUPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a warmup then inverse-square-root schedule.
+
+    The learning rate at step ``i`` depends on ``i`` only (never on the run's length),
+    so a run resumed at step ``k`` continues exactly as an uninterrupted one would.
+    """
+
+    peak_lr: float = 3e-3
+    warmup: int = 20
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.01
+
+    def schedule(self, step):
+        step = jnp.asarray(step, jnp.float32) + 1.0
+        warm = np.float32(self.warmup)
+        return np.float32(self.peak_lr) * jnp.minimum(step / warm, jnp.sqrt(warm / step))
+
+    def optimizer(self) -> optax.GradientTransformation:
+        # Norm gains are not decayed.
+        decay = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+        return optax.adamw(
+            self.schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay, mask=decay
+        )
+
+
+def make_mesh(devices, dp: int, tp: int) -> jax.sharding.Mesh:
+    """A ``dp × tp`` mesh (Auto axes) over ``devices`` in order."""
+    return _compat.make_mesh(np.asarray(devices, dtype=object).reshape(dp, tp), (DP, TP))
+
+
+def check_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int) -> None:
+    """Raises ValueError unless the mesh and batch keep the run mesh-invariant."""
+    dp, tp = mesh.shape[DP], mesh.shape[TP]
+    if batch % GROUPS:
+        raise ValueError(f"--batch={batch} must be a multiple of the {GROUPS} gradient groups")
+    if GROUPS % dp:
+        raise ValueError(
+            f"the mesh's dp={dp} must divide the {GROUPS} gradient groups (1, 2, 4 or 8)"
+        )
+    if cfg.chunks % tp:
+        raise ValueError(
+            f"the mesh's tp={tp} must divide the model's {cfg.chunks} tensor-parallel chunks"
+        )
+
+
+def shardings(mesh, tree_of_specs):
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), tree_of_specs, is_leaf=lambda s: isinstance(s, P)
+    )
+
+
+def _init_tree(cfg: ModelConfig, opt: optax.GradientTransformation, key) -> dict[str, Any]:
+    params = model.init(cfg, key)
+    return {"params": params, "opt_state": opt.init(params)}
+
+
+def init_state(cfg: ModelConfig, optim: OptimConfig, mesh, seed: int) -> dict[str, Any]:
+    """``{"params", "opt_state"}`` laid out on ``mesh``; the values do not depend on it."""
+    return _initializer(cfg, optim, mesh)(jax.random.key(seed))
+
+
+# Compiled programs are cached per (config, mesh): a resumed or repeated run in the same
+# process (a notebook, the tests) does not compile them again.
+@functools.lru_cache(maxsize=16)
+def _initializer(cfg: ModelConfig, optim: OptimConfig, mesh):
+    opt = optim.optimizer()
+    init = functools.partial(_init_tree, cfg, opt)
+    specs = state_specs(opt, jax.eval_shape(init, jax.random.key(0)))
+    return jax.jit(init, out_shardings=shardings(mesh, specs))
+
+
+def state_specs(opt: optax.GradientTransformation, state) -> dict[str, Any]:
+    """The PartitionSpecs of ``{"params", "opt_state"}``: optimizer moments as their
+    parameters, scalars (the step count) replicated."""
+    specs = model.param_specs(state["params"])
+    opt_specs = optax.tree_map_params(
+        opt,
+        lambda _, s: s,
+        state["opt_state"],
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return {"params": specs, "opt_state": opt_specs}
+
+
+@functools.lru_cache(maxsize=16)
+def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh):
+    """``step(state, windows) -> (state, loss)``, jitted; ``windows: (GROUPS, B/GROUPS,
+    S + 1)`` int32 laid out over ``dp``."""
+    opt = optim.optimizer()
+    abstract = jax.eval_shape(lambda key: _init_tree(cfg, opt, key), jax.random.key(0))
+    specs = state_specs(opt, abstract)
+
+    def local(params, windows):
+        vg = jax.value_and_grad(functools.partial(model.loss, cfg), argnums=0)
+        losses, grads = jax.lax.map(lambda w: vg(params, w, TP), windows)
+        scale = np.float32(1.0 / GROUPS)  # a power of two: exact
+        loss = model.tree_sum(losses, DP) * scale
+        return loss, jax.tree.map(lambda g: model.tree_sum(g, DP) * scale, grads)
+
+    loss_and_grads = jax.jit(
+        _compat.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(specs["params"], P(DP)),
+            out_specs=(P(), specs["params"]),
+            check_vma=False,
+        )
+    )
+
+    # The update is its own program: XLA contracts a*b + c*d into an FMA on one product
+    # or the other depending on the program around it, so fused with the mesh-dependent
+    # collectives above its rounding would depend on the mesh.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def update(state, grads):
+        # optax mixes int and float scalars (its step count), which strict promotion refuses.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+
+    def step(state, windows):
+        loss, grads = loss_and_grads(state["params"], windows)
+        return update(state, grads), loss
+
+    return step
+
+
+def place_windows(mesh, windows: np.ndarray) -> jax.Array:
+    """The host batch ``(B, S + 1)`` as a global ``(GROUPS, B/GROUPS, S + 1)`` array laid
+    out over ``dp`` (each process supplies its own devices' groups)."""
+    grouped = windows.reshape(GROUPS, windows.shape[0] // GROUPS, windows.shape[1])
+    sharding = NamedSharding(mesh, P(DP))
+    return jax.make_array_from_callback(grouped.shape, sharding, lambda idx: grouped[idx])
