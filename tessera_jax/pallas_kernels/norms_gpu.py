@@ -14,7 +14,9 @@ Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident t
 reduction along its minor axis and masked loads and stores of ragged rows, which the
 Triton backend lowers directly (warp shuffles, vectorised masked accesses) for any row
 length; Mosaic GPU would need a TMA/shared-memory pipeline and a layout for the row
-reduction for no more bandwidth. Everything here also runs in Pallas' interpreter.
+reduction for no more bandwidth. Everything here also runs in Pallas' interpreter. The
+Triton backend is deprecated from jax 0.11 (it warns at lowering); the kernel bodies are
+jax.numpy on register tiles, so a port changes the loads, stores and launch, not the math.
 
 The numerics are the operators' own (``primitives/norms.py``, ``primitives/softmax.py``),
 restated here because kernels do not import the operators: softmax's fully ``-inf`` row
@@ -94,11 +96,14 @@ class RowConfig:
 
     @staticmethod
     def default(rows: int, d: int, *, backward: bool) -> RowConfig:
-        """About 2048 elements per program block and 16 per thread and array; backward
-        programs walk enough blocks for about ``_BWD_PROGRAMS`` programs."""
+        """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
+        warps ran fastest); backward, which keeps four f32 tiles live: about 2048, 16 per
+        thread, each program walking enough blocks for about ``_BWD_PROGRAMS`` programs.
+        The measured configs are in benchmarks/results/norms-h100-sweep.json."""
         dp = pl.next_power_of_2(d)
-        block_rows = max(1, min(2048 // dp, pl.next_power_of_2(rows)))
-        num_warps = max(4, min(16, block_rows * dp // 512))
+        elems, per_thread = (2048, 16) if backward else (8192, 32)
+        block_rows = max(1, min(elems // dp, pl.next_power_of_2(rows)))
+        num_warps = max(4, min(16, block_rows * dp // (32 * per_thread)))
         blocks = pl.cdiv(rows, block_rows)
         steps = max(1, pl.cdiv(blocks, _BWD_PROGRAMS)) if backward else 1
         return RowConfig(block_rows, num_warps, steps)
@@ -416,17 +421,19 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     return None
 
 
-# The smallest problem for which ``auto`` mode takes a kernel: below it a launch costs more
-# than the bandwidth it saves over XLA's fusion.
-PREFER_MIN_ELEMENTS = 1 << 20
+# Where ``auto`` mode takes the kernels: the row lengths and sizes measured at least as fast
+# as XLA on an H100 (benchmarks/results/norms-h100.json: 8192×2048 and 32768×4096 bf16, every
+# forward ≥ 0.97×, every forward+backward ≥ 1.03×). Elsewhere XLA runs until measured.
+PREFER_ROW = (2048, 4096)
+PREFER_MIN_ELEMENTS = 1 << 24
 
 
 def prefer(spec: Any, avals: Sequence[Any]) -> bool:
-    """In ``auto`` mode: rows of at least 512 elements and at least ``PREFER_MIN_ELEMENTS``
-    elements in all (see benchmarks/results/norms-*.json)."""
+    """In ``auto`` mode: rows of ``PREFER_ROW`` elements and at least
+    ``PREFER_MIN_ELEMENTS`` elements in all, the measured range."""
     del spec
     x = avals[0]
-    return x.shape[-1] >= 512 and x.size >= PREFER_MIN_ELEMENTS
+    return PREFER_ROW[0] <= x.shape[-1] <= PREFER_ROW[1] and x.size >= PREFER_MIN_ELEMENTS
 
 
 def hardware(platform: str) -> str | None:

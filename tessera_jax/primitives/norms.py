@@ -27,12 +27,17 @@ Adjoints: JVP rules with explicit formulas in jax.numpy (``x̂ = x·r``)::
     rmsnorm:    dy = w·r·(dx − x̂·mean(x̂·dx)) + x̂·dw
     layernorm:  dy = w·r·(dc − x̂·mean(x̂·dc)) + x̂·dw + db,   dc = dx − mean(dx)
 
-linear in the tangents (reverse mode by transposition) and differentiable
-again (derivatives of any order).
+bound as ``ts_<op>_tangent(x, [w], tx, [tw], [tb])``, a primitive linear in the
+tangents, whose transpose (reverse mode) binds ``ts_<op>_bwd(x, [w], ct) -> (dx,
+[dw], [db])``: the backward reads x and the cotangent once and recomputes the
+statistics, so reverse mode saves only x and the parameters. The references of
+both are the formulas above in jax.numpy, through which derivatives of any
+order and vmap of these adjoint primitives go.
 
-Kernels: ``rmsnorm_op.add_kernel(Kernel(...))`` with
-``fn(x, [weight], *, interpret, eps, has_weight)`` (layernorm: ``…, [bias], …,
-has_bias``); ``supports`` should reject weights that are not ``(D,)``.
+Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec,
+x, [weight], [bias], *, interpret)`` for the forward and ``fn(spec, x, [weight],
+ct, *, interpret)`` for the backward, ``spec`` the frozen bind parameters; their
+``supports`` declines weights that are not ``(D,)`` (a vmapped weight).
 """
 
 from __future__ import annotations

@@ -11,12 +11,16 @@ gradient there is zero; log-softmax's is the cotangent itself (``δ − softmax`
 with softmax = 0). A row containing ``+inf`` or NaN gives NaN, as in
 ``jax.nn.softmax``.
 
-Adjoints: both operators have JVP rules written in jax.numpy on the primal
-output (``dy = y·(dx − Σ y·dx)`` for softmax, ``dx − Σ softmax(x)·dx`` for
-log-softmax), so reverse mode and derivatives of any order follow.
+Adjoints: both operators' JVPs are maps of the primal output ``y``, linear in
+the tangent, bound as primitives (``dy = y·(dx − Σ y·dx)``, ``ts_softmax_bwd``, for
+softmax; ``dx − Σ softmax(x)·dx``, ``ts_log_softmax_tangent``, for log-softmax)
+whose transposes are ``ts_softmax_bwd`` and ``ts_log_softmax_bwd``: reverse mode
+saves only ``y`` and reads ``(y, ct)`` once. Their references are jax.numpy, through
+which derivatives of any order go.
 
-Kernels: ``softmax_op.add_kernel(Kernel(...))`` with
-``fn(x, *, interpret, axis)``; ``axis`` is a non-negative int.
+Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec, x,
+*, interpret)`` and, for the backward, ``fn(spec, y, ct, *, interpret)``; ``spec``
+holds ``axis``, a non-negative int (the kernels take the last axis).
 """
 
 from __future__ import annotations
