@@ -58,6 +58,7 @@ from tessera_jax.primitives._core import (
     batching,
     check_dtype,
     compute_dtype,
+    explicit_sharding,
     move_bdim_to_front,
     not_mapped,
 )
@@ -337,10 +338,18 @@ def _tangent_transpose(bwd_op: Operator):
         out = [dx if ad.is_undefined_primal(tx) else None]
         for t, h, want in ((tw, has_weight, want_w), (tb, has_bias, want_b)):
             if h:
-                out.append(grads.pop(0).astype(t.aval.dtype) if want else None)
+                out.append(_as_cotangent(grads.pop(0), t.aval) if want else None)
         return [*nonlin, *out]
 
     return rule
+
+
+def _as_cotangent(g: jax.Array, aval) -> jax.Array:
+    """A parameter's f32 gradient as the cotangent of ``aval``: its dtype and, on a mesh
+    with Explicit axes, its sharding (the column sums keep x's sharding of D)."""
+    g = g.astype(aval.dtype)
+    want = explicit_sharding(aval)
+    return g if want is None or jax.typeof(g).sharding == want else jax.sharding.reshard(g, want)
 
 
 def _jvp_via_reference(op: Operator):
