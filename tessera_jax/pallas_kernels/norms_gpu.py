@@ -406,6 +406,8 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     dtype = np.dtype(x.dtype)
     if dtype not in _DTYPES:
         return f"x.dtype={dtype} (the kernels take bf16, f16 and f32)"
+    if x.size >= 2**31:
+        return f"x.size={x.size}: the kernels address elements with 32-bit offsets"
     d = x.shape[-1]
     if pl.next_power_of_2(d) > MAX_ROW:
         return f"a row of {d} elements does not fit in one program (at most {MAX_ROW})"
