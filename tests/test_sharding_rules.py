@@ -8,6 +8,7 @@ operator has. Operators that ship their own kernels are checked too.
 """
 
 import contextlib
+import math
 import re
 from collections import Counter
 
@@ -258,3 +259,24 @@ def test_shipped_kernels_do_not_gather(mesh, name):
     with ts.kernel_mode("interpret"):
         assert collectives(f, *args)["all-gather"] == 0
         assert jax.jit(f)(*args).sharding.spec == spec
+
+
+@pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm"])
+def test_shipped_norm_backward_keeps_rows_local(mesh, name):
+    """Gradients of batch-sharded norms with the shipped forward and backward kernels: dx
+    keeps x's sharding, and the only collectives move the (D,)-sized parameter sums (the
+    deterministic all-reduce of each device's column sums), never x."""
+    _, f, args, spec = _cases(mesh)[name]
+    loss = lambda *a: jnp.sum(f(*a) ** 2)
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    expect = jax.jit(grad)(*args)
+    with ts.kernel_mode("interpret"):
+        txt = jax.jit(grad).lower(*args).compile().as_text()
+        got = jax.jit(grad)(*args)
+    pat = r"= (.*?) (?:all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\("
+    for shapes in re.findall(pat, txt):  # a collective's result types (a tuple, or one)
+        for dims in re.findall(r"\[([\d,]*)\]", shapes):
+            assert math.prod(int(d) for d in dims.split(",") if d) <= 4 * 32, shapes
+    assert got[0].sharding.spec == spec
+    for g, e in zip(got, expect):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-4)

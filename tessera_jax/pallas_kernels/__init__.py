@@ -4,6 +4,7 @@
 * :mod:`.matmul_portable`: a plain ``pallas_call`` matmul for other GPUs (and interpret mode).
 * :mod:`.matmul_configs`: the tile config dataclass, named candidates, heuristic, budget checks.
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
+* :mod:`.norms_gpu`: row-wise softmax, log_softmax, rmsnorm and layernorm, forward and backward.
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).
 
 Every kernel module offers the same vocabulary (``fn(spec, *operands, interpret)``,

@@ -27,29 +27,38 @@ Adjoints: JVP rules with explicit formulas in jax.numpy (``x̂ = x·r``)::
     rmsnorm:    dy = w·r·(dx − x̂·mean(x̂·dx)) + x̂·dw
     layernorm:  dy = w·r·(dc − x̂·mean(x̂·dc)) + x̂·dw + db,   dc = dx − mean(dx)
 
-linear in the tangents (reverse mode by transposition) and differentiable
-again (derivatives of any order).
+bound as ``ts_<op>_tangent(x, [w], tx, [tw], [tb])``, a primitive linear in the
+tangents, whose transpose (reverse mode) binds ``ts_<op>_bwd(x, [w], ct) -> (dx,
+[dw], [db])``: the backward reads x and the cotangent once and recomputes the
+statistics, so reverse mode saves only x and the parameters. The references of
+both are the formulas above in jax.numpy, through which derivatives of any
+order and vmap of these adjoint primitives go.
 
-Kernels: ``rmsnorm_op.add_kernel(Kernel(...))`` with
-``fn(x, [weight], *, interpret, eps, has_weight)`` (layernorm: ``…, [bias], …,
-has_bias``); ``supports`` should reject weights that are not ``(D,)``.
+Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec,
+x, [weight], [bias], *, interpret)`` for the forward and ``fn(spec, x, [weight],
+ct, *, interpret)`` for the backward, ``spec`` the frozen bind parameters; their
+``supports`` declines weights that are not ``(D,)`` (a vmapped weight).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.pallas_kernels import norms_gpu as _gpu
 from tessera_jax.primitives._core import (
+    Kernel,
     Operator,
     ad,
     as_array,
     batching,
     check_dtype,
     compute_dtype,
+    explicit_sharding,
     move_bdim_to_front,
     not_mapped,
 )
@@ -154,16 +163,23 @@ def _rmsnorm_jvp(primals, tangents, *, eps, has_weight):
     w, _ = _split(rest, has_weight, False)
     tw, _ = _split(trest, has_weight, False)
     y = rmsnorm_op.bind(*primals, eps=eps, has_weight=has_weight)
+    if not _nonzero(tx):  # x is not differentiated: only x̂·tw, in jax.numpy
+        return y, _param_tangents(x, _rms_stats, eps, tw, None, y.dtype)
+    params = [w] if has_weight else []
+    tparams = [ad.instantiate_zeros(tw)] if has_weight else []
+    ty = rmsnorm_tangent_op.bind(x, *params, tx, *tparams, eps=eps, has_weight=has_weight)
+    return y, ty
+
+
+def _param_tangents(x, stats, eps, tw, tb, dtype):
+    """``x̂·tw + tb`` (the terms of the weight and bias tangents) in ``dtype``."""
     c = compute_dtype(x.dtype)
-    xhat, r = _rms_stats(x.astype(c), eps)
     terms = []
-    if _nonzero(tx):
-        txc = tx.astype(c)
-        d = r * (txc - xhat * _mean(xhat * txc))
-        terms.append(d if w is None else d * _like_x(w, x, c))
     if _nonzero(tw):
-        terms.append(xhat * _like_x(tw, x, c))
-    return y, _total(terms, x, c).astype(y.dtype)
+        terms.append(stats(x.astype(c), eps)[0] * _like_x(tw, x, c))
+    if _nonzero(tb):
+        terms.append(jnp.broadcast_to(_like_x(tb, x, c), x.shape))
+    return _total(terms, x, c).astype(dtype)
 
 
 ad.primitive_jvps[rmsnorm_op.prim] = _rmsnorm_jvp
@@ -191,22 +207,176 @@ def _layernorm_jvp(primals, tangents, *, eps, has_weight, has_bias):
     w, _ = _split(rest, has_weight, has_bias)
     tw, tb = _split(trest, has_weight, has_bias)
     y = layernorm_op.bind(*primals, eps=eps, has_weight=has_weight, has_bias=has_bias)
-    c = compute_dtype(x.dtype)
-    xhat, r = _ln_stats(x.astype(c), eps)
-    terms = []
-    if _nonzero(tx):
-        txc = tx.astype(c)
-        dc = txc - _mean(txc)
-        d = r * (dc - xhat * _mean(xhat * dc))
-        terms.append(d if w is None else d * _like_x(w, x, c))
-    if _nonzero(tw):
-        terms.append(xhat * _like_x(tw, x, c))
-    if _nonzero(tb):
-        terms.append(jnp.broadcast_to(_like_x(tb, x, c), x.shape))
-    return y, _total(terms, x, c).astype(y.dtype)
+    if not _nonzero(tx):  # x is not differentiated: only x̂·tw + tb, in jax.numpy
+        return y, _param_tangents(x, _ln_stats, eps, tw, tb, y.dtype)
+    params = [w] if has_weight else []
+    tparams = [ad.instantiate_zeros(t) for t, h in ((tw, has_weight), (tb, has_bias)) if h]
+    ty = layernorm_tangent_op.bind(
+        x, *params, tx, *tparams, eps=eps, has_weight=has_weight, has_bias=has_bias
+    )
+    return y, ty
 
 
 ad.primitive_jvps[layernorm_op.prim] = _layernorm_jvp
+
+
+# --- the adjoints: tangent and backward primitives -----------------------------------------
+# The JVP of ``ts_rmsnorm`` / ``ts_layernorm`` is ``ts_<op>_tangent(x, [w], tx, [tw], [tb])``,
+# linear in the tangents; its transpose binds ``ts_<op>_bwd(x, [w], ct) -> (dx, [dw], [db])``,
+# which reads x and the cotangent once and recomputes the statistics (the kernels do it in one
+# pass), so reverse mode saves only x and w. Both primitives' references are the formulas
+# above in jax.numpy; their own JVPs and batching go through those references, which keeps
+# derivatives of any order and vmap exact.
+
+
+def _reduce_to(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``v`` summed over the dimensions along which a parameter of ``shape`` broadcasts."""
+    full = (1,) * (v.ndim - len(shape)) + tuple(shape)
+    axes = tuple(i for i, (p, n) in enumerate(zip(full, v.shape)) if p == 1 and n != 1)
+    return jnp.sum(v, axis=axes).reshape(shape)
+
+
+def _split_tangent(rest, has_weight: bool, has_bias: bool):
+    """``(w, tx, tw, tb)`` from a tangent primitive's operands after x."""
+    rest = list(rest)
+    w = rest.pop(0) if has_weight else None
+    tx = rest.pop(0)
+    tw, tb = _split(rest, has_weight, has_bias)
+    return w, tx, tw, tb
+
+
+def _tangent_reference(stats, centre: bool):
+    def reference(x, *rest, eps, has_weight, has_bias=False):
+        w, tx, tw, tb = _split_tangent(rest, has_weight, has_bias)
+        c = compute_dtype(x.dtype)
+        xhat, r = stats(x.astype(c), eps)
+        txc = tx.astype(c)
+        if centre:
+            txc = txc - _mean(txc)
+        d = r * (txc - xhat * _mean(xhat * txc))
+        terms = [d if w is None else d * _like_x(w, x, c)]
+        if tw is not None:
+            terms.append(xhat * _like_x(tw, x, c))
+        if tb is not None:
+            terms.append(jnp.broadcast_to(_like_x(tb, x, c), x.shape))
+        return _total(terms, x, c).astype(x.dtype)
+
+    return reference
+
+
+def _bwd_reference(stats, centre: bool):
+    def reference(x, *rest, eps, has_weight, weight_grad_shape, bias_grad_shape=None):
+        *w, ct = rest
+        w = w[0] if has_weight else None
+        c = compute_dtype(x.dtype)
+        xhat, r = stats(x.astype(c), eps)
+        ctc = ct.astype(c)
+        g = ctc if w is None else ctc * _like_x(w, x, c)
+        u = g - xhat * _mean(xhat * g)
+        if centre:  # the transpose of the centring x − mean(x)
+            u = u - _mean(u)
+        outs = [(r * u).astype(x.dtype)]
+        if weight_grad_shape is not None:
+            outs.append(_reduce_to(ctc * xhat, weight_grad_shape))
+        if bias_grad_shape is not None:
+            outs.append(_reduce_to(ctc, bias_grad_shape))
+        return outs
+
+    return reference
+
+
+def _bwd_abstract_eval(x, *_, weight_grad_shape, bias_grad_shape=None, **__):
+    c = compute_dtype(x.dtype)
+    shapes = [s for s in (weight_grad_shape, bias_grad_shape) if s is not None]
+    return [x, *(jax.core.ShapedArray(s, c) for s in shapes)]
+
+
+rmsnorm_tangent_reference = _tangent_reference(_rms_stats, centre=False)
+rmsnorm_bwd_reference = _bwd_reference(_rms_stats, centre=False)
+layernorm_tangent_reference = _tangent_reference(_ln_stats, centre=True)
+layernorm_bwd_reference = _bwd_reference(_ln_stats, centre=True)
+
+rmsnorm_tangent_op = Operator(
+    "rmsnorm_tangent", reference=rmsnorm_tangent_reference, abstract_eval=lambda x, *_, **__: x
+)
+layernorm_tangent_op = Operator(
+    "layernorm_tangent",
+    reference=layernorm_tangent_reference,
+    abstract_eval=lambda x, *_, **__: x,
+)
+rmsnorm_bwd_op = Operator(
+    "rmsnorm_bwd",
+    reference=rmsnorm_bwd_reference,
+    abstract_eval=_bwd_abstract_eval,
+    multiple_results=True,
+)
+layernorm_bwd_op = Operator(
+    "layernorm_bwd",
+    reference=layernorm_bwd_reference,
+    abstract_eval=_bwd_abstract_eval,
+    multiple_results=True,
+)
+
+
+def _tangent_transpose(bwd_op: Operator):
+    """``ct ↦ (dx, [dw], [db])`` for the tangents that are being transposed."""
+
+    def rule(ct, x, *rest, eps, has_weight, has_bias=False):
+        w, tx, tw, tb = _split_tangent(rest, has_weight, has_bias)
+        lin = [tx] + [t for t, h in ((tw, has_weight), (tb, has_bias)) if h]
+        nonlin = [None] * (1 + has_weight)
+        if type(ct) is ad.Zero:
+            return [*nonlin, *(None for _ in lin)]
+        want_w = has_weight and ad.is_undefined_primal(tw)
+        want_b = has_bias and ad.is_undefined_primal(tb)
+        params = dict(
+            eps=eps, has_weight=has_weight, weight_grad_shape=tw.aval.shape if want_w else None
+        )
+        if bwd_op is layernorm_bwd_op:
+            params["bias_grad_shape"] = tb.aval.shape if want_b else None
+        dx, *grads = bwd_op.bind(x, *([w] if has_weight else []), ct, **params)
+        out = [dx if ad.is_undefined_primal(tx) else None]
+        for t, h, want in ((tw, has_weight, want_w), (tb, has_bias, want_b)):
+            if h:
+                out.append(_as_cotangent(grads.pop(0), t.aval) if want else None)
+        return [*nonlin, *out]
+
+    return rule
+
+
+def _as_cotangent(g: jax.Array, aval) -> jax.Array:
+    """A parameter's f32 gradient as the cotangent of ``aval``: its dtype and, on a mesh
+    with Explicit axes, its sharding (the column sums keep x's sharding of D)."""
+    g = g.astype(aval.dtype)
+    want = explicit_sharding(aval)
+    return g if want is None or jax.typeof(g).sharding == want else jax.sharding.reshard(g, want)
+
+
+def _jvp_via_reference(op: Operator):
+    """The JVP of a tangent/backward primitive: its jax.numpy reference's (higher orders)."""
+
+    def rule(primals, tangents, **params):
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        return jax.jvp(functools.partial(op.reference, **params), tuple(primals), tangents)
+
+    return rule
+
+
+def _batch_via_reference(op: Operator):
+    """vmap of a tangent/backward primitive: its reference, vmapped."""
+
+    def rule(args, dims, **params):
+        out = jax.vmap(functools.partial(op.reference, **params), in_axes=dims)(*args)
+        return out, ([0] * len(out) if op.prim.multiple_results else 0)
+
+    return rule
+
+
+ad.primitive_transposes[rmsnorm_tangent_op.prim] = _tangent_transpose(rmsnorm_bwd_op)
+ad.primitive_transposes[layernorm_tangent_op.prim] = _tangent_transpose(layernorm_bwd_op)
+for _op in (rmsnorm_tangent_op, layernorm_tangent_op, rmsnorm_bwd_op, layernorm_bwd_op):
+    ad.primitive_jvps[_op.prim] = _jvp_via_reference(_op)
+    batching.primitive_batchers[_op.prim] = _batch_via_reference(_op)
 
 
 # --- batching -----------------------------------------------------------------------------
@@ -333,3 +503,12 @@ def layernorm(
     return layernorm_op.bind(
         *operands, eps=eps, has_weight=weight is not None, has_bias=bias is not None
     )
+
+
+# --- kernels ------------------------------------------------------------------------------
+# Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
+# backward; ``prefer`` routes a case to them in ``auto`` mode where they measured faster.
+rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm))
+layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
+rmsnorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd))
+layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd))

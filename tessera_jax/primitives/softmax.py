@@ -11,28 +11,38 @@ gradient there is zero; log-softmax's is the cotangent itself (``δ − softmax`
 with softmax = 0). A row containing ``+inf`` or NaN gives NaN, as in
 ``jax.nn.softmax``.
 
-Adjoints: both operators have JVP rules written in jax.numpy on the primal
-output (``dy = y·(dx − Σ y·dx)`` for softmax, ``dx − Σ softmax(x)·dx`` for
-log-softmax), so reverse mode and derivatives of any order follow.
+Adjoints: both operators' JVPs are maps of the primal output ``y``, linear in
+the tangent, bound as primitives (``dy = y·(dx − Σ y·dx)``, ``ts_softmax_bwd``, for
+softmax; ``dx − Σ softmax(x)·dx``, ``ts_log_softmax_tangent``, for log-softmax)
+whose transposes are ``ts_softmax_bwd`` and ``ts_log_softmax_bwd``: reverse mode
+saves only ``y`` and reads ``(y, ct)`` once. Their references are jax.numpy, through
+which derivatives of any order go.
 
-Kernels: ``softmax_op.add_kernel(Kernel(...))`` with
-``fn(x, *, interpret, axis)``; ``axis`` is a non-negative int.
+Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec, x,
+*, interpret)`` and, for the backward, ``fn(spec, y, ct, *, interpret)``; ``spec``
+holds ``axis``, a non-negative int (the kernels take the last axis).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.pallas_kernels import norms_gpu as _gpu
 from tessera_jax.primitives._core import (
+    Kernel,
     Operator,
     ad,
     as_array,
     batching,
     check_dtype,
     compute_dtype,
+    move_bdim_to_front,
     normalize_axis,
+    not_mapped,
 )
 
 _FLOATING = (jnp.floating,)
@@ -67,22 +77,79 @@ log_softmax_op = Operator(
 )
 
 
+# --- the adjoints ------------------------------------------------------------------------
+# Both tangent maps are linear in the tangent and read only the primal output ``y``:
+# softmax's ``g ↦ y·(g − Σ y·g)`` is its own transpose (``ts_softmax_bwd``); log-softmax's
+# tangent ``t ↦ t − Σ p·t`` (``ts_log_softmax_tangent``, p = exp(y)) and its transpose
+# ``g ↦ g − p·Σ g`` (``ts_log_softmax_bwd``) transpose into each other. Reverse mode thus
+# saves only ``y`` and runs one primitive (a kernel) over ``(y, ct)``.
+
+
+def softmax_bwd_reference(y: jax.Array, g: jax.Array, *, axis: int) -> jax.Array:
+    """``y·(g − Σ y·g)`` along ``axis`` in the compute dtype: softmax's JVP and VJP."""
+    c = compute_dtype(y.dtype)
+    yc, gc = y.astype(c), g.astype(c)
+    return (yc * (gc - jnp.sum(yc * gc, axis=axis, keepdims=True))).astype(y.dtype)
+
+
+def log_softmax_tangent_reference(y: jax.Array, t: jax.Array, *, axis: int) -> jax.Array:
+    """``t − Σ softmax·t``: log-softmax's JVP (a fully -inf row has softmax = 0)."""
+    c = compute_dtype(y.dtype)
+    p, tc = jnp.exp(y.astype(c)), t.astype(c)
+    return (tc - jnp.sum(p * tc, axis=axis, keepdims=True)).astype(y.dtype)
+
+
+def log_softmax_bwd_reference(y: jax.Array, g: jax.Array, *, axis: int) -> jax.Array:
+    """``g − softmax·Σ g``: log-softmax's VJP."""
+    c = compute_dtype(y.dtype)
+    p, gc = jnp.exp(y.astype(c)), g.astype(c)
+    return (gc - p * jnp.sum(gc, axis=axis, keepdims=True)).astype(y.dtype)
+
+
+softmax_bwd_op = Operator(
+    "softmax_bwd", reference=softmax_bwd_reference, abstract_eval=lambda y, g, **_: y
+)
+log_softmax_tangent_op = Operator(
+    "log_softmax_tangent",
+    reference=log_softmax_tangent_reference,
+    abstract_eval=lambda y, t, **_: y,
+)
+log_softmax_bwd_op = Operator(
+    "log_softmax_bwd", reference=log_softmax_bwd_reference, abstract_eval=lambda y, g, **_: y
+)
+
+
 def _softmax_jvp(primals, tangents, *, axis):
     (x,), (t,) = primals, tangents
     y = softmax_op.bind(x, axis=axis)
-    c = compute_dtype(x.dtype)
-    yc, tc = y.astype(c), ad.instantiate_zeros(t).astype(c)
-    dy = yc * (tc - jnp.sum(yc * tc, axis=axis, keepdims=True))
-    return y, dy.astype(y.dtype)
+    return y, softmax_bwd_op.bind(y, ad.instantiate_zeros(t), axis=axis)
 
 
 def _log_softmax_jvp(primals, tangents, *, axis):
     (x,), (t,) = primals, tangents
     y = log_softmax_op.bind(x, axis=axis)
-    c = compute_dtype(x.dtype)
-    # softmax(x) = exp(log_softmax(x)); a fully -inf row has exp(-inf) = 0 everywhere.
-    p, tc = jnp.exp(y.astype(c)), ad.instantiate_zeros(t).astype(c)
-    return y, (tc - jnp.sum(p * tc, axis=axis, keepdims=True)).astype(y.dtype)
+    return y, log_softmax_tangent_op.bind(y, ad.instantiate_zeros(t), axis=axis)
+
+
+def _transpose_into(op: Operator):
+    """The transpose of a map linear in its second operand: ``op`` applied to the cotangent."""
+
+    def rule(ct, y, g, *, axis):
+        if type(ct) is ad.Zero or not ad.is_undefined_primal(g):
+            return [None, None]
+        return [None, op.bind(y, ct, axis=axis)]
+
+    return rule
+
+
+def _jvp_via_reference(op: Operator):
+    """The JVP of an adjoint primitive: its jax.numpy reference's (higher orders)."""
+
+    def rule(primals, tangents, *, axis):
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        return jax.jvp(functools.partial(op.reference, axis=axis), tuple(primals), tangents)
+
+    return rule
 
 
 def _axis_batcher(op: Operator):
@@ -93,10 +160,27 @@ def _axis_batcher(op: Operator):
     return rule
 
 
+def _pair_batcher(op: Operator):
+    """vmap of an adjoint primitive ``(y, g)``: both operands with the batch dim in front."""
+
+    def rule(args, dims, *, axis):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+        y, g = (move_bdim_to_front(a, d, size) for a, d in zip(args, dims))
+        return op.bind(y, g, axis=axis + 1), 0
+
+    return rule
+
+
 ad.primitive_jvps[softmax_op.prim] = _softmax_jvp
 ad.primitive_jvps[log_softmax_op.prim] = _log_softmax_jvp
 batching.primitive_batchers[softmax_op.prim] = _axis_batcher(softmax_op)
 batching.primitive_batchers[log_softmax_op.prim] = _axis_batcher(log_softmax_op)
+ad.primitive_transposes[softmax_bwd_op.prim] = _transpose_into(softmax_bwd_op)
+ad.primitive_transposes[log_softmax_tangent_op.prim] = _transpose_into(log_softmax_bwd_op)
+ad.primitive_transposes[log_softmax_bwd_op.prim] = _transpose_into(log_softmax_tangent_op)
+for _op in (softmax_bwd_op, log_softmax_tangent_op, log_softmax_bwd_op):
+    ad.primitive_jvps[_op.prim] = _jvp_via_reference(_op)
+    batching.primitive_batchers[_op.prim] = _pair_batcher(_op)
 
 
 def _prepare(name: str, x, axis) -> tuple[jax.Array, int]:
@@ -131,3 +215,12 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """
     x, axis = _prepare("log_softmax", x, axis)
     return log_softmax_op.bind(x, axis=axis)
+
+
+# --- kernels ------------------------------------------------------------------------------
+# Row-wise Pallas kernels over the last axis, forward and backward; ``prefer`` routes a case
+# to them in ``auto`` mode where they measured faster than XLA.
+softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax))
+log_softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax))
+softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd))
+log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd))

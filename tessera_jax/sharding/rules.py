@@ -500,3 +500,51 @@ RULES: dict[str, Rule] = {
         )
     },
 }
+
+
+# --- the adjoints of softmax, log_softmax, rmsnorm and layernorm ------------------------------
+
+
+def adjoint_axis_factors(avals_in, params) -> Factors:
+    """``ts_softmax_bwd`` / ``ts_log_softmax_bwd``: ``(y, g) -> dx`` of one shape, ``axis``
+    replicated, every other dim passing through."""
+    x = avals_in[0]
+    dims = _names("d", x.ndim)
+    sizes = _sizes(dims, x.shape)
+    return Factors((dims, dims), (dims,), sizes, replicated=(dims[params["axis"]],))
+
+
+def norm_bwd_factors(avals_in, params) -> Factors | None:
+    """``ts_<norm>_bwd(x, [w], ct) -> (dx, [dw], [db])`` with ``(D,)`` parameters: rows pass
+    through to dx; dw/db, sums over the rows, are combined by :func:`_norm_bwd_local`.
+    (A vmapped weight of another shape runs the XLA reference, which XLA partitions.)"""
+    x = avals_in[0]
+    d = x.shape[-1]
+    if any(a.shape not in (x.shape, (d,)) for a in avals_in[1:]):
+        return None
+    dims = _names("d", x.ndim)
+    last = (dims[-1],)
+    operands = (dims, *([last] if params["has_weight"] else []), dims)
+    grads = [s for s in (params["weight_grad_shape"], params.get("bias_grad_shape")) if s]
+    results = (dims, *(last for _ in grads))
+    return Factors(operands, results, _sizes(dims, x.shape), replicated=last)
+
+
+def _norm_bwd_local(local_impl, xs, assign, factors, params):
+    """Local rows: dx, and the column sums of this device's rows, added over the mesh axes
+    that shard the rows by the deterministic all-reduce."""
+    dx, *grads = local_impl(*xs)
+    axes = tuple(a for dim in factors.operands[0][:-1] for a in assign.get(dim, ()))
+    if axes:
+        grads = [_coll.tree_all_reduce(g, axes) for g in grads]
+    return [dx, *grads]
+
+
+RULES.update(
+    {
+        "softmax_bwd": Rule(adjoint_axis_factors),
+        "log_softmax_bwd": Rule(adjoint_axis_factors),
+        "rmsnorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local),
+        "layernorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local),
+    }
+)

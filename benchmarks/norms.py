@@ -1,0 +1,291 @@
+"""Norm benchmark: ``ts.softmax`` / ``ts.log_softmax`` / ``ts.rmsnorm`` / ``ts.layernorm``
+(row-wise Pallas kernels) vs the same formulas written in plain jax.numpy (XLA).
+
+Runs on the GPU machine, one process, every implementation checked against an f32
+reference before it is timed::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/norms.py [--sweep] [--json PATH]
+
+Cases ``norm-<op>-fwd`` (the output), ``norm-<op>-fwdbwd`` (output and every gradient
+through ``jax.vjp`` with a given cotangent) and ``norm-<op>-bwd`` (the gradients alone,
+from ``x``, the parameters and the cotangent), bf16 with f32 parameters. Implementations:
+the XLA baseline (``jax.nn.softmax`` / ``jax.nn.log_softmax`` / the norm written as users
+write it, statistics in f32), ``ts[auto]`` (what a user gets: the kernels where ``prefer``
+takes them) and ``ts[xla]`` (the operators' XLA references). ``--sweep`` first times the
+kernels' row configs at the large shape. Records ``{suite, case, device, jax, impl,
+baseline, ms, baseline_ms, ratio = baseline_ms / ms, gbps, rel_err}``; ``gbps`` counts the
+bytes a single pass over each array moves (the bandwidth bound), ``rel_err`` is the worst
+``||out − ref|| / ||ref||`` over the outputs against the f32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import tessera_jax as ts  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    results_path,
+    time_interleaved,
+    write_records,
+)
+from benchmarks._common import normal as rand  # noqa: E402
+from tessera_jax.pallas_kernels import norms_gpu  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+EPS = 1e-5
+OPS = ("softmax", "log_softmax", "rmsnorm", "layernorm")
+SHAPES = ((32768, 4096), (8192, 2048))
+# Arrays of x's size each mode moves once: fwd reads x, writes y; bwd reads x (softmax: y)
+# and the cotangent, writes dx; fwdbwd both.
+PASSES = {"fwd": 2, "bwd": 3, "fwdbwd": 5}
+
+
+def _row(p, x):
+    return p.reshape((1,) * (x.ndim - 1) + p.shape)
+
+
+def xla_op(op, x, *params):
+    """The operator as users write it in jax.numpy (statistics in f32, one rounding)."""
+    if op == "softmax":
+        return jax.nn.softmax(x.astype(F32), axis=-1).astype(x.dtype)
+    if op == "log_softmax":
+        return jax.nn.log_softmax(x.astype(F32), axis=-1).astype(x.dtype)
+    xf = x.astype(F32)
+    if op == "rmsnorm":
+        (w,) = params
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS) * _row(w, x)
+        return y.astype(x.dtype)
+    w, b = params
+    c = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    y = c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + EPS) * _row(w, x)
+    return (y + _row(b, x)).astype(x.dtype)
+
+
+def ts_op(op, x, *params):
+    if op == "softmax":
+        return ts.softmax(x)
+    if op == "log_softmax":
+        return ts.log_softmax(x)
+    if op == "rmsnorm":
+        return ts.rmsnorm(x, *params, eps=EPS)
+    return ts.layernorm(x, *params, eps=EPS)
+
+
+def _fwd(f, x, *params_ct):
+    return f(x, *params_ct[:-1])
+
+
+def _fwdbwd(f, x, *params_ct):
+    *params, ct = params_ct
+    y, pull = jax.vjp(f, x, *params)
+    return y, pull(ct)
+
+
+def _bwd(f, x, *params_ct):
+    *params, ct = params_ct
+    return jax.vjp(f, x, *params)[1](ct)
+
+
+MODES = {"fwd": _fwd, "fwdbwd": _fwdbwd, "bwd": _bwd}
+
+
+def in_mode(mode, f):
+    """``f`` jitted and called under kernel mode ``mode`` (part of jax's jit key)."""
+    jf = jax.jit(f)
+
+    def call(*args):
+        with ts.kernel_mode(mode):
+            return jf(*args)
+
+    return call
+
+
+def chosen(f, args):
+    """The implementation of every ts primitive in ``f``'s program, as the lowering picks."""
+    ops = {op.prim: op for op in ts.op.OPERATORS.values()}
+    found = {}
+    for eqn in jax.make_jaxpr(f)(*args).jaxpr.eqns:
+        op = ops.get(eqn.primitive)
+        if op is not None:
+            found[op.name] = op.select("cuda", [v.aval for v in eqn.invars], eqn.params)[0]
+    return found
+
+
+@jax.jit
+def _rel(o, r):
+    r = r.astype(F32)
+    return jnp.linalg.norm((o.astype(F32) - r).ravel()) / jnp.linalg.norm(r.ravel())
+
+
+def rel_err(out, ref) -> float:
+    """The worst relative error over the outputs (on the device: the arrays are large)."""
+    return max(float(_rel(o, r)) for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+
+
+def record(case, impl, baseline, ms, baseline_ms, nbytes, err):
+    return dict(
+        suite="norms",
+        case=case,
+        device=device_name(family=True),
+        jax=jax.__version__,
+        impl=impl,
+        baseline=baseline,
+        ms=ms,
+        baseline_ms=baseline_ms,
+        ratio=baseline_ms / ms,
+        gbps=nbytes / (ms * 1e-3) / 1e9,
+        rel_err=err,
+    )
+
+
+def operands(op, shape):
+    x = rand(1, shape, BF16, scale=2.0)
+    ct = rand(2, shape, BF16)
+    d = shape[-1]
+    params = []
+    if op in ("rmsnorm", "layernorm"):
+        params.append(rand(3, (d,), F32) + 1.0)
+    if op == "layernorm":
+        params.append(rand(4, (d,), F32))
+    return (x, *params, ct)
+
+
+def run_cases(selected):
+    recs = []
+    for shape in SHAPES:
+        for op in OPS:
+            args = operands(op, shape)
+            f32_args = tuple(a.astype(F32) for a in args)
+            for mode, wrap in MODES.items():
+                case = f"norm-{op}-{mode}"
+                if selected and not any(s in f"{case}-{shape}" for s in selected):
+                    continue
+                try:
+                    base = functools.partial(wrap, functools.partial(xla_op, op))
+                    ours = functools.partial(wrap, functools.partial(ts_op, op))
+                    bname = "xla:jnp"
+                    fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
+                    fns["ts[xla]"] = in_mode("xla", ours)
+                    picked = chosen(ours, args)
+                    ref = jax.jit(base)(*f32_args)
+                    errs = {n: rel_err(f(*args), ref) for n, f in fns.items()}
+                    ms = time_interleaved(fns, args, repeats=5, target_ms=25, warmup_ms=100)
+                    nbytes = PASSES[mode] * args[0].size * args[0].dtype.itemsize
+                    label = f"{case} {shape[0]}x{shape[1]}"
+                    print(f"== {label}  ts[auto] runs {picked}", flush=True)
+                    for n in fns:
+                        r = record(case, n, bname, ms[n], ms[bname], nbytes, errs[n])
+                        r["shape"] = list(shape)
+                        r["dtype"] = "bfloat16"
+                        if n == "ts[auto]":
+                            r["kernels"] = picked
+                        recs.append(r)
+                        print(
+                            f"   {n:10s} {ms[n]:.4f} ms {r['gbps']:7.0f} GB/s "
+                            f"x{r['ratio']:.3f} err {errs[n]:.1e}",
+                            flush=True,
+                        )
+                except Exception as e:
+                    traceback.print_exc()
+                    print(f"!! {case} {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return recs
+
+
+# Row configs timed by --sweep: (block_rows, num_warps) forward; backward adds the
+# number of programs the rows are spread over.
+FWD_SWEEP = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]
+BWD_SWEEP = [(1, 8, 264), (1, 8, 528), (1, 8, 1056), (1, 16, 528), (2, 16, 528), (1, 4, 1056)]
+
+
+def run_sweep():
+    recs = []
+    shape = SHAPES[0]
+    rows, d = shape
+    x, w, b, ct = operands("layernorm", shape)
+    for op in ("rmsnorm", "layernorm", "softmax"):
+        params = (w, b) if op == "layernorm" else (w,) if op == "rmsnorm" else ()
+        kw = {"eps": EPS, "has_weight": True} if op != "softmax" else {"axis": 1}
+        if op == "layernorm":
+            kw["has_bias"] = True
+        spec = tuple(sorted(kw.items()))
+        fwd = getattr(norms_gpu, op)
+        fns = {"xla:jnp": jax.jit(lambda x, *p, op=op: xla_op(op, x, *p))}
+        default = norms_gpu.RowConfig.default(rows, d, backward=False)
+        for br, nw in FWD_SWEEP:
+            cfg = norms_gpu.RowConfig(br, nw)
+            name = f"fwd[{br}x{nw}]" + ("*" if cfg == default else "")
+            fns[name] = jax.jit(functools.partial(fwd, spec, config=cfg))
+        recs += _time_sweep(f"sweep-{op}-fwd", fns, (x, *params), 2 * x.size * 2)
+        if op == "softmax":
+            continue
+        bwd = getattr(norms_gpu, f"{op}_bwd")
+        bkw = dict(kw, weight_grad_shape=(d,))
+        bkw.pop("has_bias", None)
+        if op == "layernorm":
+            bkw["bias_grad_shape"] = (d,)
+        bspec = tuple(sorted(bkw.items()))
+        xla_bwd = jax.jit(functools.partial(_bwd, functools.partial(xla_op, op)))
+        fns = {"xla:jnp": lambda x, w, ct, f=xla_bwd, p=params: f(x, *p, ct)}
+        default = norms_gpu.RowConfig.default(rows, d, backward=True)
+        for br, nw, programs in BWD_SWEEP:
+            steps = -(-rows // (br * programs))
+            cfg = norms_gpu.RowConfig(br, nw, steps)
+            name = f"bwd[{br}x{nw}x{steps}]" + ("*" if cfg == default else "")
+            fns[name] = jax.jit(functools.partial(bwd, bspec, config=cfg))
+        recs += _time_sweep(f"sweep-{op}-bwd", fns, (x, w, ct), 3 * x.size * 2)
+    return recs
+
+
+def _time_sweep(case, fns, args, nbytes):
+    ms = time_interleaved(fns, args, repeats=3, target_ms=20, warmup_ms=60)
+    print(f"== {case}", flush=True)
+    out = []
+    for n, t in ms.items():
+        r = record(case, n, "xla:jnp", t, ms["xla:jnp"], nbytes, float("nan"))
+        r["suite"] = "norms-sweep"
+        out.append(r)
+        print(f"   {n:18s} {t:.4f} ms {r['gbps']:7.0f} GB/s x{r['ratio']:.3f}", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true", help="time the kernels' row configs first")
+    p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
+    p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    sweep = []
+    if args.sweep:
+        try:
+            sweep = run_sweep()
+        except Exception:
+            traceback.print_exc()
+    recs = run_cases(args.only)
+    path = Path(args.json or results_path(f"norms-{device_name(family=True)}.json"))
+    write_records(path, recs)
+    if sweep:
+        write_records(path.with_name(path.stem + "-sweep.json"), sweep)
+    print(f"\n{'case':24s} {'shape':>11s} {'impl':9s} {'ms':>8s} {'GB/s':>6s}  ratio  rel_err")
+    for r in recs:
+        shape = "x".join(map(str, r["shape"]))
+        print(
+            f"{r['case']:24s} {shape:>11s} {r['impl']:9s} {r['ms']:8.4f} {r['gbps']:6.0f}  "
+            f"x{r['ratio']:.3f} {r['rel_err']:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

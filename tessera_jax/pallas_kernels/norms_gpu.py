@@ -1,0 +1,451 @@
+"""Row-wise softmax, log_softmax, rmsnorm and layernorm kernels, forward and backward, in
+Pallas' Triton backend.
+
+Each operator normalises over the last axis, so a kernel treats ``x`` as ``(rows, D)``: one
+program loads a block of ``block_rows`` whole rows into registers (``D`` padded to a power
+of two, the padding masked), takes the row statistics in f32, and writes its rows once. The
+input is read once and the output written once, which is all a bandwidth-bound operator
+can do. The backward kernels recompute the statistics from ``x`` (softmax: from the saved
+output) instead of saving them, and read ``x`` and the cotangent once; the weight and bias
+gradients are per-program partial column sums in f32 (each program walks ``row_steps``
+blocks) that one small XLA sum finishes, so no atomics and the same bits every run.
+
+Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident tile, a
+reduction along its minor axis and masked loads and stores of ragged rows, which the
+Triton backend lowers directly (warp shuffles, vectorised masked accesses) for any row
+length; Mosaic GPU would need a TMA/shared-memory pipeline and a layout for the row
+reduction for no more bandwidth. Everything here also runs in Pallas' interpreter. The
+Triton backend is deprecated from jax 0.11 (it warns at lowering); the kernel bodies are
+jax.numpy on register tiles, so a port changes the loads, stores and launch, not the math.
+
+The numerics are the operators' own (``primitives/norms.py``, ``primitives/softmax.py``),
+restated here because kernels do not import the operators: softmax's fully ``-inf`` row
+gives zeros, a NaN or ``+inf`` gives a NaN row; rmsnorm/layernorm take a row whose mean
+square overflows f32 through the power-of-two rescaling, a NaN or ``±inf`` gives a NaN row,
+and rmsnorm's ``mean(x²) + eps == 0`` row gives zeros.
+
+Kernel calling convention (``primitives/_core.Kernel``): ``fn(spec, *operands,
+interpret)``, where ``spec`` is the operator's frozen bind parameters (a sorted tuple of
+``(name, value)`` pairs), with :func:`supports`, :func:`prefer` and :func:`hardware`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = [
+    "RowConfig",
+    "hardware",
+    "layernorm",
+    "layernorm_bwd",
+    "log_softmax",
+    "log_softmax_bwd",
+    "prefer",
+    "rmsnorm",
+    "rmsnorm_bwd",
+    "softmax",
+    "softmax_bwd",
+    "supports",
+]
+
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32))
+_F32 = np.dtype(np.float32)
+# A row is held in registers: beyond this many (padded) elements a row no longer fits.
+MAX_ROW = 16384
+# Pallas' Triton lowering needs compute capability 8.0 (Ampere) or newer.
+_MIN_COMPUTE_CAPABILITY = 8
+# The power of two that brings a finite f32 row's squares into range (primitives/norms.py).
+_OVERFLOW_SCALE = np.float32(2.0**-100)
+# Backward programs: about this many per launch, each walking several row blocks, so the
+# f32 partial column sums stay a few MiB.
+_BWD_PROGRAMS = 528
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """How one launch tiles the rows.
+
+    Attributes:
+      block_rows: rows per program block (a power of two).
+      num_warps: warps per program (a power of two, 1 to 32).
+      row_steps: row blocks each backward program walks (forward programs do one).
+    """
+
+    block_rows: int
+    num_warps: int
+    row_steps: int = 1
+
+    def __post_init__(self):
+        for name in ("block_rows", "num_warps", "row_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"RowConfig: {name}={v!r} must be a positive int")
+        for name in ("block_rows", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1) or (name == "num_warps" and v > 32):
+                raise ValueError(f"RowConfig: {name}={v} must be a power of two (≤ 32 warps)")
+
+    @staticmethod
+    def default(rows: int, d: int, *, backward: bool) -> RowConfig:
+        """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
+        warps ran fastest); backward, which keeps four f32 tiles live: about 2048, 16 per
+        thread, each program walking enough blocks for about ``_BWD_PROGRAMS`` programs.
+        The measured configs are in benchmarks/results/norms-h100-sweep.json."""
+        dp = pl.next_power_of_2(d)
+        elems, per_thread = (2048, 16) if backward else (8192, 32)
+        block_rows = max(1, min(elems // dp, pl.next_power_of_2(rows)))
+        num_warps = max(4, min(16, block_rows * dp // (32 * per_thread)))
+        blocks = pl.cdiv(rows, block_rows)
+        steps = max(1, pl.cdiv(blocks, _BWD_PROGRAMS)) if backward else 1
+        return RowConfig(block_rows, num_warps, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One launch: ``rows`` rows of ``d`` elements (``d_pad`` in registers) and its tiling."""
+
+    rows: int
+    d: int
+    config: RowConfig
+
+    @property
+    def d_pad(self) -> int:
+        return pl.next_power_of_2(self.d)
+
+    @property
+    def programs(self) -> int:
+        c = self.config
+        return pl.cdiv(self.rows, c.block_rows * c.row_steps)
+
+
+# --- loads, stores and the shared statistics ----------------------------------------------
+
+
+def _index(p: Problem, block: Any) -> tuple[Any, Any, Any]:
+    """``(rows, cols, mask)`` of row block ``block``: a ``(block_rows, d_pad)`` tile."""
+    rows = block * p.config.block_rows + jnp.arange(p.config.block_rows)
+    cols = jnp.arange(p.d_pad)
+    mask = (rows[:, None] < p.rows) & (cols[None, :] < p.d)
+    return rows, cols, mask
+
+
+def _load(ref, rows, cols, mask, other=0.0) -> jax.Array:
+    """A tile of rows in f32; masked elements read ``other``."""
+    tile = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
+    return tile.astype(jnp.float32)
+
+
+def _load_vec(ref, p: Problem, cols) -> jax.Array:
+    """A ``(D,)`` weight or bias as a ``(1, d_pad)`` f32 row (zeros in the padding)."""
+    return plgpu.load(ref.at[cols], mask=cols < p.d, other=0.0).astype(jnp.float32)[None, :]
+
+
+def _store(ref, rows, cols, mask, value) -> None:
+    plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
+
+
+def _mean(v: jax.Array, d: int) -> jax.Array:
+    """The row mean over the ``d`` real columns (the padding holds zeros)."""
+    return jnp.sum(v, axis=1, keepdims=True) / np.float32(d)
+
+
+def _rsqrt_guarded(s: jax.Array) -> jax.Array:
+    """``1/sqrt(s)``, 0 where ``s == 0`` (a NaN ``s`` stays NaN)."""
+    zero = s == 0
+    return jnp.where(zero, 0.0, jax.lax.rsqrt(jnp.where(zero, 1.0, s)))
+
+
+def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool):
+    """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)``: the operators' ``_normalise``,
+    including the rescaled statistics of a row whose mean square overflows f32."""
+    rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
+    c = _OVERFLOW_SCALE
+    s = _mean(v * v, d) + np.float32(eps)
+    big = jnp.isinf(s)
+    vc = v * c
+    sc = _mean(vc * vc, d) + np.float32(eps) * c * c
+    sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
+    rs = rsqrt(jnp.where(big, sc, 1.0))
+    r = rsqrt(jnp.where(big, 1.0, s))
+    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+
+def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
+    """``(x̂, r)`` of rmsnorm or layernorm for a tile ``x`` whose padding holds zeros."""
+    if op == "rmsnorm":
+        return _normalise(x, p.d, eps, guard_zero=True)
+    centred = jnp.where(mask, x - _mean(x, p.d), 0.0)
+    return _normalise(centred, p.d, eps, guard_zero=False)
+
+
+# --- kernel bodies ------------------------------------------------------------------------
+
+
+def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
+    rows, cols, mask = _index(p, pl.program_id(0))
+    x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
+    m = jnp.max(x, axis=1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
+    shifted = x - m
+    e = jnp.exp(shifted)
+    s = jnp.sum(e, axis=1, keepdims=True)
+    s = jnp.where(s == 0, 1.0, s)
+    _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+
+
+def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
+    rows, cols, mask = _index(p, pl.program_id(0))
+    g = _load(g_ref, rows, cols, mask)
+    if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
+        soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
+        dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
+    else:  # dx = y·(g − Σ y·g)
+        y = _load(y_ref, rows, cols, mask)
+        dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
+    _store(o_ref, rows, cols, mask, dx)
+
+
+def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_weight else None
+    b_ref = refs.pop(0) if has_bias else None
+    (o_ref,) = refs
+    rows, cols, mask = _index(p, pl.program_id(0))
+    x = _load(x_ref, rows, cols, mask)
+    y, _ = _stats(p, x, mask, op, eps)
+    if w_ref is not None:
+        y = y * _load_vec(w_ref, p, cols)
+    if b_ref is not None:
+        y = y + _load_vec(b_ref, p, cols)
+    _store(o_ref, rows, cols, mask, y)
+
+
+def _norm_bwd_kernel(
+    *refs, p: Problem, op: str, eps: float, has_weight: bool, want_dw: bool, want_db: bool
+):
+    """dx of one row block per step, and this program's partial column sums of
+    ``ct·x̂`` (dw) and ``ct`` (db) over its ``row_steps`` blocks."""
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_weight else None
+    g_ref, dx_ref = refs.pop(0), refs.pop(0)
+    dw_ref = refs.pop(0) if want_dw else None
+    db_ref = refs.pop(0) if want_db else None
+    cols = jnp.arange(p.d_pad)
+    w = _load_vec(w_ref, p, cols) if w_ref is not None else None
+    program = pl.program_id(0)
+
+    def step(i, acc):
+        dw, db = acc
+        rows, _, mask = _index(p, program * p.config.row_steps + i)
+        x = _load(x_ref, rows, cols, mask)
+        ct = _load(g_ref, rows, cols, mask)
+        xhat, r = _stats(p, x, mask, op, eps)
+        g = ct if w is None else ct * w
+        u = g - xhat * _mean(xhat * g, p.d)
+        if op == "layernorm":  # the transpose of the centring x − mean(x)
+            u = jnp.where(mask, u - _mean(u, p.d), 0.0)
+        _store(dx_ref, rows, cols, mask, r * u)
+        dw = dw + jnp.sum(ct * xhat, axis=0, keepdims=True)
+        db = db + jnp.sum(ct, axis=0, keepdims=True)
+        return dw, db
+
+    zeros = jnp.zeros((1, p.d_pad), jnp.float32)
+    dw, db = jax.lax.fori_loop(0, p.config.row_steps, step, (zeros, zeros))
+    prow = jnp.full((1,), program, jnp.int32)
+    cmask = cols[None, :] < p.d
+    if dw_ref is not None:
+        plgpu.store(dw_ref.at[prow[:, None], cols[None, :]], dw, mask=cmask)
+    if db_ref is not None:
+        plgpu.store(db_ref.at[prow[:, None], cols[None, :]], db, mask=cmask)
+
+
+# --- wrappers -----------------------------------------------------------------------------
+
+
+def _params(spec: Any) -> dict[str, Any]:
+    """The operator's bind parameters from its frozen spec (a sorted tuple of pairs)."""
+    return dict(spec)
+
+
+def _problem(x: jax.Array, backward: bool, config: RowConfig | None) -> Problem:
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    d = x.shape[-1]
+    return Problem(rows, d, config or RowConfig.default(rows, d, backward=backward))
+
+
+def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
+    return pl.pallas_call(
+        kernel,
+        grid=(p.programs,),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    return x.reshape((-1, x.shape[-1]))
+
+
+def _softmax(spec, x, *, interpret, config, log):
+    del spec  # supports() admits only the last axis
+    p = _problem(x, False, config)
+    out = jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)
+    kernel = functools.partial(_softmax_kernel, p=p, log=log)
+    name = "ts_log_softmax" if log else "ts_softmax"
+    return _call(kernel, p, out, [_rows(x)], interpret, name).reshape(x.shape)
+
+
+def softmax(spec, x, *, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_softmax`` over the last axis of ``x`` (a case :func:`supports` accepts)."""
+    return _softmax(spec, x, interpret=interpret, config=config, log=False)
+
+
+def log_softmax(spec, x, *, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_log_softmax`` over the last axis of ``x``."""
+    return _softmax(spec, x, interpret=interpret, config=config, log=True)
+
+
+def _softmax_bwd(spec, y, g, *, interpret, config, log):
+    del spec
+    p = _problem(y, False, config)
+    out = jax.ShapeDtypeStruct((p.rows, p.d), y.dtype)
+    kernel = functools.partial(_softmax_bwd_kernel, p=p, log=log)
+    name = "ts_log_softmax_bwd" if log else "ts_softmax_bwd"
+    return _call(kernel, p, out, [_rows(y), _rows(g)], interpret, name).reshape(y.shape)
+
+
+def softmax_bwd(spec, y, g, *, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_softmax_bwd``: ``y·(g − Σ y·g)`` over the last axis, ``y`` softmax's output."""
+    return _softmax_bwd(spec, y, g, interpret=interpret, config=config, log=False)
+
+
+def log_softmax_bwd(spec, y, g, *, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_log_softmax_bwd``: ``g − exp(y)·Σg`` over the last axis, ``y`` log_softmax's output."""
+    return _softmax_bwd(spec, y, g, interpret=interpret, config=config, log=True)
+
+
+def _norm(op, spec, x, *params, interpret, config):
+    kw = _params(spec)
+    has_weight, has_bias = kw["has_weight"], kw.get("has_bias", False)
+    p = _problem(x, False, config)
+    out = jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)
+    kernel = functools.partial(
+        _norm_kernel, p=p, op=op, eps=kw["eps"], has_weight=has_weight, has_bias=has_bias
+    )
+    return _call(kernel, p, out, [_rows(x), *params], interpret, f"ts_{op}").reshape(x.shape)
+
+
+def rmsnorm(spec, x, *weight, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_rmsnorm(x, [weight])`` with a ``(D,)`` weight."""
+    return _norm("rmsnorm", spec, x, *weight, interpret=interpret, config=config)
+
+
+def layernorm(spec, x, *params, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_layernorm(x, [weight], [bias])`` with ``(D,)`` weight and bias."""
+    return _norm("layernorm", spec, x, *params, interpret=interpret, config=config)
+
+
+def _norm_bwd(op, spec, x, *rest, interpret, config):
+    kw = _params(spec)
+    has_weight = kw["has_weight"]
+    want_dw = kw["weight_grad_shape"] is not None
+    want_db = kw.get("bias_grad_shape") is not None
+    *w, ct = rest
+    p = _problem(x, True, config)
+    outs = [jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)]
+    outs += [jax.ShapeDtypeStruct((p.programs, p.d), _F32)] * (want_dw + want_db)
+    kernel = functools.partial(
+        _norm_bwd_kernel,
+        p=p,
+        op=op,
+        eps=kw["eps"],
+        has_weight=has_weight,
+        want_dw=want_dw,
+        want_db=want_db,
+    )
+    dx, *partials = _call(kernel, p, outs, [_rows(x), *w, _rows(ct)], interpret, f"ts_{op}_bwd")
+    # The column sums of the programs' partials: a fixed-order XLA reduction, in f32.
+    return (dx.reshape(x.shape), *(jnp.sum(s, axis=0) for s in partials))
+
+
+def rmsnorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_rmsnorm_bwd(x, [weight], ct) -> (dx, [dweight])``; dweight in f32, ``(D,)``."""
+    return _norm_bwd("rmsnorm", spec, x, *rest, interpret=interpret, config=config)
+
+
+def layernorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | None = None):
+    """``ts_layernorm_bwd(x, [weight], ct) -> (dx, [dweight], [dbias])``; f32 ``(D,)`` sums."""
+    return _norm_bwd("layernorm", spec, x, *rest, interpret=interpret, config=config)
+
+
+# --- dispatch vocabulary ------------------------------------------------------------------
+
+
+def supports(spec: Any, avals: Sequence[Any]) -> str | None:
+    """None if a kernel here can run the case, else why not: the normalised axis is the
+    last, a 16-bit or f32 ``x`` with rows that fit in registers, and ``(D,)`` parameters."""
+    kw = _params(spec)
+    x = avals[0]
+    if x.ndim == 0 or x.size == 0:
+        return f"x.shape={x.shape}: the kernels take non-empty arrays of rank ≥ 1"
+    if "axis" in kw and kw["axis"] != x.ndim - 1:
+        return f"axis={kw['axis']}: the kernels normalise the last axis (of rank {x.ndim})"
+    dtype = np.dtype(x.dtype)
+    if dtype not in _DTYPES:
+        return f"x.dtype={dtype} (the kernels take bf16, f16 and f32)"
+    if x.size >= 2**31:
+        return f"x.size={x.size}: the kernels address elements with 32-bit offsets"
+    d = x.shape[-1]
+    if pl.next_power_of_2(d) > MAX_ROW:
+        return f"a row of {d} elements does not fit in one program (at most {MAX_ROW})"
+    for a in avals[1:]:  # weight, bias (a (D,) vector) or the cotangent (x's shape)
+        if a.shape not in ((d,), x.shape) or np.dtype(a.dtype) not in _DTYPES:
+            return (
+                f"a parameter of shape {a.shape} and dtype {a.dtype}: the kernels take (D,) = "
+                f"({d},) weights and biases of bf16, f16 or f32"
+            )
+    for key in ("weight_grad_shape", "bias_grad_shape"):
+        if kw.get(key) not in (None, (d,)):
+            return f"{key}={kw[key]}: the kernels reduce to (D,) = ({d},)"
+    return None
+
+
+# Where ``auto`` mode takes the kernels: the row lengths and sizes measured at least as fast
+# as XLA on an H100 (benchmarks/results/norms-h100.json: 8192×2048 and 32768×4096 bf16, every
+# forward ≥ 0.97×, every forward+backward ≥ 1.03×). Elsewhere XLA runs until measured.
+PREFER_ROW = (2048, 4096)
+PREFER_MIN_ELEMENTS = 1 << 24
+
+
+def prefer(spec: Any, avals: Sequence[Any]) -> bool:
+    """In ``auto`` mode: rows of ``PREFER_ROW`` elements and at least
+    ``PREFER_MIN_ELEMENTS`` elements in all, the measured range."""
+    del spec
+    x = avals[0]
+    return PREFER_ROW[0] <= x.shape[-1] <= PREFER_ROW[1] and x.size >= PREFER_MIN_ELEMENTS
+
+
+def hardware(platform: str) -> str | None:
+    """None if this process's GPUs can run the compiled kernels (compute capability ≥ 8)."""
+    if platform != "cuda":
+        return f"the norm kernels compile for cuda, not {platform}"
+    try:
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:  # no GPU backend in this process
+        return "no GPU in this process"
+    if cc is not None and int(str(cc).split(".")[0]) < _MIN_COMPUTE_CAPABILITY:
+        return f"compute capability {cc} < {_MIN_COMPUTE_CAPABILITY}.0 (Pallas' Triton lowering)"
+    return None

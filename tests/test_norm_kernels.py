@@ -1,0 +1,273 @@
+"""The row-wise softmax / log_softmax / rmsnorm / layernorm kernels against float64 references.
+
+``TestNormKernelsInterpret`` runs the kernels in Pallas' interpreter on the CPU;
+``TestNormKernelsGPU`` (marker ``gpu``) runs the same cases compiled. Each case first
+asserts that the forward and the backward primitive chose the kernel, so a kernel that
+silently declined fails instead of testing the reference. Gradients are ``jax.vjp`` with a
+random cotangent, compared with jax's own derivative of a float64 jax.numpy formula.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import norms_gpu
+from tessera_jax.primitives import norms as _norms
+from tessera_jax.primitives._core import OPERATORS
+from tests._util import assert_close, cuda_lowering, f64, rand
+
+# (shape, dtype), sampled rather than crossed: one whole block of power-of-two rows in
+# bf16, and ragged rows of a length that is not a power of two (masked columns, a partial
+# last block) in f32; test_non_finite_rows runs bf16 rows of 96.
+CASES = [((8, 128), jnp.bfloat16), ((3, 5, 200), jnp.float32)]
+OPS = ["softmax", "log_softmax", "rmsnorm", "layernorm"]
+EPS = 1e-5
+
+
+def _ts(op: str, x, w=None, b=None):
+    if op == "softmax":
+        return ts.softmax(x)
+    if op == "log_softmax":
+        return ts.log_softmax(x)
+    if op == "rmsnorm":
+        return ts.rmsnorm(x, w, eps=EPS)
+    return ts.layernorm(x, w, b, eps=EPS)
+
+
+def _f64(op: str, x, w=None, b=None):
+    """The float64 formula (under x64), differentiated by jax for the gradient reference."""
+    if op == "softmax":
+        return jax.nn.softmax(x, axis=-1)
+    if op == "log_softmax":
+        return jax.nn.log_softmax(x, axis=-1)
+    row = lambda p: p.reshape((1,) * (x.ndim - 1) + p.shape)
+    if op == "rmsnorm":
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * row(w)
+    c = x - jnp.mean(x, axis=-1, keepdims=True)
+    return c / jnp.sqrt(jnp.mean(c * c, axis=-1, keepdims=True) + EPS) * row(w) + row(b)
+
+
+def _operands(op: str, shape, dtype):
+    x = rand(shape, dtype, scale=2.0)
+    if op in ("softmax", "log_softmax"):
+        return (x,)
+    w = rand(shape[-1:], jnp.float32) + 1.0
+    return (x, w) if op == "rmsnorm" else (x, w, rand(shape[-1:], jnp.float32))
+
+
+def _chosen(f, *args) -> dict[str, str]:
+    """The implementation each ts primitive in ``f``'s program lowers to in the kernel mode
+    in force, by the rule the lowering itself uses."""
+    platform = jax.devices()[0].platform
+    platform = "cuda" if platform == "gpu" else platform
+    by_prim = {op.prim: op for op in OPERATORS.values()}
+    names = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            op = by_prim.get(eqn.primitive)
+            if op is not None:
+                avals = [v.aval for v in eqn.invars]
+                names[op.name] = op.select(platform, avals, eqn.params)[0]
+            for v in eqn.params.values():
+                for item in v if isinstance(v, (tuple, list)) else (v,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return names
+
+
+def _nan_equal_close(out, ref, rtol):
+    """Same NaN positions; the other entries within ``rtol`` of the reference."""
+    out, ref = f64(out), f64(ref)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    np.testing.assert_allclose(out[ok], ref[ok], rtol=rtol, atol=rtol)
+
+
+class _NormKernelCases:
+    MODE: str
+
+    @pytest.fixture(autouse=True)
+    def _mode(self):
+        with ts.kernel_mode(self.MODE):
+            yield
+
+    @pytest.mark.parametrize("shape, dtype", CASES)
+    @pytest.mark.parametrize("op", OPS)
+    def test_forward_and_gradients(self, op, shape, dtype):
+        args = _operands(op, shape, dtype)
+        ct = rand(shape, dtype)
+        f = functools.partial(_ts, op)
+
+        def vjp(*args):
+            y, pull = jax.vjp(f, *args)
+            return y, pull(ct)
+
+        chosen = _chosen(vjp, *args)
+        assert chosen == {op: "pallas_rows", f"{op}_bwd": "pallas_rows"}, chosen
+        y, grads = jax.jit(vjp)(*args)
+        with _compat.enable_x64(True):
+            ref, pull = jax.vjp(functools.partial(_f64, op), *map(f64, args))
+            ref_grads = pull(f64(ct))
+        assert y.dtype == args[0].dtype
+        assert_close(y, ref, factor=2)
+        for g, r, a in zip(grads, ref_grads, args):
+            assert g.dtype == a.dtype and g.shape == a.shape
+            # f32 gradients sum D products: allow a few roundings per element
+            assert_close(g, r, factor=4 if g.dtype == jnp.bfloat16 else 20)
+
+    @pytest.mark.parametrize("op", OPS)
+    def test_non_finite_rows(self, op):
+        """A NaN or ±inf row gives a NaN row (softmax: a -inf element is fine, a fully -inf
+        row gives zeros / -inf), as the XLA reference does, in the output and dx."""
+        x = np.array(rand((6, 96), jnp.float32))
+        x[1, 7] = np.nan
+        x[2, 3] = np.inf
+        x[3, :] = -np.inf if op.endswith("softmax") else 0.0
+        x[4, 5] = -np.inf
+        x[5, :] *= 1e30  # rmsnorm/layernorm: squares overflow f32, rescaled statistics
+        args = list(_operands(op, (6, 96), jnp.float32))
+        args[0] = jnp.asarray(x, jnp.bfloat16)
+        ct = rand((6, 96), jnp.bfloat16)
+        fn = functools.partial(_ts, op)
+
+        def run(*a):
+            y, pull = jax.vjp(fn, *a)
+            return y, pull(ct)[0]
+
+        assert set(_chosen(run, *args).values()) == {"pallas_rows"}
+        y, dx = jax.jit(run)(*args)
+        with ts.kernel_mode("xla"):
+            y_ref, dx_ref = jax.jit(run)(*args)
+        _nan_equal_close(y, y_ref, 2e-2)
+        _nan_equal_close(dx, dx_ref, 5e-2)
+
+    def test_rmsnorm_safe_zero_rows(self):
+        """eps = 0 and an all-zero row: zeros and zero gradients, never NaN."""
+        x = np.array(rand((4, 256), jnp.float32))
+        x[2] = 0.0
+        x = jnp.asarray(x, jnp.bfloat16)
+        ct = rand((4, 256), jnp.bfloat16)
+
+        def run(x):
+            y, pull = jax.vjp(lambda x: ts.rmsnorm_safe(x, eps=0.0), x)
+            return y, pull(ct)[0]
+
+        assert set(_chosen(run, x).values()) == {"pallas_rows"}
+        y, dx = jax.jit(run)(x)
+        assert np.all(f64(y)[2] == 0) and np.all(f64(dx)[2] == 0)
+        with ts.kernel_mode("xla"):
+            y_ref, dx_ref = jax.jit(run)(x)
+        assert_close(y, y_ref)
+        assert_close(dx, dx_ref, factor=2)
+
+
+@pytest.mark.gpu
+class TestNormKernelsGPU(_NormKernelCases):
+    MODE = "pallas"
+
+
+class TestNormKernelsInterpret(_NormKernelCases):
+    MODE = "interpret"
+
+
+# --- the kernel functions themselves (CPU only) -------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_backward_walks_several_blocks_per_program(op):
+    """row_steps > 1 with a ragged last block: dx and the partial dw/db sums add up."""
+    x, w = rand((13, 40), jnp.bfloat16), rand((40,), jnp.float32)
+    ct = rand((13, 40), jnp.bfloat16)
+    params = dict(eps=EPS, has_weight=True, weight_grad_shape=(40,))
+    if op == "layernorm":
+        params["bias_grad_shape"] = (40,)
+    spec = tuple(sorted(params.items()))
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3)
+    kernel = getattr(norms_gpu, f"{op}_bwd")
+    got = jax.jit(lambda x, w, ct: kernel(spec, x, w, ct, interpret=True, config=config))(x, w, ct)
+    ref = getattr(_norms, f"{op}_bwd_reference")(x, w, ct, **params)
+    assert len(got) == len(ref) == (3 if op == "layernorm" else 2)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert_close(g, f64(r), rtol=2e-2 if g.dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_kernels_lower_to_triton_for_cuda():
+    """Every kernel goes through Pallas' Triton lowering (on this CPU, for cuda)."""
+    x, w = jnp.zeros((16, 200), jnp.bfloat16), jnp.zeros((200,), jnp.float32)
+    soft = (("axis", 1),)
+    norm = (("eps", EPS), ("has_weight", True))
+    bwd = (*norm, ("weight_grad_shape", (200,)))
+    cases = {
+        "softmax": (lambda x: norms_gpu.softmax(soft, x), (x,)),
+        "log_softmax": (lambda x: norms_gpu.log_softmax(soft, x), (x,)),
+        "softmax_bwd": (lambda y, g: norms_gpu.softmax_bwd(soft, y, g), (x, x)),
+        "log_softmax_bwd": (lambda y, g: norms_gpu.log_softmax_bwd(soft, y, g), (x, x)),
+        "rmsnorm": (lambda x, w: norms_gpu.rmsnorm(norm, x, w), (x, w)),
+        "layernorm": (
+            lambda x, w: norms_gpu.layernorm((*norm, ("has_bias", True)), x, w, w),
+            (x, w),
+        ),
+        "rmsnorm_bwd": (lambda x, w, c: norms_gpu.rmsnorm_bwd(bwd, x, w, c), (x, w, x)),
+        "layernorm_bwd": (
+            lambda x, w, c: norms_gpu.layernorm_bwd((*bwd, ("bias_grad_shape", (200,))), x, w, c),
+            (x, w, x),
+        ),
+    }
+    for name, (f, args) in cases.items():
+        text = cuda_lowering(f, *args)
+        assert "__gpu$xla.gpu.triton" in text, name
+
+
+def test_supports_declines_with_reasons():
+    x = jax.core.ShapedArray((4, 64), jnp.bfloat16)
+    assert norms_gpu.supports((("axis", 1),), [x]) is None
+    assert "last axis" in norms_gpu.supports((("axis", 0),), [x])
+    x64 = jax.core.ShapedArray((4, 64), np.dtype(np.float64))
+    assert "float64" in norms_gpu.supports((("axis", 1),), [x64])
+    long = jax.core.ShapedArray((2, norms_gpu.MAX_ROW + 1), jnp.bfloat16)
+    assert "does not fit" in norms_gpu.supports((("axis", 1),), [long])
+    batched_w = jax.core.ShapedArray((4, 1, 64), jnp.float32)
+    spec = (("eps", EPS), ("has_weight", True))
+    assert "(D,)" in norms_gpu.supports(spec, [x, batched_w])
+    empty = jax.core.ShapedArray((0, 64), jnp.bfloat16)
+    assert "non-empty" in norms_gpu.supports((("axis", 1),), [empty])
+    huge = jax.core.ShapedArray((2**18, 2**13), jnp.bfloat16)
+    assert "32-bit" in norms_gpu.supports((("axis", 1),), [huge])
+
+
+def test_vmapped_weight_falls_back_exactly():
+    """A vmapped weight is (N, 1, D): the kernels decline it; the reference runs."""
+    x, w = rand((3, 4, 64), jnp.bfloat16), rand((3, 64), jnp.float32)
+    f = jax.vmap(lambda x, w: ts.rmsnorm(x, w, eps=EPS))
+    with ts.kernel_mode("interpret"):
+        assert _chosen(f, x, w) == {"rmsnorm": "reference"}
+        y = jax.jit(f)(x, w)
+    with _compat.enable_x64(True):
+        ref = jax.vmap(functools.partial(_f64, "rmsnorm"))(f64(x), f64(w))
+    assert_close(y, ref, factor=2)
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(block_rows=3, num_warps=4), "power of two"),
+        (dict(block_rows=2, num_warps=64), "power of two"),
+        (dict(block_rows=0, num_warps=4), "positive int"),
+        (dict(block_rows=2, num_warps=4, row_steps=1.5), "positive int"),
+    ],
+)
+def test_row_config_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        norms_gpu.RowConfig(**kw)
