@@ -1,0 +1,177 @@
+"""Training throughput: the demo's deterministic transformer step vs the same model in
+plain JAX (jnp, ``jax.nn.dot_product_attention``, XLA's all-reduce) on the same devices.
+
+Both train the same parameters with the same AdamW on the same batches, in bf16 with f32
+parameters, data-parallel over every local device. ``ratio`` = plain-JAX step time /
+ours. Records: ``benchmarks/results/train-<device>.json`` (``suite: "train"``).
+
+    python benchmarks/train.py --layers 12 --width 1024 --seq 2048 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks._common import device_name, results_path, write_records
+from tessera_jax.train import data, model, step
+from tessera_jax.train.checkpoint import fingerprint
+from tessera_jax.train.model import ModelConfig
+
+
+def plain_loss(cfg: ModelConfig, params, window, attn_impl=None):
+    """The demo's model in plain JAX (``cfg.chunks == 1``); ``attn_impl`` is
+    ``jax.nn.dot_product_attention``'s ``implementation``."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    tokens, targets = window[:, :-1], window[:, 1:]
+    b, s = tokens.shape
+    h_, dh = cfg.n_heads, cfg.head_dim
+
+    def norm(x, g):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (y * g).astype(cdt)
+
+    x = params["embed"].astype(cdt)[tokens] + jnp.asarray(model._positions(s, cfg.d_model), cdt)
+
+    def body(x, lp):
+        qkv = norm(x, lp["ln1"]) @ lp["wqkv"][0].astype(cdt)
+        q, k, v = jnp.split(qkv.reshape(b, s, 3 * h_, dh), 3, axis=2)
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl)
+        a = a.reshape(b, s, h_ * dh)
+        x = x + a @ lp["wo"][0].astype(cdt)
+        up = jax.nn.gelu(norm(x, lp["ln2"]) @ lp["w1"][0].astype(cdt), approximate=True)
+        return x + up @ lp["w2"][0].astype(cdt), None
+
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    logits = (norm(x, params["ln_f"]) @ params["head"].astype(cdt)).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def make_plain_step(cfg, optim, mesh, attn_impl):
+    opt = optim.optimizer()
+    batch_sharding = NamedSharding(mesh, P(("dp", "tp")))
+
+    @jax.jit
+    def plain_step(state, window):
+        window = jax.lax.with_sharding_constraint(window, batch_sharding)
+        loss, grads = jax.value_and_grad(lambda p: plain_loss(cfg, p, window, attn_impl))(state["params"])
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state}, loss
+
+    return plain_step
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="steps per timing")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="the record file (default: results/train-<device>.json)")
+    args = p.parse_args(argv)
+
+    devices = jax.devices()
+    mesh = step.make_mesh(devices, len(devices), 1)
+    cfg = ModelConfig(
+        d_model=args.width,
+        n_layers=args.layers,
+        n_heads=args.width // 64,
+        d_ff=4 * args.width,
+        seq_len=args.seq,
+        chunks=1,
+        compute_dtype="bfloat16",
+    )
+    step.check_layout(cfg, mesh, args.batch)
+    optim = step.OptimConfig()
+    tokens = data.encode(data.corpus())
+    host = [
+        data.batch(tokens, i, batch_size=args.batch, seq_len=args.seq, seed=0)
+        for i in range(args.steps)
+    ]
+    ours_step = step.make_train_step(cfg, optim, mesh)
+    # cuDNN's fused attention where there is one (XLA's materialises S×S per layer).
+    attn_impl = "cudnn" if devices[0].platform == "gpu" else None
+    plain_step = make_plain_step(cfg, optim, mesh, attn_impl)
+    ours_in = [step.place_windows(mesh, w) for w in host]
+    plain_in = [jax.device_put(w, NamedSharding(mesh, P(("dp", "tp")))) for w in host]
+    states = {
+        "ours": step.init_state(cfg, optim, mesh, 0),
+        "plain": step.init_state(cfg, optim, mesh, 0),
+    }
+    fns = {"ours": (ours_step, ours_in), "plain": (plain_step, plain_in)}
+
+    def run(name):
+        f, inputs = fns[name]
+        t0 = time.perf_counter()
+        for w in inputs:
+            states[name], loss = f(states[name], w)
+        jax.block_until_ready(states[name])
+        return (time.perf_counter() - t0) / len(inputs) * 1e3, float(loss)
+
+    losses = {name: run(name)[1] for name in fns}  # compile and warm up
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):
+        for name in fns:
+            times[name].append(run(name)[0])
+    ms = {name: statistics.median(t) for name, t in times.items()}
+
+    # Bitwise repeatability of our step: two fresh runs of the same steps.
+    fps = []
+    for _ in range(2):
+        state = step.init_state(cfg, optim, mesh, 0)
+        for w in ours_in:
+            state, _ = ours_step(state, w)
+        fps.append(fingerprint(state["params"]))
+
+    tokens_per_step = args.batch * args.seq
+    case = f"L{args.layers}-d{args.width}-s{args.seq}-b{args.batch}-bf16-x{len(devices)}"
+    record = {
+        "suite": "train",
+        "case": case,
+        "device": device_name(),
+        "devices": len(devices),
+        "jax": jax.__version__,
+        "impl": "tessera_jax.train (deterministic)",
+        "baseline": f"plain jax (jnp, jax.nn.dot_product_attention[{attn_impl}], XLA psum)",
+        "ms": ms["ours"],
+        "baseline_ms": ms["plain"],
+        "ratio": ms["plain"] / ms["ours"],
+        "tokens_per_s": tokens_per_step / ms["ours"] * 1e3,
+        "baseline_tokens_per_s": tokens_per_step / ms["plain"] * 1e3,
+        "tokens_per_s_per_device": tokens_per_step / ms["ours"] * 1e3 / len(devices),
+        "params": cfg.n_params,
+        "loss_after_warmup": losses["ours"],
+        "baseline_loss_after_warmup": losses["plain"],
+        "repeatable": fps[0] == fps[1],
+        "fingerprint": fps[0],
+    }
+    print(f"{'case':40s} {'ours ms':>9s} {'plain ms':>9s} {'ratio':>6s} {'tok/s':>10s} repeatable")
+    print(
+        f"{case:40s} {ms['ours']:9.2f} {ms['plain']:9.2f} {record['ratio']:6.3f} "
+        f"{record['tokens_per_s']:10.0f} {record['repeatable']}"
+    )
+    path = results_path(args.json or f"train-{device_name(count=True)}.json")
+    write_records(path, [record])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
