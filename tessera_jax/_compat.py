@@ -434,4 +434,4 @@ def concrete_value(x: Any) -> Any:
     try:
         return jax.device_get(x)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return None
+        return None  # a value known only when the traced function runs

@@ -213,6 +213,38 @@ def test_compiled_memory_is_linear_in_seq(causal):
         assert growth < (s * s - (s // 2) ** 2) * 4 // 4, f"scratch grew by {growth} bytes"
 
 
+def _option_temp_bytes(f, s):
+    x = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 1, s, s), jnp.bool_)
+    bias = jax.ShapeDtypeStruct((1, 1, 1, s), jnp.float32)
+    stats = jax.jit(f).lower(x, x, x, mask, bias).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("memory_analysis() is unavailable on this backend")
+    return stats.temp_size_in_bytes
+
+
+def _attend_all_options(q, k, v, mask, bias):
+    n = jnp.full((1,), q.shape[1] - 3, jnp.int32)
+    kw = dict(causal=True, local_window_size=(512, 0), key_value_seq_lengths=n)
+    return ts.flash_attention(q, k, v, bias, mask, **kw)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev", "jvp"])
+def test_compiled_memory_with_options_is_linear_in_seq(mode):
+    """A user's S×S mask is read per block: no S×S copy (not even of bools) in any mode."""
+    f = {
+        "fwd": _attend_all_options,
+        "rev": jax.grad(lambda *a: jnp.sum(_attend_all_options(*a)), argnums=(0, 1, 2, 4)),
+        "jvp": lambda q, k, v, m, b: jax.jvp(
+            lambda q, k, b: _attend_all_options(q, k, v, m, b), (q, k, b), (q, k, b)
+        )[1],
+    }[mode]
+    s = 4096
+    big, small = _option_temp_bytes(f, s), _option_temp_bytes(f, s // 2)
+    assert big < s * s, f"temp {big} bytes holds an S×S bool buffer ({s * s} bytes)"
+    assert big - small < (s * s - (s // 2) ** 2), f"scratch grew by {big - small} bytes"
+
+
 def test_memory_check_catches_a_materialised_score_matrix():
     # The control: attention that builds S×S scores fails the check above.
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")

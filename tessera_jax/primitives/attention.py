@@ -122,8 +122,6 @@ from tessera_jax.primitives._core import (
     zero_tangent,
 )
 
-__all__ = ["AttentionSpec", "FlashAttentionConfig", "flash_attention", "flash_attention_fwd"]
-
 _NAME = "flash_attention"
 
 
