@@ -204,6 +204,8 @@ def _kv_columns(g: _Geometry, x: jax.Array, j: jax.Array, axis: int) -> jax.Arra
     """
     if x.shape[axis] == 1:
         return x
+    if x.shape[axis] == 0:  # no keys: the scan never runs, but is traced (jnp.take refuses)
+        return jnp.zeros((*x.shape[:axis], g.block, *x.shape[axis + 1 :]), x.dtype)
     cols = j * g.block + jnp.arange(g.block, dtype=jnp.int32)
     return jnp.take(x, cols, axis=axis, mode="fill", fill_value=0)
 
