@@ -551,7 +551,8 @@ def test_options_forward_mode_and_lse_match_float64(name, dims, make):
     np.testing.assert_allclose(inner, np.vdot(f64(c), np.where(finite, w_tlse, 0)), rtol=1e-4)
 
 
-def test_options_match_jax_nn_dot_product_attention():
+@pytest.mark.parametrize("causal", [True, False])
+def test_options_match_jax_nn_dot_product_attention(causal):
     """Where both define the result (Sq == Skv, every row sees a key), ours is jax.nn's."""
     b, s, hq, hkv, d = 2, 24, 4, 2, 8
     q, k, v = _option_inputs((b, s, s, hq, hkv, d, 8), jnp.float32)
@@ -563,8 +564,8 @@ def test_options_match_jax_nn_dot_product_attention():
         key_value_seq_lengths=jnp.asarray([24, 19], jnp.int32),
         local_window_size=(6, 3),
     )
-    want = jax.nn.dot_product_attention(q, k, v, **kw, is_causal=True)
-    got = ts.flash_attention(q, k, v, **kw, causal=True, config=FlashAttentionConfig(block_kv=8))
+    want = jax.nn.dot_product_attention(q, k, v, **kw, is_causal=causal)
+    got = ts.flash_attention(q, k, v, **kw, causal=causal, config=FlashAttentionConfig(block_kv=8))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
