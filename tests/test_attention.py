@@ -405,11 +405,10 @@ def _option_cases():
         return lambda: kw
 
     return [
-        ("mask-b1tS-gqa", (2, 24, 24, 4, 2, 8, 8), lambda: dict(mask=_rand_mask((2, 1, 24, 24)))),
         (
-            "bias-1HTS-causal",
-            (1, 20, 20, 4, 4, 8, 8),
-            lambda: dict(bias=rand((1, 4, 20, 20)), causal=True),
+            "mask-B1TS-bias-1HTS-causal-gqa",
+            (2, 24, 24, 4, 2, 8, 8),
+            lambda: dict(mask=_rand_mask((2, 1, 24, 24)), bias=rand((1, 4, 24, 24)), causal=True),
         ),
         (
             "bias-B11S-mask-TS",
@@ -426,12 +425,12 @@ def _option_cases():
             ),
         ),
         ("window-3-2", (1, 30, 30, 2, 2, 8, 8), opts(local_window_size=(3, 2))),
-        ("window-5-causal-gqa", (1, 30, 30, 4, 2, 8, 16), opts(local_window_size=5, causal=True)),
         (
-            "segments-causal",
-            (2, 24, 24, 2, 2, 8, 8),
+            "segments-window-causal-gqa",
+            (2, 24, 24, 4, 2, 8, 8),
             lambda: dict(
                 causal=True,
+                local_window_size=5,
                 q_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(6, 1)),
                 kv_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(6, 1)),
             ),
@@ -517,8 +516,8 @@ def test_options_forward_and_gradients_match_float64(name, dims, make, dtype):
 
 @pytest.mark.parametrize(
     "name,dims,make",
-    [OPTION_CASES[i] for i in (2, 9)],
-    ids=[OPTION_IDS[i] for i in (2, 9)],
+    [c for c in OPTION_CASES if c[0] in ("bias-B11S-mask-TS", "everything")],
+    ids=["bias-B11S-mask-TS", "everything"],
 )
 def test_options_forward_mode_and_lse_match_float64(name, dims, make):
     opts = make()
@@ -640,18 +639,10 @@ def test_vmap_over_options():
     g = jax.jit(jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0, 0)))(
         q, biases[:, :1], lengths
     )
-    # forward mode under vmap (jacfwd's batching), over the tangents only
-    tq = rand((2, *q.shape))
-    jvp = lambda t: jax.jvp(lambda q: f(q, biases[0], lengths[0]), (q,), (t,))[1]
-    jv = jax.jit(jax.vmap(jvp))(tq)
-    zero = np.zeros(k.shape)
     for i in range(2):
         opts = dict(bias=biases[i, :1], mask=mask, key_value_seq_lengths=lengths[i])
         out = np_dense(f64(q), f64(k), f64(v), opts)[0]
         assert_close(g[i], np_dense(f64(q), f64(k), f64(v), opts, do=2 * out)[1][3])
-        opts = dict(bias=biases[0], mask=mask, key_value_seq_lengths=lengths[0])
-        tans = (f64(tq[i]), zero, zero, None)
-        assert_close(jv[i], np_dense(f64(q), f64(k), f64(v), opts, tangents=tans)[1][0])
 
 
 def _fa_opts(**kw):
