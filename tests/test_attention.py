@@ -9,7 +9,7 @@ from jax.test_util import check_grads
 
 import tessera_jax as ts
 from tessera_jax.primitives.attention import FlashAttentionConfig, flash_attention_fwd
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, f64, key, rand
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -391,7 +391,7 @@ def np_dense(q, k, v, opts, *, do=None, tangents=None):
 
 
 def _rand_mask(shape, density=0.7):
-    return jax.random.uniform(jax.random.key(sum(shape)), shape) < density
+    return jax.random.uniform(key(), shape) < density
 
 
 def _rand_lengths(b, n, lo):
