@@ -425,3 +425,13 @@ def backends_started() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+def concrete_value(x: Any) -> Any:
+    """``x``'s value as a numpy array when known at trace time, else None (a tracer)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return jax.device_get(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None  # a value known only when the traced function runs

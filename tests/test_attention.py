@@ -1,4 +1,5 @@
-"""flash_attention: float64 references (masks, GQA/MQA), gradients, vmap/jit, errors, memory."""
+"""flash_attention: float64 references (masks, bias, lengths, window, segments, GQA/MQA,
+decode), gradients, forward mode, vmap/jit, errors, memory."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ from jax.test_util import check_grads
 
 import tessera_jax as ts
 from tessera_jax.primitives.attention import FlashAttentionConfig, flash_attention_fwd
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, f64, key, rand
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -143,20 +144,28 @@ def test_empty_batch_or_sequences(b, sq, skv):
     np.testing.assert_array_equal(out, np.zeros(q.shape))  # no key visible: zeros
     dq, dk = jax.grad(lambda q, k: jnp.sum(ts.flash_attention(q, k, k)), argnums=(0, 1))(q, k)
     assert dq.shape == q.shape and dk.shape == k.shape
+    # every option, with empty operands of its own
+    kw = dict(
+        mask=jnp.ones((b, 1, sq, skv), bool),
+        query_seq_lengths=jnp.full((b,), sq, jnp.int32),
+        key_value_seq_lengths=jnp.full((b,), skv, jnp.int32),
+        local_window_size=1,
+        q_segment_ids=jnp.zeros((b, sq), jnp.int32),
+        kv_segment_ids=jnp.zeros((b, skv), jnp.int32),
+    )
+    f = lambda q, k, bias: ts.flash_attention(q, k, k, bias, causal=True, **kw)
+    bias = rand((1, 2, sq, skv))
+    out, grads = jax.jit(lambda *a: jax.value_and_grad(lambda *a: jnp.sum(f(*a)), (0, 1, 2))(*a))(
+        q, k, bias
+    )
+    assert [g.shape for g in grads] == [q.shape, k.shape, bias.shape] and out == 0
 
 
-def test_check_grads_reverse_mode(x64):
+def test_check_grads_forward_and_reverse_mode(x64):
     for case in (CASES[1], CASES[3]):
         q, k, v = (x.astype(jnp.float64) for x in inputs(case))
-        check_grads(lambda q, k, v, c=case: attend(c, q, k, v), (q, k, v), order=1, modes=("rev",))
-
-
-def test_forward_mode_raises_a_clear_error():
-    q, k, v = inputs(CASES[0])
-    with pytest.raises(TypeError, match="flash_attention is differentiable in reverse mode only"):
-        jax.jvp(lambda q: ts.flash_attention(q, k, v), (q,), (q,))
-    with pytest.raises(TypeError, match="reverse mode only"):
-        jax.jacfwd(lambda q: ts.flash_attention(q, k, v))(q)
+        f = lambda q, k, v, c=case: attend(c, q, k, v)
+        check_grads(f, (q, k, v), order=1, modes=("fwd", "rev"))
 
 
 def test_vmap_jit_and_vmap_of_grad():
@@ -219,6 +228,38 @@ def test_compiled_memory_is_linear_in_seq(causal):
         assert growth < (s * s - (s // 2) ** 2) * 4 // 4, f"scratch grew by {growth} bytes"
 
 
+def _option_temp_bytes(f, s):
+    x = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 1, s, s), jnp.bool_)
+    bias = jax.ShapeDtypeStruct((1, 1, 1, s), jnp.float32)
+    stats = jax.jit(f).lower(x, x, x, mask, bias).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("memory_analysis() is unavailable on this backend")
+    return stats.temp_size_in_bytes
+
+
+def _attend_all_options(q, k, v, mask, bias):
+    n = jnp.full((1,), q.shape[1] - 3, jnp.int32)
+    kw = dict(causal=True, local_window_size=(512, 0), key_value_seq_lengths=n)
+    return ts.flash_attention(q, k, v, bias, mask, **kw)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev", "jvp"])
+def test_compiled_memory_with_options_is_linear_in_seq(mode):
+    """A user's S×S mask is read per block: no S×S copy (not even of bools) in any mode."""
+    f = {
+        "fwd": _attend_all_options,
+        "rev": jax.grad(lambda *a: jnp.sum(_attend_all_options(*a)), argnums=(0, 1, 2, 4)),
+        "jvp": lambda q, k, v, m, b: jax.jvp(
+            lambda q, k, b: _attend_all_options(q, k, v, m, b), (q, k, b), (q, k, b)
+        )[1],
+    }[mode]
+    s = 4096
+    big, small = _option_temp_bytes(f, s), _option_temp_bytes(f, s // 2)
+    assert big < s * s, f"temp {big} bytes holds an S×S bool buffer ({s * s} bytes)"
+    assert big - small < (s * s - (s // 2) ** 2), f"scratch grew by {big - small} bytes"
+
+
 def test_memory_check_catches_a_materialised_score_matrix():
     # The control: attention that builds S×S scores fails the check above.
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
@@ -267,3 +308,461 @@ def test_bad_inputs():
         FlashAttentionConfig(block_kv=0)
     with pytest.raises(TypeError, match="FlashAttentionConfig: block_q=64.0 must be an int"):
         FlashAttentionConfig(block_q=64.0)
+
+
+# --- jax.nn.dot_product_attention's options ---------------------------------------------
+
+
+def np_visible(b, sq, skv, hq, opts):
+    """float64-reference visibility ``(B, Hq, Sq, Skv)`` of the options in ``opts``."""
+    qi = np.arange(sq)[:, None]
+    kj = np.arange(skv)[None, :]
+    diag = qi + (skv - sq)  # bottom-right alignment
+    vis = np.ones((b, hq, sq, skv), bool)
+    if opts.get("causal"):
+        vis &= kj <= diag
+    if opts.get("local_window_size") is not None:
+        w = opts["local_window_size"]
+        left, right = (w, w) if isinstance(w, int) else w
+        vis &= (kj >= diag - left) & (kj <= diag + right)
+    if opts.get("query_seq_lengths") is not None:
+        vis &= (np.arange(sq)[None, :] < np.asarray(opts["query_seq_lengths"])[:, None])[
+            :, None, :, None
+        ]
+    if opts.get("key_value_seq_lengths") is not None:
+        vis &= (np.arange(skv)[None, :] < np.asarray(opts["key_value_seq_lengths"])[:, None])[
+            :, None, None, :
+        ]
+    if opts.get("q_segment_ids") is not None:
+        qs, ks = np.asarray(opts["q_segment_ids"]), np.asarray(opts["kv_segment_ids"])
+        vis &= (qs[:, :, None] == ks[:, None, :])[:, None]
+    if opts.get("mask") is not None:
+        m = np.asarray(opts["mask"])
+        vis &= m.reshape((1,) * (4 - m.ndim) + m.shape)
+    return vis
+
+
+def np_dense(q, k, v, opts, *, do=None, tangents=None):
+    """float64 dense attention with ``opts``: ``(out, lse)``, plus ``(dq, dk, dv, dbias)``
+    of ``sum(out·do)`` when ``do`` is given, or ``(t_out, t_lse)`` for ``tangents``."""
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1:3]
+    scale = opts.get("scale") or 1 / np.sqrt(d)
+    kv_head = np.arange(hq) // (hq // hkv)
+    kk, vv = k[:, :, kv_head], v[:, :, kv_head]
+    bias = opts.get("bias")
+    bias = None if bias is None else f64(bias).reshape((1,) * (4 - np.ndim(bias)) + bias.shape)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale + (0 if bias is None else bias)
+    vis = np_visible(b, sq, skv, hq, opts)
+    s = np.where(vis, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True) if skv else np.full((b, hq, sq, 1), -np.inf)
+    e = np.exp(s - np.where(np.isneginf(m), 0.0, m))
+    den = np.sum(e, axis=-1, keepdims=True)
+    p = e / np.where(den == 0, 1.0, den)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(den) + np.where(np.isneginf(m), 0.0, m))[..., 0]
+    if tangents is not None:
+        tq, tk, tv, tb = tangents
+        ts_ = np.einsum("bqhd,bkhd->bhqk", tq, kk) + np.einsum(
+            "bqhd,bkhd->bhqk", q, tk[:, :, kv_head]
+        )
+        ts_ = ts_ * scale + (0 if tb is None else tb.reshape((1,) * (4 - tb.ndim) + tb.shape))
+        t_lse = np.sum(p * ts_, axis=-1, keepdims=True)
+        t_out = np.einsum("bhqk,bkhd->bqhd", p * (ts_ - t_lse), vv)
+        t_out += np.einsum("bhqk,bkhd->bqhd", p, tv[:, :, kv_head])
+        return (out, lse), (t_out, t_lse[..., 0])
+    if do is None:
+        return out, lse
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk_h = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv_h = np.einsum("bhqk,bqhd->bkhd", p, do)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for h in range(hq):
+        dk[:, :, kv_head[h]] += dk_h[:, :, h]
+        dv[:, :, kv_head[h]] += dv_h[:, :, h]
+    dbias = None
+    if bias is not None:
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1)
+        dbias = np.sum(ds, axis=axes, keepdims=True).reshape(opts["bias"].shape)
+    return (out, lse), (dq, dk, dv, dbias)
+
+
+def _rand_mask(shape, density=0.7):
+    return jax.random.uniform(key(), shape) < density
+
+
+def _rand_lengths(b, n, lo):
+    return jnp.asarray(np.linspace(lo, n, b).round().astype(np.int32))
+
+
+def _option_cases():
+    """(name, (b, sq, skv, hq, hkv, d, block), option factory): sampled, not crossed."""
+
+    def opts(**kw):
+        return lambda: kw
+
+    return [
+        (
+            "mask-B1TS-bias-1HTS-causal-gqa",
+            (2, 24, 24, 4, 2, 8, 8),
+            lambda: dict(mask=_rand_mask((2, 1, 24, 24)), bias=rand((1, 4, 24, 24)), causal=True),
+        ),
+        (
+            "bias-B11S-mask-TS",
+            (2, 16, 24, 2, 1, 8, 16),
+            lambda: dict(bias=rand((2, 1, 1, 24)), mask=_rand_mask((16, 24), 0.8)),
+        ),
+        (
+            "ragged-lengths-s200-b64-causal",
+            (3, 200, 200, 2, 1, 8, 64),
+            lambda: dict(
+                causal=True,
+                query_seq_lengths=_rand_lengths(3, 200, 90),
+                key_value_seq_lengths=_rand_lengths(3, 200, 130),
+            ),
+        ),
+        ("window-3-2", (1, 30, 30, 2, 2, 8, 8), opts(local_window_size=(3, 2))),
+        (
+            "segments-window-causal-gqa",
+            (2, 24, 24, 4, 2, 8, 8),
+            lambda: dict(
+                causal=True,
+                local_window_size=5,
+                q_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(6, 1)),
+                kv_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(6, 1)),
+            ),
+        ),
+        (
+            "decode-q4-kv150-lengths-causal",
+            (2, 4, 150, 8, 2, 16, 64),
+            lambda: dict(causal=True, key_value_seq_lengths=jnp.asarray([150, 97], jnp.int32)),
+        ),
+        (
+            "decode-q1-mqa-window-bias",
+            (2, 1, 70, 4, 1, 8, 32),
+            lambda: dict(local_window_size=(20, 0), bias=rand((1, 4, 1, 70))),
+        ),
+        (
+            "everything",
+            (2, 40, 48, 4, 2, 8, 16),
+            lambda: dict(
+                causal=True,
+                mask=_rand_mask((2, 4, 40, 48), 0.9),
+                bias=rand((4, 1, 48)),
+                query_seq_lengths=jnp.asarray([40, 33], jnp.int32),
+                key_value_seq_lengths=jnp.asarray([41, 48], jnp.int32),
+                local_window_size=(30, 4),
+                q_segment_ids=jnp.asarray(np.repeat([[0] * 25 + [1] * 15], 2, 0)),
+                kv_segment_ids=jnp.asarray(np.repeat([[0] * 30 + [1] * 18], 2, 0)),
+            ),
+        ),
+    ]
+
+
+OPTION_CASES = _option_cases()
+OPTION_IDS = [c[0] for c in OPTION_CASES]
+
+
+def _option_inputs(dims, dtype):
+    b, sq, skv, hq, hkv, d, _ = dims
+    return rand((b, sq, hq, d), dtype), rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+
+
+def _attend_opts(dims, opts):
+    cfg = FlashAttentionConfig(block_kv=dims[6])
+    return lambda q, k, v, bias=None: ts.flash_attention(
+        q, k, v, **{**opts, "bias": bias if bias is not None else opts.get("bias")}, config=cfg
+    )
+
+
+def _attend_and_vjp(dims, opts):
+    """One jitted function: the output and the gradients of ``sum(out·do)`` with respect to
+    ``q, k, v`` (and the bias when there is one)."""
+    f = _attend_opts(dims, opts)
+    bias = opts.get("bias")
+    primals = (lambda q, k, v: (q, k, v)) if bias is None else (lambda q, k, v: (q, k, v, bias))
+
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(f, *primals(q, k, v))
+        return out, vjp(do)
+
+    return jax.jit(run)
+
+
+# Every case in f32, the one with every option in bf16 too.
+OPTION_GRID = [(*c, jnp.float32) for c in OPTION_CASES] + [(*OPTION_CASES[-1], jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    "name,dims,make,dtype",
+    OPTION_GRID,
+    ids=[f"{c[0]}-{np.dtype(c[3]).name}" for c in OPTION_GRID],
+)
+def test_options_forward_and_gradients_match_float64(name, dims, make, dtype):
+    opts = make()
+    q, k, v = _option_inputs(dims, dtype)
+    do = rand(q.shape, dtype)
+    out, got = _attend_and_vjp(dims, opts)(q, k, v, do)
+    (want_out, _), want_grads = np_dense(f64(q), f64(k), f64(v), opts, do=f64(do))
+    assert out.dtype == dtype
+    assert_close(out, want_out)
+    for g, w, x in zip(got, want_grads, (q, k, v, opts.get("bias"))):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        assert_close(g, w, dtype)
+
+
+@pytest.mark.parametrize(
+    "name,dims,make",
+    [c for c in OPTION_CASES if c[0] in ("bias-B11S-mask-TS", "everything")],
+    ids=["bias-B11S-mask-TS", "everything"],
+)
+def test_options_forward_mode_and_lse_match_float64(name, dims, make):
+    opts = make()
+    q, k, v = _option_inputs(dims, jnp.float32)
+    tq, tk, tv = _option_inputs(dims, jnp.float32)
+    bias = opts.get("bias")
+    tb = None if bias is None else rand(bias.shape)
+    cfg = FlashAttentionConfig(block_kv=dims[6])
+    rest = {n: x for n, x in opts.items() if n != "bias"}
+    f = lambda q, k, v, bias: flash_attention_fwd(q, k, v, bias, config=cfg, **rest)
+    c = rand((dims[0], dims[3], dims[1]))  # a cotangent of lse
+
+    @jax.jit
+    def run(q, k, v, bias, tq, tk, tv, tb):
+        primals_out, tangents_out = jax.jvp(f, (q, k, v, bias), (tq, tk, tv, tb))
+        lse_loss = lambda *a: jnp.sum(jnp.where(jnp.isfinite(f(*a)[1]), f(*a)[1], 0) * c)
+        return primals_out, tangents_out, jax.grad(lse_loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    (out, lse), (t_out, t_lse), lse_grads = run(q, k, v, bias, tq, tk, tv, tb)
+    tans = (f64(tq), f64(tk), f64(tv), None if tb is None else f64(tb))
+    (w_out, w_lse), (w_tout, w_tlse) = np_dense(f64(q), f64(k), f64(v), opts, tangents=tans)
+    assert_close(out, w_out)
+    finite = np.isfinite(w_lse)
+    np.testing.assert_array_equal(np.isfinite(f64(lse)), finite)
+    assert_close(np.where(finite, f64(lse), 0), np.where(finite, w_lse, 0))
+    assert_close(t_out, w_tout)
+    assert_close(t_lse, w_tlse)
+    # The lse cotangent (the backward primitive's dlse operand): <grad, t> = <c, t_lse>.
+    inner = sum(np.vdot(f64(g), t) for g, t in zip(lse_grads, tans) if t is not None)
+    np.testing.assert_allclose(inner, np.vdot(f64(c), np.where(finite, w_tlse, 0)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_options_match_jax_nn_dot_product_attention(causal):
+    """Where both define the result (Sq == Skv, every row sees a key), ours is jax.nn's."""
+    b, s, hq, hkv, d = 2, 24, 4, 2, 8
+    q, k, v = _option_inputs((b, s, s, hq, hkv, d, 8), jnp.float32)
+    mask = _rand_mask((b, 1, s, s), 0.6) | jnp.eye(s, dtype=bool)[None, None]
+    kw = dict(
+        bias=rand((1, hq, s, s)),
+        mask=mask,
+        query_seq_lengths=jnp.asarray([24, 17], jnp.int32),
+        key_value_seq_lengths=jnp.asarray([24, 19], jnp.int32),
+        local_window_size=(6, 3),
+    )
+    want = jax.nn.dot_product_attention(q, k, v, **kw, is_causal=causal)
+    got = ts.flash_attention(q, k, v, **kw, causal=causal, config=FlashAttentionConfig(block_kv=8))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_check_grads_with_options_forward_and_reverse(x64):
+    dims = (1, 12, 20, 4, 2, 8, 8)
+    q, k, v = (x.astype(jnp.float64) for x in _option_inputs(dims, jnp.float32))
+    bias = rand((1, 4, 12, 1), jnp.float32).astype(jnp.float64)
+    opts = dict(
+        causal=True, mask=_rand_mask((12, 20), 0.8), key_value_seq_lengths=jnp.asarray([17])
+    )
+    f = lambda q, k, v, bias: ts.flash_attention(
+        q, k, v, bias, **opts, local_window_size=(9, 1), config=FlashAttentionConfig(block_kv=8)
+    )
+    check_grads(f, (q, k, v, bias), order=1, modes=("fwd", "rev"))
+
+
+def test_jacfwd_equals_jacrev_and_jaxprs():
+    dims = (1, 5, 7, 2, 1, 4, 4)
+    q, k, v = _option_inputs(dims, jnp.float32)
+    bias = rand((1, 1, 5, 7))
+    f = lambda q, bias: ts.flash_attention(
+        q, k, v, bias, causal=True, config=FlashAttentionConfig(block_kv=4)
+    )
+    jf = jax.jit(jax.jacfwd(f, argnums=(0, 1)))(q, bias)
+    jr = jax.jit(jax.jacrev(f, argnums=(0, 1)))(q, bias)
+    for a, b in zip(jf, jr):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # jvp runs the blocked JVP primitive; grad transposes it into the backward primitive.
+    jvp_jaxpr = str(jax.make_jaxpr(lambda q: jax.jvp(lambda q: f(q, bias), (q,), (q,)))(q))
+    assert "ts_flash_attention_jvp" in jvp_jaxpr and "ts_flash_attention_bwd" not in jvp_jaxpr
+    grad_jaxpr = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(f(q, bias))))(q))
+    assert "ts_flash_attention_bwd" in grad_jaxpr and "ts_flash_attention_jvp" not in grad_jaxpr
+    with pytest.raises(NotImplementedError, match="flash_attention: second derivatives"):
+        jax.hessian(lambda q: jnp.sum(f(q, bias)))(q)
+
+
+def test_spec_names_the_features_a_kernel_may_decline():
+    q, k, v = _option_inputs((1, 8, 8, 2, 2, 8, 8), jnp.float32)
+    eqn = lambda f: jax.make_jaxpr(f)(q).eqns[-1]
+    plain = eqn(lambda q: ts.flash_attention(q, k, v, causal=True)).params["spec"]
+    assert plain.features == () and plain.causal
+    spec = eqn(
+        lambda q: ts.flash_attention(
+            q, k, v, mask=jnp.ones((8, 8), bool), local_window_size=2, query_seq_lengths=[8]
+        )
+    ).params["spec"]
+    assert spec.features == ("mask", "query_seq_lengths", "local_window_size")
+    assert spec.local_window_size == (2, 2) and hash(spec) == hash(spec.replace())
+    # grad wrt the bias asks the backward for dbias; grad wrt q alone does not
+    bias = rand((1, 2, 8, 8))
+    loss = lambda q, bias: jnp.sum(ts.flash_attention(q, k, v, bias))
+    bwd = lambda jaxpr: next(e for e in jaxpr.eqns if "flash_attention_bwd" in str(e.primitive))
+    assert bwd(jax.make_jaxpr(jax.grad(loss, argnums=1))(q, bias)).params["spec"].bias_grad
+    assert not bwd(jax.make_jaxpr(jax.grad(loss))(q, bias)).params["spec"].bias_grad
+
+
+def test_vmap_over_options():
+    dims = (2, 9, 12, 2, 1, 8, 8)
+    q, k, v = _option_inputs(dims, jnp.float32)
+    biases = rand((2, 2, 1, 9, 12))
+    lengths = jnp.asarray([[12, 5], [1, 3]], jnp.int32)
+    mask = _rand_mask((9, 12), 0.8)
+    f = lambda q, bias, kvl: ts.flash_attention(
+        q, k, v, bias, mask, key_value_seq_lengths=kvl, config=FlashAttentionConfig(block_kv=8)
+    )
+    got = jax.jit(jax.vmap(f, in_axes=(None, 0, 0)))(q, biases, lengths)
+    for i in range(2):
+        opts = dict(bias=biases[i], mask=mask, key_value_seq_lengths=lengths[i])
+        assert_close(got[i], np_dense(f64(q), f64(k), f64(v), opts)[0])
+    # per-example gradients of a bias broadcast over the batch (B=1): sum(out²) has do = 2·out
+    loss = lambda q, bias, kvl: jnp.sum(f(q, bias, kvl) ** 2)
+    g = jax.jit(jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0, 0)))(
+        q, biases[:, :1], lengths
+    )
+    for i in range(2):
+        opts = dict(bias=biases[i, :1], mask=mask, key_value_seq_lengths=lengths[i])
+        out = np_dense(f64(q), f64(k), f64(v), opts)[0]
+        assert_close(g[i], np_dense(f64(q), f64(k), f64(v), opts, do=2 * out)[1][3])
+
+
+def _fa_opts(**kw):
+    q, k = jnp.ones((2, 8, 4, 16)), jnp.ones((2, 6, 2, 16))
+    return lambda: ts.flash_attention(q, k, k, **kw)
+
+
+BAD_OPTIONS = [
+    (
+        "mask-float",
+        _fa_opts(mask=jnp.ones((8, 6))),
+        TypeError,
+        r"flash_attention: mask.dtype=float32 is not supported",
+    ),
+    (
+        "mask-shape",
+        _fa_opts(mask=jnp.ones((2, 4, 8, 5), bool)),
+        ValueError,
+        r"mask.shape=\(2, 4, 8, 5\) does not broadcast to "
+        r"\(batch, heads_q, seq_q, seq_kv\)=\(2, 4, 8, 6\)",
+    ),
+    (
+        "mask-layout",
+        _fa_opts(mask=jnp.ones((2, 8, 4, 6), bool)),
+        ValueError,
+        r"heads before sequence",
+    ),
+    (
+        "mask-rank",
+        _fa_opts(mask=jnp.ones((1, 2, 4, 8, 6), bool)),
+        ValueError,
+        r"mask.shape=\(1, 2, 4, 8, 6\) must have rank ≤ 4",
+    ),
+    (
+        "bias-int",
+        _fa_opts(bias=jnp.ones((8, 6), jnp.int32)),
+        TypeError,
+        r"bias.dtype=int32 is not supported",
+    ),
+    (
+        "bias-shape",
+        _fa_opts(bias=jnp.ones((3, 1, 1, 6))),
+        ValueError,
+        r"bias.shape=\(3, 1, 1, 6\) does not broadcast",
+    ),
+    (
+        "qlen-shape",
+        _fa_opts(query_seq_lengths=jnp.ones((3,), jnp.int32)),
+        ValueError,
+        r"query_seq_lengths.shape=\(3,\) must be \(batch,\)=\(2,\)",
+    ),
+    (
+        "qlen-float",
+        _fa_opts(query_seq_lengths=jnp.ones((2,))),
+        TypeError,
+        r"query_seq_lengths.dtype=float32",
+    ),
+    (
+        "qlen-range",
+        _fa_opts(query_seq_lengths=[8, 9]),
+        ValueError,
+        r"query_seq_lengths has values in \[8, 9\], outside \[0, seq_q=8\]",
+    ),
+    (
+        "kvlen-neg",
+        _fa_opts(key_value_seq_lengths=[-1, 6]),
+        ValueError,
+        r"key_value_seq_lengths has values in \[-1, 6\], outside \[0, seq_kv=6\]",
+    ),
+    (
+        "window-neg",
+        _fa_opts(local_window_size=(-1, 2)),
+        ValueError,
+        r"local_window_size=\(-1, 2\) must not be negative",
+    ),
+    (
+        "window-float",
+        _fa_opts(local_window_size=2.0),
+        TypeError,
+        r"local_window_size=2.0 must be None, an int or a \(left, right\)",
+    ),
+    (
+        "window-triple",
+        _fa_opts(local_window_size=(1, 2, 3)),
+        TypeError,
+        r"local_window_size=\(1, 2, 3\)",
+    ),
+    (
+        "segments-one",
+        _fa_opts(q_segment_ids=jnp.zeros((2, 8), jnp.int32)),
+        ValueError,
+        r"q_segment_ids was given without the other",
+    ),
+    (
+        "segments-shape",
+        _fa_opts(
+            q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32)
+        ),
+        ValueError,
+        r"kv_segment_ids.shape=\(2, 8\) must be \(batch, seq_kv\)=\(2, 6\)",
+    ),
+    (
+        "segments-float",
+        _fa_opts(q_segment_ids=jnp.zeros((2, 8)), kv_segment_ids=jnp.zeros((2, 6))),
+        TypeError,
+        r"q_segment_ids.dtype=float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,exc,match", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS]
+)
+def test_bad_option_inputs(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_traced_lengths_are_not_range_checked_but_work_under_jit():
+    q, k, v = _option_inputs((2, 8, 8, 2, 2, 8, 8), jnp.float32)
+    f = jax.jit(lambda n: ts.flash_attention(q, k, v, key_value_seq_lengths=n))
+    n = jnp.asarray([8, 3], jnp.int32)
+    assert_close(f(n), np_dense(f64(q), f64(k), f64(v), dict(key_value_seq_lengths=n))[0])

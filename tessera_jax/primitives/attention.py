@@ -1,4 +1,4 @@
-"""Flash attention: ``softmax(Q·Kᵀ·scale + mask)·V``, blocked, never materialising S×S.
+"""Flash attention: ``softmax(Q·Kᵀ·scale + bias, masked)·V``, blocked, never materialising S×S.
 
 Layout and semantics
 --------------------
@@ -6,106 +6,123 @@ Layout and semantics
 ``Hkv`` divides ``Hq`` (GQA; ``Hkv == 1`` is MQA): query head ``h`` reads kv head
 ``h // (Hq // Hkv)``. ``scale`` defaults to ``1/sqrt(D)``.
 
+The optional arguments are ``jax.nn.dot_product_attention``'s, under its names:
+
+* ``mask`` (bool, True = attend) and ``bias`` (additive, added after ``scale``):
+  broadcastable to ``(B, Hq, Sq, Skv)`` — jax.nn's ``(B, N, T, S)``: heads before
+  sequence, unlike ``q``'s layout. A rank below 4 gets leading 1s, as in jax.nn.
+* ``query_seq_lengths`` / ``key_value_seq_lengths`` (int ``(B,)``): query ``i`` and key
+  ``j`` of sequence ``b`` exist only for ``i < query_seq_lengths[b]``,
+  ``j < key_value_seq_lengths[b]``.
+* ``local_window_size``: ``(left, right)`` (an int ``w`` means ``(w, w)``): query ``i``
+  sees keys ``j`` with ``p − left ≤ j ≤ p + right``, ``p = i + Skv − Sq``.
+* ``q_segment_ids`` / ``kv_segment_ids`` (int ``(B, Sq)`` / ``(B, Skv)``, both or
+  neither): packed sequences, a query sees only keys of its own segment id.
+
 ``causal=True`` aligns the mask to the **bottom-right** corner: query ``i`` sees
-keys ``j ≤ i + (Skv − Sq)``. For ``Sq == Skv`` this is the plain lower triangle;
-for ``Sq < Skv`` (decoding with a kv cache) the queries are the last ``Sq``
-positions of the sequence; for ``Sq > Skv`` the first ``Sq − Skv`` queries see no
-key. A query that sees no key (a fully masked row) outputs zeros, its
-log-sum-exp is ``-inf`` and its gradients are zero — never NaN.
+keys ``j ≤ i + (Skv − Sq)``, the window is centred on the same position. For
+``Sq == Skv`` both are jax.nn's (top-left) masks; for ``Sq < Skv`` (decoding with a kv
+cache, Sq from 1 to a few) the queries are the last ``Sq`` positions of the sequence;
+for ``Sq > Skv`` the first ``Sq − Skv`` queries see no key. The diagonal follows the
+array shapes, not the lengths: for a ragged batch of multi-token decodes pass the
+per-sequence causal structure as a ``mask``.
+
+A query that sees no key (a fully masked row, a padded query) outputs zeros, its
+log-sum-exp is ``-inf`` and its gradients are zero — never NaN. (jax.nn's XLA path
+gives padded queries zeros too, but a row emptied by ``mask`` or the window the mean of
+``v``: it masks with a large finite negative number.)
 
 Algorithm (the reference lowering)
 ----------------------------------
 The FlashAttention online softmax: ``lax.scan`` over blocks of ``block_kv`` keys,
 carrying per query row the running maximum ``m``, normaliser ``l`` and output
 accumulator; memory is ``O(Sq·block_kv)`` per (batch, head), never ``Sq×Skv``.
+``mask`` and ``bias`` are read one kv block at a time from the arrays the user passed
+(a gather of the block's columns: no padded or broadcast copy of our own); the other
+masks are computed per block from positions, lengths and segment ids.
 The GQA group of ``Hq/Hkv`` query heads is folded into the query rows of its kv
 head, so K/V are read once per kv head. Both matmuls take their operands in the
 input dtype (the probabilities are rounded to it before ``P·V``, as FlashAttention
 kernels do) and accumulate in f32 for 8-/16-bit inputs; f32 products follow
 ``jax_default_matmul_precision`` as ``jnp.dot`` does (TF32 on GPUs by default;
-``"highest"`` for full f32). The softmax
-statistics and the accumulator are f32 (f64 for f64 inputs). A last, partial kv block is
-zero-padded and masked.
+``"highest"`` for full f32). The softmax statistics and the accumulator are f32 (f64
+for f64 inputs). A last, partial kv block is zero-padded and masked.
 
 The backward (FlashAttention-2) recomputes each block's probabilities from the
-saved log-sum-exp, ``P = exp(S − lse)``, with ``Δ = rowsum(dO ∘ O)``::
+saved log-sum-exp, ``P = exp(S − lse)``, with ``Δ = rowsum(dO ∘ O) − dlse``::
 
-    dV_j = P_jᵀ·dO      dP = dO·V_jᵀ      dS = P∘(dP − Δ)
+    dV_j = P_jᵀ·dO      dP = dO·V_jᵀ      dS = P∘(dP − Δ)      dBias_j = dS
     dK_j = scale·dSᵀ·Q  dQ += scale·dS·K_j
 
 in one scan over kv blocks (``dQ`` carried, ``dK_j``/``dV_j`` stacked), again
 ``O(Sq·block_kv)`` memory. Folding the GQA group into the rows sums ``dK``/``dV``
-over the query heads that share a kv head.
+over the query heads that share a kv head; ``dBias`` is summed over the dimensions
+the bias broadcasts along, so it has the bias's shape.
 
-Adjoints: VJP-only
-------------------
-Attention is differentiable in reverse mode only: the public function is a
-``jax.custom_vjp`` over two primitives, ``ts_flash_attention_fwd`` ``(q, k, v) →
-(out, lse)`` and ``ts_flash_attention_bwd`` ``(q, k, v, out, lse, dout) →
-(dq, dk, dv)``. ``jax.jvp``/``jax.jacfwd`` raise jax's "can't apply forward-mode
-autodiff (jvp) to a custom_vjp function" TypeError; second derivatives are not
-supported. Both primitives have batching rules (``jax.vmap`` over any dimension
-of any operand).
+Adjoints
+--------
+Three primitives, one frozen :class:`~tessera_jax.contracts.attention.AttentionSpec`
+parameter each (``contracts/attention.py`` defines the operands):
+
+* ``ts_flash_attention_fwd`` ``(q, k, v, *extras) → (out, lse)``, with a JVP rule:
+* ``ts_flash_attention_jvp`` ``(q, k, v, out, lse, *extras, *tangents) → (t_out,
+  t_lse)``, linear in the tangents of ``q, k, v, bias``, computed blocked like the
+  forward from the saved ``lse`` (``P = exp(S − lse)``, ``tS = scale·(tQ·Kᵀ + Q·tKᵀ) +
+  tBias``)::
+
+      t_lse = rowsum(P∘tS)      t_out = Σ_j P_j·(tS_j·V_j + tV_j) − t_lse·out
+
+* its transpose is ``ts_flash_attention_bwd`` ``(q, k, v, out, lse, dout, *extras,
+  [dlse]) → (dq, dk, dv, [dbias])``.
+
+So ``jax.jvp``/``jax.jacfwd`` run the blocked JVP (``O(S)`` memory), and ``jax.grad``
+(linearize, then transpose) runs the backward primitive and its kernels. The bias is
+differentiable, as in jax.nn (``dbias`` is computed only when the bias has a tangent).
+Second derivatives are not supported (a NotImplementedError names the operator).
+Every primitive has a batching rule (``jax.vmap`` over any dimension of any operand).
+
+Determinism: the reference and the Pallas kernels registered on these primitives add in
+a fixed order (no atomics), so outputs and gradients are bitwise identical run to run.
 
 Kernels
 -------
-``flash_attention_fwd_op.add_kernel(Kernel(...))`` with
-``fn(q, k, v, *, interpret, causal, scale, config) -> (out, lse)`` and
-``flash_attention_bwd_op`` with ``fn(q, k, v, out, lse, dout, *, interpret,
-causal, scale, config) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in the
-statistics dtype (f32; f64 for f64 inputs).
+``flash_attention_fwd_op.add_kernel(Kernel(...))`` with ``fn(spec, q, k, v, *extras,
+interpret) -> (out, lse)`` and ``flash_attention_bwd_op`` with ``fn(spec, q, k, v, out,
+lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in the
+statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
+what it cannot run, e.g. ``spec.features`` not empty (masks, bias, lengths, window,
+segments, ``dlse``, ``bias_grad``); the reference then runs the case.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax import _compat
+from tessera_jax.contracts.attention import (
+    AttentionExtras,
+    AttentionSpec,
+    FlashAttentionConfig,
+)
 from tessera_jax.primitives._core import (
     Operator,
+    ad,
     as_array,
     batching,
     check_dtype,
     compute_dtype,
     move_bdim_to_front,
     not_mapped,
+    zero_tangent,
 )
 
 _NAME = "flash_attention"
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashAttentionConfig:
-    """Block sizes of flash attention (a static, hashable primitive parameter).
-
-    Attributes:
-      block_q: query rows per tile. Kernels tile queries by it; the reference
-        processes all queries of a kv block at once and ignores it.
-      block_kv: keys per block of the online softmax (forward) and of the
-        recompute (backward). Clipped to ``Skv`` for short sequences; a
-        sequence that is not a multiple of it has a padded, masked last block.
-    """
-
-    block_q: int = 128
-    block_kv: int = 128
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
-                raise TypeError(f"FlashAttentionConfig: {f.name}={val!r} must be an int")
-            if val < 1:
-                raise ValueError(f"FlashAttentionConfig: {f.name}={val} must be ≥ 1")
-            object.__setattr__(self, f.name, int(val))
-
-    @classmethod
-    def get_default(cls) -> FlashAttentionConfig:
-        return cls()
 
 
 # --- the blocked reference ----------------------------------------------------------------
@@ -158,6 +175,11 @@ def _from_rows(g: _Geometry, x: jax.Array) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(g.batch, g.seq_q, g.heads_q, x.shape[-1])
 
 
+def _stat_rows(g: _Geometry, x: jax.Array) -> jax.Array:
+    """A per-query statistic ``(B, Hq, Sq)`` → ``(B, Hkv, G·Sq, 1)`` (the rows' order)."""
+    return x.reshape(g.batch, g.heads_kv, g.rows, 1)
+
+
 def _kv_blocks(g: _Geometry, x: jax.Array) -> jax.Array:
     """``(B, Skv, Hkv, D)`` → ``(nb, B, Hkv, block, D)``, zero-padding the last block."""
     pad = g.num_blocks * g.block - g.seq_kv
@@ -174,17 +196,94 @@ def _from_blocks(g: _Geometry, x: jax.Array) -> jax.Array:
     return x[:, : g.seq_kv]
 
 
-def _block_mask(g: _Geometry, j: jax.Array, causal: bool) -> jax.Array | None:
-    """``(1, 1, G·Sq, block)`` bool: which scores of kv block ``j`` are visible (None: all)."""
-    kv_pos = j * g.block + jnp.arange(g.block, dtype=jnp.int32)[None, :]
-    mask = None
-    if g.num_blocks * g.block != g.seq_kv:
-        mask = kv_pos < g.seq_kv
-    if causal:
-        q_pos = jnp.arange(g.rows, dtype=jnp.int32)[:, None] % g.seq_q + (g.seq_kv - g.seq_q)
-        visible = kv_pos <= q_pos
-        mask = visible if mask is None else mask & visible
-    return None if mask is None else jnp.broadcast_to(mask, (g.rows, g.block))[None, None]
+def _kv_columns(g: _Geometry, x: jax.Array, j: jax.Array, axis: int) -> jax.Array:
+    """Block ``j``'s columns of ``x`` along its kv ``axis`` (unchanged if that dim is 1).
+
+    A gather from the caller's array: keys past ``Skv`` read a filler that the
+    padding mask hides.
+    """
+    if x.shape[axis] == 1:
+        return x
+    if x.shape[axis] == 0:  # no keys: the scan never runs, but is traced (jnp.take refuses)
+        return jnp.zeros((*x.shape[:axis], g.block, *x.shape[axis + 1 :]), x.dtype)
+    cols = j * g.block + jnp.arange(g.block, dtype=jnp.int32)
+    return jnp.take(x, cols, axis=axis, mode="fill", fill_value=0)
+
+
+def _fold_rows(g: _Geometry, x: jax.Array) -> jax.Array:
+    """A mask/bias block ``(b, h, sq, t)`` (``h`` in {1, Hq}, ``sq`` in {1, Sq}) in the
+    reference's row layout: ``(b, Hkv or 1, G·Sq or 1, t)``."""
+    b, h, sq, t = x.shape
+    if h == 1 and sq == 1:
+        return x
+    hk, grp = (1, 1) if h == 1 else (g.heads_kv, g.group)
+    x = jnp.broadcast_to(x.reshape(b, hk, grp, sq, t), (b, hk, g.group, g.seq_q, t))
+    return x.reshape(b, hk, g.rows, t)
+
+
+def _bias_cotangent(g: _Geometry, ds: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``dS`` of one block ``(B, Hkv, G·Sq, block)`` summed to a bias block of ``shape``
+    (``shape[3]`` the block's columns, or 1)."""
+    ds = ds.reshape(g.batch, g.heads_q, g.seq_q, ds.shape[-1])
+    axes = tuple(a for a in range(4) if shape[a] == 1 and ds.shape[a] != 1)
+    return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+
+
+class _Blocks:
+    """What one kv block's scores need: the problem's sizes, spec and extra operands."""
+
+    def __init__(self, g: _Geometry, spec: AttentionSpec, extras: AttentionExtras, acc):
+        self.g, self.spec, self.ex, self.acc = g, spec, extras, acc
+        self.q_pos = (jnp.arange(g.rows, dtype=jnp.int32) % max(g.seq_q, 1)).reshape(
+            1, 1, g.rows, 1
+        )
+        self.q_seg = None
+        if extras.q_segment_ids is not None:
+            seg = extras.q_segment_ids.reshape(g.batch, 1, 1, g.seq_q)
+            seg = jnp.broadcast_to(seg, (g.batch, 1, g.group, g.seq_q))
+            self.q_seg = seg.reshape(g.batch, 1, g.rows, 1)
+
+    def visible(self, j: jax.Array) -> jax.Array | None:
+        """``(b, h, rows, block)``-broadcastable bool: which scores of block ``j`` count
+        (None: all)."""
+        g, spec, ex = self.g, self.spec, self.ex
+        kv_pos = (j * g.block + jnp.arange(g.block, dtype=jnp.int32)).reshape(1, 1, 1, g.block)
+        diag = self.q_pos + (g.seq_kv - g.seq_q)  # the query's position among the keys
+        conds = []
+        if g.num_blocks * g.block != g.seq_kv:
+            conds.append(kv_pos < g.seq_kv)
+        if spec.causal:
+            conds.append(kv_pos <= diag)
+        if spec.local_window_size is not None:
+            left, right = spec.local_window_size
+            conds += [kv_pos >= diag - left, kv_pos <= diag + right]
+        if ex.kv_lengths is not None:
+            conds.append(kv_pos < ex.kv_lengths.reshape(g.batch, 1, 1, 1))
+        if ex.q_lengths is not None:
+            conds.append(self.q_pos < ex.q_lengths.reshape(g.batch, 1, 1, 1))
+        if self.q_seg is not None:
+            kv_seg = _kv_columns(g, ex.kv_segment_ids, j, axis=1)
+            conds.append(self.q_seg == kv_seg.reshape(g.batch, 1, 1, g.block))
+        if ex.mask is not None:
+            conds.append(_fold_rows(g, _kv_columns(g, ex.mask, j, axis=3)))
+        if not conds:
+            return None
+        out = conds[0]
+        for c in conds[1:]:
+            out = out & c
+        return out
+
+    def bias(self, bias: jax.Array, j: jax.Array) -> jax.Array:
+        """Block ``j`` of a bias (or of its tangent) in the row layout, in ``acc``."""
+        return _fold_rows(self.g, _kv_columns(self.g, bias, j, axis=3)).astype(self.acc)
+
+    def scores(self, q_rows: jax.Array, k_blk: jax.Array, j: jax.Array) -> jax.Array:
+        """Scaled, biased scores of block ``j``, ``(B, Hkv, G·Sq, block)``, hidden ``-inf``."""
+        s = _dot(q_rows, k_blk, 3, self.acc) * self.spec.scale
+        if self.ex.bias is not None:
+            s = s + self.bias(self.ex.bias, j)
+        vis = self.visible(j)
+        return s if vis is None else jnp.where(vis, s, -jnp.inf)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
@@ -193,23 +292,23 @@ def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, preferred_element_type=acc)
 
 
-def _scores(g, q_rows, k_blk, j, causal, scale, acc):
-    """Scaled scores of one kv block, ``(B, Hkv, G·Sq, block)``, masked entries ``-inf``."""
-    s = _dot(q_rows, k_blk, 3, acc) * scale
-    mask = _block_mask(g, j, causal)
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+def _safe_lse_rows(g: _Geometry, lse: jax.Array) -> jax.Array:
+    """``lse`` in rows; fully masked rows (``-inf``) as 0, so that ``exp(S − lse) = 0``."""
+    rows = _stat_rows(g, lse)
+    return jnp.where(rows == -jnp.inf, jnp.zeros_like(rows), rows)
 
 
-def _flash_fwd_reference(q, k, v, *, causal, scale, config):
+def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
     """Blocked online-softmax forward: ``(out, lse)``, ``lse`` of shape ``(B, Hq, Sq)``."""
-    g = _Geometry.of(q, k, config)
+    g = _Geometry.of(q, k, spec.config)
     acc = compute_dtype(q.dtype)
+    blocks = _Blocks(g, spec, spec.split(extras), acc)
     q_rows = _q_rows(g, q)
 
     def step(carry, xs):
         m, l, o = carry
         j, k_blk, v_blk = xs
-        s = _scores(g, q_rows, k_blk, j, causal, scale, acc)
+        s = blocks.scores(q_rows, k_blk, j)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         # A row with nothing visible yet keeps m = -inf; subtract 0 there so that
         # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
@@ -232,42 +331,120 @@ def _flash_fwd_reference(q, k, v, *, causal, scale, config):
     return _from_rows(g, out).astype(q.dtype), lse
 
 
-def _flash_bwd_reference(q, k, v, out, lse, dout, *, causal, scale, config):
-    """FlashAttention-2 backward by blocked recompute from ``lse``: ``(dq, dk, dv)``."""
-    g = _Geometry.of(q, k, config)
+def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
+    """FlashAttention-2 backward by blocked recompute from ``lse``: ``(dq, dk, dv[, dbias])``."""
+    g = _Geometry.of(q, k, spec.config)
     acc = compute_dtype(q.dtype)
+    extras = spec.split(rest[: spec.num_extras])
+    blocks = _Blocks(g, spec, extras, acc)
     q_rows, do_rows = _q_rows(g, q), _q_rows(g, dout)
     delta = jnp.sum(
         _q_rows(g, out).astype(acc) * do_rows.astype(acc), axis=-1, keepdims=True
     )  # (B, Hkv, G·Sq, 1)
-    lse_rows = lse.reshape(g.batch, g.heads_kv, g.rows, 1)
-    # Fully masked rows (lse = -inf) have P = 0: subtract 0 instead of -inf.
-    lse_rows = jnp.where(lse_rows == -jnp.inf, jnp.zeros_like(lse_rows), lse_rows)
+    if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
+        delta = delta - _stat_rows(g, rest[spec.num_extras]).astype(acc)
+    lse_rows = _safe_lse_rows(g, lse)
+    bias = extras.bias
+    bias_sum = spec.bias_grad and bias.shape[3] == 1  # dbias summed over blocks, or stacked
 
-    def step(dq, xs):
+    def step(carry, xs):
+        dq, dbias = carry
         j, k_blk, v_blk = xs
-        s = _scores(g, q_rows, k_blk, j, causal, scale, acc)
+        s = blocks.scores(q_rows, k_blk, j)
         p = jnp.exp(s - lse_rows)  # masked entries: exp(-inf) = 0
         dv_blk = _dot(jnp.swapaxes(p.astype(dout.dtype), 2, 3), do_rows, 2, acc)
         dp = _dot(do_rows, v_blk, 3, acc)
-        ds = (p * (dp - delta)).astype(q.dtype)
-        dk_blk = _dot(jnp.swapaxes(ds, 2, 3), q_rows, 2, acc) * scale
-        dq = dq + _dot(ds, k_blk, 2, acc) * scale
-        return dq, (dk_blk.astype(k.dtype), dv_blk.astype(v.dtype))
+        ds_acc = p * (dp - delta)
+        ds = ds_acc.astype(q.dtype)
+        dk_blk = _dot(jnp.swapaxes(ds, 2, 3), q_rows, 2, acc) * spec.scale
+        dq = dq + _dot(ds, k_blk, 2, acc) * spec.scale
+        ys = (dk_blk.astype(k.dtype), dv_blk.astype(v.dtype))
+        if spec.bias_grad:
+            db = _bias_cotangent(g, ds_acc, bias.shape)
+            if bias_sum:
+                dbias = dbias + db
+            else:
+                ys = (*ys, db)
+        return (dq, dbias), ys
 
     xs = (jnp.arange(g.num_blocks, dtype=jnp.int32), _kv_blocks(g, k), _kv_blocks(g, v))
     dq0 = jnp.zeros_like(q_rows, dtype=acc)
-    dq, (dk, dv) = jax.lax.scan(step, dq0, xs)
-    return _from_rows(g, dq).astype(q.dtype), _from_blocks(g, dk), _from_blocks(g, dv)
+    dbias0 = jnp.zeros(bias.shape, acc) if bias_sum else None
+    (dq, dbias), ys = jax.lax.scan(step, (dq0, dbias0), xs)
+    grads = (_from_rows(g, dq).astype(q.dtype), _from_blocks(g, ys[0]), _from_blocks(g, ys[1]))
+    if not spec.bias_grad:
+        return grads
+    if not bias_sum:  # (nb, b, h, sq, block) → (b, h, sq, Skv)
+        db = jnp.moveaxis(ys[2], 0, 3)
+        dbias = db.reshape(*db.shape[:3], g.num_blocks * g.block)[..., : g.seq_kv]
+    return (*grads, dbias.astype(bias.dtype))
+
+
+def _flash_jvp_reference(q, k, v, out, lse, *rest, spec: AttentionSpec):
+    """Blocked forward-mode derivative from the saved ``lse``: ``(t_out, t_lse)``."""
+    g = _Geometry.of(q, k, spec.config)
+    acc = compute_dtype(q.dtype)
+    extras = spec.split(rest[: spec.num_extras])
+    tan = dict(zip(spec.tangents, rest[spec.num_extras :]))
+    blocks = _Blocks(g, spec, extras, acc)
+    q_rows = _q_rows(g, q)
+    tq_rows = _q_rows(g, tan["q"]) if "q" in tan else None
+    lse_rows = _safe_lse_rows(g, lse)
+    zero_kv = jnp.zeros((g.num_blocks,), jnp.int32)  # a placeholder for an absent tangent
+    tk_blocks = _kv_blocks(g, tan["k"]) if "k" in tan else zero_kv
+    tv_blocks = _kv_blocks(g, tan["v"]) if "v" in tan else zero_kv
+
+    def step(carry, xs):
+        a, tl = carry
+        j, k_blk, v_blk, tk_blk, tv_blk = xs
+        p = jnp.exp(blocks.scores(q_rows, k_blk, j) - lse_rows)  # hidden entries: 0
+        ts = None  # tS = scale·(tQ·Kᵀ + Q·tKᵀ) + tBias
+        if tq_rows is not None:
+            ts = _dot(tq_rows, k_blk, 3, acc)
+        if "k" in tan:
+            t = _dot(q_rows, tk_blk, 3, acc)
+            ts = t if ts is None else ts + t
+        if ts is not None:
+            ts = ts * spec.scale
+        if "bias" in tan:
+            tb = blocks.bias(tan["bias"], j)
+            ts = tb if ts is None else ts + tb
+        if ts is not None:
+            pts = p * ts
+            tl = tl + jnp.sum(pts, axis=-1, keepdims=True)
+            a = a + _dot(pts.astype(v.dtype), v_blk, 2, acc)
+        if "v" in tan:
+            a = a + _dot(p.astype(v.dtype), tv_blk, 2, acc)
+        return (a, tl), None
+
+    xs = (
+        jnp.arange(g.num_blocks, dtype=jnp.int32),
+        _kv_blocks(g, k),
+        _kv_blocks(g, v),
+        tk_blocks,
+        tv_blocks,
+    )
+    init = (jnp.zeros_like(q_rows, dtype=acc), jnp.zeros_like(q_rows[..., :1], dtype=acc))
+    (a, tl), _ = jax.lax.scan(step, init, xs)
+    t_out = a - tl * _q_rows(g, out).astype(acc)
+    t_lse = tl.reshape(g.batch, g.heads_q, g.seq_q).astype(lse.dtype)
+    return _from_rows(g, t_out).astype(q.dtype), t_lse
 
 
 # --- the primitives -----------------------------------------------------------------------
 
 
-def _fwd_abstract_eval(q, k, v, *, causal, scale, config):
+def _fwd_abstract_eval(q, k, v, *extras, spec):
     b, sq, hq, _ = q.shape
     lse = q.update(shape=(b, hq, sq), dtype=compute_dtype(q.dtype), weak_type=False)
     return q.update(weak_type=False), lse
+
+
+def _bwd_abstract_eval(q, k, v, out, lse, dout, *rest, spec):
+    grads = (q.update(weak_type=False), k.update(weak_type=False), v.update(weak_type=False))
+    if spec.bias_grad:
+        return (*grads, spec.split(rest[: spec.num_extras]).bias.update(weak_type=False))
+    return grads
 
 
 flash_attention_fwd_op = Operator(
@@ -275,20 +452,63 @@ flash_attention_fwd_op = Operator(
     reference=_flash_fwd_reference,
     abstract_eval=_fwd_abstract_eval,
     multiple_results=True,
+    spec=lambda params: params["spec"],
 )
 flash_attention_bwd_op = Operator(
     "flash_attention_bwd",
     reference=_flash_bwd_reference,
-    abstract_eval=lambda q, k, v, out, lse, dout, **_: (q, k, v),
+    abstract_eval=_bwd_abstract_eval,
     multiple_results=True,
+    spec=lambda params: params["spec"],
+)
+flash_attention_jvp_op = Operator(
+    "flash_attention_jvp",
+    reference=_flash_jvp_reference,
+    abstract_eval=lambda q, k, v, out, lse, *rest, spec: (out.update(weak_type=False), lse),
+    multiple_results=True,
+    spec=lambda params: params["spec"],
 )
 
 
-def _fold_batch(args, dims):
-    """vmap: ``(N, B, folded)``, every operand's mapped dim (size N) merged into its batch dim."""
+# --- batching -----------------------------------------------------------------------------
+
+# How an operand's leading dim relates to the batch: "b" is the batch (B); "m" is a
+# mask-like dim of size B or 1 (mask, bias and the bias tangent).
+
+
+def _operand_kinds(spec: AttentionSpec, fixed: int) -> list[str]:
+    """The kinds of ``fixed`` batch-led operands followed by the spec's extras."""
+    kinds = ["b"] * fixed
+    kinds += ["m"] * (spec.has_mask + spec.has_bias)
+    kinds += ["b"] * (spec.has_q_lengths + spec.has_kv_lengths + 2 * spec.has_segment_ids)
+    return kinds
+
+
+def _unmapped_shape(x: jax.Array, d: int | None) -> tuple[int, ...]:
+    """``x``'s shape without its vmapped dimension."""
+    return tuple(s for i, s in enumerate(x.shape) if i != d)
+
+
+def _fold_batch(args, dims, kinds, materialise=()):
+    """vmap: every operand's mapped dim (size N) merged into its batch dim: ``N·B``.
+
+    A mask-like operand of batch 1 that is not mapped stays as it is (it broadcasts);
+    otherwise its batch is broadcast to B first. ``materialise`` lists operand indices
+    that are broadcast to ``N·B`` whatever they are (a bias whose cotangent is wanted
+    per example).
+    """
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
-    moved = [move_bdim_to_front(a, d, size) for a, d in zip(args, dims)]
-    return size, moved[0].shape[1], [a.reshape(size * a.shape[1], *a.shape[2:]) for a in moved]
+    batch = _unmapped_shape(args[0], dims[0])[0]
+    out = []
+    for i, (a, d, kind) in enumerate(zip(args, dims, kinds)):
+        if kind == "m" and d is not_mapped and a.shape[0] == 1 and i not in materialise:
+            out.append(a)
+            continue
+        a = move_bdim_to_front(a, d, size)
+        if kind == "m":
+            a = jnp.broadcast_to(a, (size, batch, *a.shape[2:]))
+        out.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    return size, batch, out
 
 
 def _unfold(size: int, batch: int, x: jax.Array) -> jax.Array:
@@ -296,49 +516,95 @@ def _unfold(size: int, batch: int, x: jax.Array) -> jax.Array:
     return x.reshape(size, batch, *x.shape[1:])
 
 
-def _fwd_batcher(args, dims, **params):
-    size, batch, folded = _fold_batch(args, dims)
-    out, lse = flash_attention_fwd_op.bind(*folded, **params)
+def _fwd_batcher(args, dims, *, spec):
+    size, batch, folded = _fold_batch(args, dims, _operand_kinds(spec, 3))
+    out, lse = flash_attention_fwd_op.bind(*folded, spec=spec)
     return (_unfold(size, batch, out), _unfold(size, batch, lse)), (0, 0)
 
 
-def _bwd_batcher(args, dims, **params):
-    size, batch, folded = _fold_batch(args, dims)
-    grads = flash_attention_bwd_op.bind(*folded, **params)
-    return tuple(_unfold(size, batch, t) for t in grads), (0, 0, 0)
+def _bwd_batcher(args, dims, *, spec):
+    kinds = _operand_kinds(spec, 6) + ["b"] * spec.has_dlse
+    bias_at = 6 + spec.has_mask
+    materialise = (bias_at,) if spec.bias_grad else ()
+    size, batch, folded = _fold_batch(args, dims, kinds, materialise)
+    grads = [_unfold(size, batch, t) for t in flash_attention_bwd_op.bind(*folded, spec=spec)]
+    if spec.bias_grad and _unmapped_shape(args[bias_at], dims[bias_at])[0] == 1:
+        # The bias broadcast over the batch: its cotangent sums over the batch.
+        grads[3] = jnp.sum(grads[3], axis=1, keepdims=True)
+    return tuple(grads), (0,) * len(grads)
+
+
+def _jvp_batcher(args, dims, *, spec):
+    kinds = _operand_kinds(spec, 5) + ["m" if t == "bias" else "b" for t in spec.tangents]
+    size, batch, folded = _fold_batch(args, dims, kinds)
+    t_out, t_lse = flash_attention_jvp_op.bind(*folded, spec=spec)
+    return (_unfold(size, batch, t_out), _unfold(size, batch, t_lse)), (0, 0)
 
 
 batching.primitive_batchers[flash_attention_fwd_op.prim] = _fwd_batcher
 batching.primitive_batchers[flash_attention_bwd_op.prim] = _bwd_batcher
+batching.primitive_batchers[flash_attention_jvp_op.prim] = _jvp_batcher
 
 
-# --- the custom VJP -----------------------------------------------------------------------
+# --- adjoints: JVP of the forward, transpose of the JVP -----------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flash_attention(q, k, v, causal, scale, config):
-    out, _ = flash_attention_fwd_op.bind(q, k, v, causal=causal, scale=scale, config=config)
-    return out
+def _is_zero(t: Any) -> bool:
+    return type(t) is ad.Zero
 
 
-def _flash_attention_fwd(q, k, v, causal, scale, config):
-    out, lse = flash_attention_fwd_op.bind(q, k, v, causal=causal, scale=scale, config=config)
-    return out, (q, k, v, out, lse)
+def _fwd_jvp(primals, tangents, *, spec: AttentionSpec):
+    q, k, v, *extras = primals
+    out, lse = flash_attention_fwd_op.bind(*primals, spec=spec)
+    named = {"q": tangents[0], "k": tangents[1], "v": tangents[2]}
+    if spec.has_bias:
+        named["bias"] = tangents[3 + spec.has_mask]
+    present = {n: t for n, t in named.items() if not _is_zero(t)}
+    if not present:
+        return (out, lse), (zero_tangent(out), zero_tangent(lse))
+    jspec = spec.replace(tangents=tuple(present))
+    ordered = [present[n] for n in jspec.tangents]
+    t_out, t_lse = flash_attention_jvp_op.bind(q, k, v, out, lse, *extras, *ordered, spec=jspec)
+    return (out, lse), (t_out, t_lse)
 
 
-def _flash_attention_bwd(causal, scale, config, residuals, dout):
-    return tuple(
-        flash_attention_bwd_op.bind(*residuals, dout, causal=causal, scale=scale, config=config)
-    )
+def _jvp_transpose(cts, q, k, v, out, lse, *rest, spec: AttentionSpec):
+    if any(ad.is_undefined_primal(x) for x in (q, k, v, out, lse, *rest[: spec.num_extras])):
+        raise NotImplementedError(_SECOND_ORDER)
+    ct_out, ct_lse = cts
+    nonlinear = [None] * (5 + spec.num_extras)
+    tangent_avals = [t.aval for t in rest[spec.num_extras :]]
+    if _is_zero(ct_out) and _is_zero(ct_lse):
+        return [*nonlinear, *(ad.Zero(a) for a in tangent_avals)]
+    dout = jnp.zeros(out.shape, out.dtype) if _is_zero(ct_out) else ct_out
+    dlse = [] if _is_zero(ct_lse) else [ct_lse]
+    bspec = spec.replace(tangents=(), bias_grad="bias" in spec.tangents, has_dlse=bool(dlse))
+    extras = rest[: spec.num_extras]
+    grads = flash_attention_bwd_op.bind(q, k, v, out, lse, dout, *extras, *dlse, spec=bspec)
+    by_name = dict(zip(("q", "k", "v", "bias"), grads))
+    return [*nonlinear, *(by_name[n] for n in spec.tangents)]
 
 
-_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
+_SECOND_ORDER = (
+    f"{_NAME}: second derivatives (jax.hessian, grad of grad, jvp of grad) are not "
+    "supported: ts_flash_attention_bwd and ts_flash_attention_jvp have no derivative rules"
+)
+
+
+def _no_second_order(primals, tangents, **params):
+    raise NotImplementedError(_SECOND_ORDER)
+
+
+ad.primitive_jvps[flash_attention_fwd_op.prim] = _fwd_jvp
+ad.primitive_transposes[flash_attention_jvp_op.prim] = _jvp_transpose
+ad.primitive_jvps[flash_attention_jvp_op.prim] = _no_second_order
+ad.primitive_jvps[flash_attention_bwd_op.prim] = _no_second_order
 
 
 # --- the public function ------------------------------------------------------------------
 
 
-def _validate(q, k, v, causal, scale, config) -> tuple[float, FlashAttentionConfig]:
+def _validate_core(q, k, v, causal, scale, config) -> tuple[float, FlashAttentionConfig]:
     for arg, x in (("q", q), ("k", k), ("v", v)):
         check_dtype(_NAME, arg, x, (jnp.floating,))
         if x.ndim != 4:
@@ -385,49 +651,215 @@ def _validate(q, k, v, causal, scale, config) -> tuple[float, FlashAttentionConf
     return scale, config
 
 
+def _scores_shape(q, k) -> tuple[int, int, int, int]:
+    return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+
+
+def _validate_logits_operand(arg: str, x: Any, q, k, kinds) -> jax.Array | None:
+    """``mask``/``bias`` as a rank-4 array broadcastable to ``(B, Hq, Sq, Skv)``."""
+    if x is None:
+        return None
+    x = as_array(_NAME, arg, x)
+    check_dtype(_NAME, arg, x, kinds)
+    full = _scores_shape(q, k)
+    if x.ndim > 4:
+        raise ValueError(
+            f"{_NAME}: {arg}.shape={x.shape} must have rank ≤ 4 and broadcast to "
+            f"(batch, heads_q, seq_q, seq_kv)={full}"
+        )
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if any(s not in (1, f) for s, f in zip(shape, full)):
+        raise ValueError(
+            f"{_NAME}: {arg}.shape={tuple(x.shape)} does not broadcast to "
+            f"(batch, heads_q, seq_q, seq_kv)={full} (jax.nn.dot_product_attention's "
+            "(B, N, T, S) layout: heads before sequence)"
+        )
+    return x.reshape(shape)
+
+
+def _validate_lengths(arg: str, x: Any, batch: int, seq: int, seq_arg: str) -> jax.Array | None:
+    if x is None:
+        return None
+    x = as_array(_NAME, arg, x)
+    check_dtype(_NAME, arg, x, (jnp.integer,))
+    if x.shape != (batch,):
+        raise ValueError(f"{_NAME}: {arg}.shape={x.shape} must be (batch,)=({batch},)")
+    values = _compat.concrete_value(x)
+    if values is not None and values.size and (values.min() < 0 or values.max() > seq):
+        raise ValueError(
+            f"{_NAME}: {arg} has values in [{values.min()}, {values.max()}], outside "
+            f"[0, {seq_arg}={seq}]"
+        )
+    return x.astype(jnp.int32)
+
+
+def _validate_window(w: Any) -> tuple[int, int] | None:
+    if w is None:
+        return None
+    pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
+    if (
+        not isinstance(pair, (tuple, list))
+        or len(pair) != 2
+        or any(not isinstance(s, (int, np.integer)) or isinstance(s, bool) for s in pair)
+    ):
+        raise TypeError(
+            f"{_NAME}: local_window_size={w!r} must be None, an int or a (left, right) "
+            "tuple of ints"
+        )
+    if pair[0] < 0 or pair[1] < 0:
+        raise ValueError(f"{_NAME}: local_window_size={w!r} must not be negative")
+    return int(pair[0]), int(pair[1])
+
+
+def _validate_segments(q_seg, kv_seg, q, k) -> tuple[jax.Array | None, jax.Array | None]:
+    if (q_seg is None) != (kv_seg is None):
+        given = "q_segment_ids" if kv_seg is None else "kv_segment_ids"
+        raise ValueError(f"{_NAME}: {given} was given without the other: pass both or neither")
+    if q_seg is None:
+        return None, None
+    out = []
+    for arg, x, seq, name in (
+        ("q_segment_ids", q_seg, q.shape[1], "seq_q"),
+        ("kv_segment_ids", kv_seg, k.shape[1], "seq_kv"),
+    ):
+        x = as_array(_NAME, arg, x)
+        check_dtype(_NAME, arg, x, (jnp.integer,))
+        if x.shape != (q.shape[0], seq):
+            raise ValueError(
+                f"{_NAME}: {arg}.shape={x.shape} must be (batch, {name})=({q.shape[0]}, {seq})"
+            )
+        out.append(x.astype(jnp.int32))
+    return out[0], out[1]
+
+
+def _prepare(
+    q, k, v, causal, scale, config, mask, bias, q_lengths, kv_lengths, window, q_seg, kv_seg
+):
+    """Validated operands and the spec of one call (errors name the argument and shapes)."""
+    q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    scale, config = _validate_core(q, k, v, causal, scale, config)
+    b = q.shape[0]
+    q_seg, kv_seg = _validate_segments(q_seg, kv_seg, q, k)
+    extras = AttentionExtras(
+        mask=_validate_logits_operand("mask", mask, q, k, (jnp.bool_,)),
+        bias=_validate_logits_operand("bias", bias, q, k, (jnp.floating,)),
+        q_lengths=_validate_lengths("query_seq_lengths", q_lengths, b, q.shape[1], "seq_q"),
+        kv_lengths=_validate_lengths("key_value_seq_lengths", kv_lengths, b, k.shape[1], "seq_kv"),
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+    )
+    spec = AttentionSpec(
+        causal=bool(causal),
+        scale=scale,
+        config=config,
+        local_window_size=_validate_window(window),
+    ).with_extras(extras)
+    return q, k, v, AttentionSpec.operands(extras), spec
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     causal: bool = False,
     scale: float | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     config: FlashAttentionConfig | None = None,
 ) -> jax.Array:
-    """Multi-head attention ``softmax(q·kᵀ·scale)·v`` without materialising the score matrix.
+    """Multi-head attention ``softmax(q·kᵀ·scale + bias)·v`` without materialising the scores.
+
+    The arguments after ``v`` are ``jax.nn.dot_product_attention``'s, under its names
+    (``causal`` is its ``is_causal``); see the module docstring for the exact masks.
 
     Arguments:
       q: ``(batch, seq_q, heads_q, head_dim)``, a floating dtype.
       k: ``(batch, seq_kv, heads_kv, head_dim)``, ``q``'s dtype; ``heads_kv`` divides
         ``heads_q`` (GQA/MQA: query head ``h`` uses kv head ``h // (heads_q // heads_kv)``).
       v: ``k``'s shape and dtype.
+      bias: additive, a floating dtype, broadcastable to ``(batch, heads_q, seq_q,
+        seq_kv)`` (heads before sequence, as jax.nn); differentiable.
+      mask: bool, True where a query attends to a key; broadcastable like ``bias``.
       causal: mask keys after the query, aligned bottom-right (query ``i`` sees keys
         ``j ≤ i + seq_kv − seq_q``; the lower triangle when ``seq_q == seq_kv``).
       scale: a positive finite float multiplying the scores; default ``1/sqrt(head_dim)``.
+      query_seq_lengths: int ``(batch,)`` in ``[0, seq_q]``: later queries are padding
+        (their output is zeros).
+      key_value_seq_lengths: int ``(batch,)`` in ``[0, seq_kv]``: later keys are padding.
+        (Values are checked where they are known at trace time; under ``jit`` a value
+        outside the range acts as if clipped to it.)
+      local_window_size: ``(left, right)`` non-negative ints, or an int for both: query
+        ``i`` sees keys within ``left`` before and ``right`` after its position
+        ``i + seq_kv − seq_q``.
+      q_segment_ids, kv_segment_ids: int ``(batch, seq_q)`` and ``(batch, seq_kv)``, both
+        or neither: a query sees only keys with its segment id (packed sequences).
       config: block sizes (:class:`FlashAttentionConfig`); default ``block_kv=128``.
     Returns:
       ``(batch, seq_q, heads_q, head_dim)`` in ``q``'s dtype. A query that sees no key
-      gives zeros. Differentiable in reverse mode only (``jax.grad``/``jax.vjp``); see
-      the module docstring.
+      gives zeros.
+
+    Differentiable in forward and reverse mode, first order (``jax.grad``, ``jax.vjp``,
+    ``jax.jvp``, ``jax.jacfwd``), with respect to ``q``, ``k``, ``v`` and ``bias``.
+    Deterministic: the blocked reference and the Pallas kernels that run it give bitwise
+    identical outputs and gradients run to run (no atomics); there is no cuDNN path.
     """
-    q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    scale, config = _validate(q, k, v, causal, scale, config)
-    try:
-        return _flash_attention(q, k, v, bool(causal), scale, config)
-    except TypeError as e:
-        # jax.jvp / jacfwd reached the custom_vjp: say which operator and why.
-        if "forward-mode" not in str(e):
-            raise
-        raise TypeError(
-            f"{_NAME} is differentiable in reverse mode only (jax.grad, jax.vjp, jax.jacrev): "
-            "it is a custom_vjp over ts_flash_attention_fwd/ts_flash_attention_bwd and has "
-            "no JVP rule, so jax.jvp, jax.jacfwd and jax.hessian are not supported"
-        ) from e
+    q, k, v, extras, spec = _prepare(
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        config,
+        mask,
+        bias,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        local_window_size,
+        q_segment_ids,
+        kv_segment_ids,
+    )
+    out, _ = flash_attention_fwd_op.bind(q, k, v, *extras, spec=spec)
+    return out
 
 
-def flash_attention_fwd(q, k, v, *, causal=False, scale=None, config=None):
-    """The forward primitive itself: ``(out, lse)`` with ``lse`` of shape ``(B, Hq, Sq)``."""
-    q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    scale, config = _validate(q, k, v, causal, scale, config)
-    out, lse = flash_attention_fwd_op.bind(q, k, v, causal=bool(causal), scale=scale, config=config)
+def flash_attention_fwd(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    causal=False,
+    scale=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    config=None,
+):
+    """The forward primitive itself: ``(out, lse)`` with ``lse`` of shape ``(B, Hq, Sq)``
+    (``-inf`` for a query that sees no key); arguments as :func:`flash_attention`."""
+    q, k, v, extras, spec = _prepare(
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        config,
+        mask,
+        bias,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        local_window_size,
+        q_segment_ids,
+        kv_segment_ids,
+    )
+    out, lse = flash_attention_fwd_op.bind(q, k, v, *extras, spec=spec)
     return out, lse

@@ -311,7 +311,14 @@ def reduction_factors(avals_in, params) -> Factors:
 
 
 def attention_fwd_factors(avals_in, params) -> Factors | None:
-    """q (b s h d), k/v (b t hk d) -> out (b s h d), lse (b h s): batch and heads pass."""
+    """q (b s h d), k/v (b t hk d) -> out (b s h d), lse (b h s): batch and heads pass.
+
+    With extra operands (mask, bias, lengths, segment ids; ``contracts/attention.py``)
+    there is no rule: the partitioner runs such a kernel unsharded.
+    """
+    spec = params["spec"]
+    if spec.num_extras:
+        return None
     q, k = avals_in[0], avals_in[1]
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
@@ -324,12 +331,15 @@ def attention_fwd_factors(avals_in, params) -> Factors | None:
 
 
 def attention_bwd_factors(avals_in, params) -> Factors | None:
-    """(q, k, v, out, lse, dout) -> (dq, dk, dv), batch and heads pass."""
+    """(q, k, v, out, lse, dout[, dlse]) -> (dq, dk, dv), batch and heads pass."""
     f = attention_fwd_factors(avals_in[:3], params)
+    if f is None:
+        return None
     q_m, kv_m, _ = f.operands
     lse_m = f.results[1]
+    dlse = (lse_m,) if params["spec"].has_dlse else ()
     return dataclasses.replace(
-        f, operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m), results=(q_m, kv_m, kv_m)
+        f, operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m, *dlse), results=(q_m, kv_m, kv_m)
     )
 
 
