@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import jax
 import pytest
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -12,11 +13,13 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 def test_notebook_runs(path, capsys):
     cells = json.loads(path.read_text())["cells"]
     namespace: dict = {"__name__": "__notebook__"}
-    for i, cell in enumerate(cells):
-        if cell["cell_type"] != "code":
-            continue
-        source = "".join(cell["source"])
-        exec(compile(source, f"{path.name}[cell {i}]", "exec"), namespace)
+    # As a user runs them: JAX's default promotion rules, not the suite's strict ones.
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            exec(compile(source, f"{path.name}[cell {i}]", "exec"), namespace)
 
 
 def test_there_is_a_notebook():
