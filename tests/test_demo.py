@@ -18,7 +18,7 @@ from tessera_jax.train import data, demo, model
 
 ROOT = pathlib.Path(__file__).parent.parent
 # A model small enough for CI: a few steps compile and run in seconds.
-TINY = ["--layers", "1", "--width", "64", "--seq", "32", "--batch", "8"]
+TINY = ["--layers", "1", "--width", "64", "--seq", "32", "--batch", "8", "--sample", "0"]
 
 
 def run(*argv: str) -> dict:
@@ -77,12 +77,8 @@ def test_resume_on_another_mesh_and_corrupt_checkpoints(reference, tmp_path):
     assert out["fingerprint"] == reference["fingerprint"]
     assert (pathlib.Path(ckpt) / "corrupt" / "4").is_dir()  # kept, moved aside
 
-
-def test_resume_settings_must_match(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    run("--steps", "1", "--checkpoint-dir", ckpt)
     with pytest.raises(ValueError, match="was written with"):
-        run("--steps", "2", "--checkpoint-dir", ckpt, "--resume", "--seed", "1")
+        run("--steps", "5", "--checkpoint-dir", ckpt, "--resume", "--seed", "1")
     with pytest.raises(ValueError, match="--resume needs --checkpoint-dir"):
         run("--steps", "2", "--resume")
 
@@ -124,7 +120,7 @@ def test_two_processes_match_one(reference):
     """tessera-launch --nproc 2 --devices-per-proc 4: the 8-device fingerprint."""
     cmd = [sys.executable, "-m", "tessera_jax.launch", "--nproc", "2", "--devices-per-proc", "4"]
     proc = subprocess.run(
-        [*cmd, "-m", "tessera_jax", "demo", *TINY, "--steps", "4"],
+        [*cmd, "-m", "tessera_jax", "demo", *TINY, "--steps", "4", "--sample", "8"],
         env=_env(),
         capture_output=True,
         text=True,

@@ -150,11 +150,8 @@ def test_mgpu_edge_tiles_lower_for_cuda(m, n, k, ta, tb, dt, out, extra):
     assert len(mosaic_gpu_calls(hlo)) == 1
 
 
-@pytest.mark.parametrize(
-    "ta,tb,shape",
-    [(True, True, (200, 136, 96)), (False, True, (256, 256, 128))],
-    ids=["tA-tB-ragged", "tB"],
-)
+# tB alone is the same kernel path with one flag fewer (and runs on the GPU in -m gpu).
+@pytest.mark.parametrize("ta,tb,shape", [(True, True, (200, 136, 96))], ids=["tA-tB-ragged"])
 def test_mgpu_transposed_operands(ta, tb, shape):
     m, n, k = shape
     a = rand((k, m) if ta else (m, k), BF16)
@@ -167,13 +164,6 @@ def test_mgpu_transposed_a():
     a, b = rand((128, 256), F16), rand((128, 256), F16)
     spec = spec_of(F16, transpose_a=True)
     check(run_mgpu(spec, a, b), reference(spec, a, b), F16)
-
-
-@pytest.mark.parametrize("activation", ["gelu"])  # gelu_tanh: same epilogue path, GPU-benchmarked
-def test_mgpu_bias_activation(activation):
-    a, b, bias = rand((256, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
-    spec = spec_of(has_bias=True, activation=activation)
-    check(run_mgpu(spec, a, b, bias), reference(spec, a, b, bias), BF16)
 
 
 def test_mgpu_scale_relu_residual_f32():
@@ -190,7 +180,8 @@ def test_mgpu_fp8_e4m3_scaled():
     check(run_mgpu(spec, a, b, scale), reference(spec, a, b, scale), F32)
 
 
-@pytest.mark.parametrize("da,db", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3xe5m2", "e5m2xe4m3"])
+# e5m2 × e4m3 is the same kernel with the operands' formats swapped (lowering checked below).
+@pytest.mark.parametrize("da,db", [(E4M3, E5M2)], ids=["e4m3xe5m2"])
 def test_mgpu_fp8_mixed(da, db):
     a, b = rand((128, 192), da), rand((192, 256), db)
     check(run_mgpu(spec_of(), a, b), reference(spec_of(), a, b), BF16)

@@ -31,8 +31,12 @@ from tessera_jax.train import data, model, step
 from tessera_jax.train.checkpoint import Checkpoints, fingerprint, host_value
 from tessera_jax.train.model import DP, TP, ModelConfig
 
+# XLA's GPU autotuner times candidate GEMM configs and keeps the fastest, so two processes
+# can compile the same matmul to kernels that round differently; this flag makes it choose
+# deterministically (and avoids ops with nondeterministic atomics).
+DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops=true"
+
 SAMPLE_PROMPT = "The "
-SAMPLE_TOKENS = 120
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128, help="d_model (heads of 16 dims)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sample", type=int, default=120, metavar="N", help="bytes of greedy sample to print"
+    )
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=50, metavar="K")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -103,6 +110,9 @@ def _greedy_sample(cfg: ModelConfig, params: Any, prompt: str, n: int) -> str:
 
 def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Trains as ``args`` say; returns the final loss, first loss and fingerprint."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in flags and not _compat.backends_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_XLA_FLAG}".strip()
     if args.distributed or os.environ.get("TESSERA_COORDINATOR"):
         initialize()
     elif "JAX_NUM_CPU_DEVICES" not in os.environ and not _compat.backends_started():
@@ -204,12 +214,20 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     fp = fingerprint(params)
     if last is not None:
         say(f"final loss {last:.4f} (step 1 of this run: {first:.4f}), step {args.steps}")
-    sample = _greedy_sample(cfg, params, SAMPLE_PROMPT, SAMPLE_TOKENS) if primary else ""
-    say("sample: " + repr(sample))
+    sample = ""
+    if primary and args.sample > 0:
+        sample = _greedy_sample(cfg, params, SAMPLE_PROMPT, args.sample)
+        say("sample: " + repr(sample))
     say(
         f"the fingerprint is the same for this model, batch, seed and step count on any mesh "
         f"with dp | {step.GROUPS} and tp | {cfg.chunks}, in one process or several, on "
         f"{platform} devices"
     )
+    if platform == "gpu" and DETERMINISTIC_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        say(
+            f"warning: XLA_FLAGS lacks {DETERMINISTIC_XLA_FLAG} (JAX started before the demo "
+            "could set it): XLA's GPU autotuner may pick other kernels in another process, "
+            "so this fingerprint may not reproduce"
+        )
     say(f"fingerprint: {fp}")
     return {"first_loss": first, "final_loss": last, "fingerprint": fp, "sample": sample}
