@@ -809,22 +809,21 @@ def flash_attention(
     Deterministic: the blocked reference and the Pallas kernels that run it give bitwise
     identical outputs and gradients run to run (no atomics); there is no cuDNN path.
     """
-    q, k, v, extras, spec = _prepare(
+    out, _ = flash_attention_fwd(
         q,
         k,
         v,
-        causal,
-        scale,
-        config,
-        mask,
         bias,
-        query_seq_lengths,
-        key_value_seq_lengths,
-        local_window_size,
-        q_segment_ids,
-        kv_segment_ids,
+        mask,
+        causal=causal,
+        scale=scale,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        config=config,
     )
-    out, _ = flash_attention_fwd_op.bind(q, k, v, *extras, spec=spec)
     return out
 
 
