@@ -66,7 +66,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.primitives._core import (
+    Kernel,
     Operator,
     as_array,
     batching,
@@ -431,3 +433,11 @@ def flash_attention_fwd(q, k, v, *, causal=False, scale=None, config=None):
     scale, config = _validate(q, k, v, causal, scale, config)
     out, lse = flash_attention_fwd_op.bind(q, k, v, causal=bool(causal), scale=scale, config=config)
     return out, lse
+
+
+# --- kernels ------------------------------------------------------------------------------
+
+# Hopper (Mosaic GPU) forward and deterministic backward; the kernels decode the operator's
+# parameters (causal, scale, config) from ``spec`` themselves.
+flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
+flash_attention_bwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_bwd))
