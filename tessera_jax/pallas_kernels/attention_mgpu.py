@@ -263,6 +263,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         full, steps = _kv_ranges(p, q_base)
         qs = qo_smem.at[wg]
@@ -300,9 +301,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
-            acc = _dot_acc(
-                acc, pr.astype(p.dtype), v_smem.at[slot], stage.at[wg], interpret=interpret
-            )
+            acc = _dot_acc(acc, pr.astype(p.dtype), v_smem.at[slot], stg, interpret=interpret)
             plgpu.barrier_arrive(v_done.at[slot])
             return acc, m_new, l_
 
@@ -393,6 +392,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         full, steps = _kv_ranges(p, q_base)
         rows = pl.ds(q_base, bq)
@@ -420,9 +420,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
                 vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
                 pr = jnp.where(vis, pr, 0.0)
             ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-            dq = _dot_acc(
-                dq, ds.astype(p.dtype), k_smem.at[slot], stage.at[wg], interpret=interpret
-            )
+            dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
             plgpu.barrier_arrive(k_done.at[slot])
             return dq
 
@@ -514,6 +512,7 @@ def _dkv_kernel(
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         kv_base = tile0 + wg * bkv
         start, full = _q_ranges(p, kv_base)
         rows = pl.ds(kv_base, bkv)
@@ -539,14 +538,10 @@ def _dkv_kernel(
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
                 pt = jnp.where(vis, pt, 0.0)
             dpt = _dot((bkv, bq), vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-            dv = _dot_acc(
-                dv, pt.astype(p.dtype), do_smem.at[slot], stage.at[wg], interpret=interpret
-            )
+            dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
             delta = delta_smem[slot]
             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-            dk = _dot_acc(
-                dk, dst.astype(p.dtype), q_smem.at[slot], stage.at[wg], interpret=interpret
-            )
+            dk = _dot_acc(dk, dst.astype(p.dtype), q_smem.at[slot], stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 

@@ -1,0 +1,206 @@
+"""Attention benchmark: ``ts.flash_attention`` (Hopper Mosaic GPU kernels) vs cuDNN vs XLA.
+
+Runs on the GPU machine, one process, every implementation checked against an f32 XLA
+reference before it is timed::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
+
+Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
+``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``),
+``jax.nn.dot_product_attention(implementation="cudnn")`` (the baseline) and
+``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
+(``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
+FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
+Besides the time, each record says whether three calls gave bitwise identical results
+(``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
+Timing: ``benchmarks/_common.time_interleaved``. Prints a table last and writes JSON
+records ``{suite: "attention", case, device, jax, impl, baseline, ms, baseline_ms, ratio =
+baseline_ms / ms, tflops, rel_err, bitwise_repeatable, temp_bytes}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tessera_jax as ts  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    results_path,
+    time_interleaved,
+    write_records,
+)
+from benchmarks._common import normal as rand  # noqa: E402
+from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# (batch, seq, heads, head_dim); every shape runs causal and not, fwd and fwd+bwd.
+SHAPES = [
+    (4, 4096, 16, 128),
+    (4, 4096, 16, 64),
+    (4, 4096, 16, 256),
+    (16, 1024, 16, 128),
+    (1, 16384, 16, 128),
+]
+BASELINE = "cudnn"
+
+
+def _ours(q, k, v, causal):
+    with ts.kernel_mode("pallas"):
+        return ts.flash_attention(q, k, v, causal=causal)
+
+
+def _jax_nn(q, k, v, causal, implementation):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def _fwdbwd(f):
+    """``(out, dq, dk, dv)`` of ``sum(f(q, k, v) · dout)``."""
+
+    def g(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(do))
+
+    return g
+
+
+def _fwd_only(f):
+    """``f`` taking (and ignoring) the ``dout`` operand, so every case has one signature."""
+    return lambda q, k, v, do: f(q, k, v)
+
+
+def _impls(causal: bool, backward: bool, head_dim: int) -> dict:
+    fns = {
+        "mosaic_gpu": functools.partial(_ours, causal=causal),
+        "cudnn": functools.partial(_jax_nn, causal=causal, implementation="cudnn"),
+        "xla": functools.partial(_jax_nn, causal=causal, implementation="xla"),
+    }
+    if backward:
+        if head_dim not in am.BWD_HEAD_DIMS:  # the backward kernels decline: not ours to time
+            del fns["mosaic_gpu"]
+        return {n: _fwdbwd(f) for n, f in fns.items()}
+    return {n: _fwd_only(f) for n, f in fns.items()}
+
+
+def _compiled(fn, args):
+    """The jitted function (under the kernel mode the kernels need) and its temp bytes."""
+    jitted = jax.jit(fn)
+    with ts.kernel_mode("pallas"):
+        mem = jitted.lower(*args).compile().memory_analysis()
+    return jitted, int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+
+
+def _rel(out, ref) -> float:
+    out, ref = out.astype(F32), ref.astype(F32)
+    return float(jnp.linalg.norm((out - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+
+
+def _same_bits(a, b) -> bool:
+    return all(
+        np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+        for x, y in zip(a, b)
+    )
+
+
+def run_case(shape, causal: bool, backward: bool) -> list[dict]:
+    b, s, h, d = shape
+    mode = "fwdbwd" if backward else "fwd"
+    case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+    args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
+    flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    ref_fn = _impls(causal, backward, d)["xla"]
+    ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
+    ref = ref if backward else (ref,)
+    fns, errs, temp, repeat = {}, {}, {}, {}
+    for name, fn in _impls(causal, backward, d).items():
+        try:
+            jitted, temp[name] = _compiled(fn, args)
+            with ts.kernel_mode("pallas"):
+                runs = [jitted(*args) for _ in range(3)]
+            runs = [r if backward else (r,) for r in runs]
+            errs[name] = max(_rel(o, r) for o, r in zip(runs[0], ref))
+            repeat[name] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
+            fns[name] = jitted
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    del ref
+    with ts.kernel_mode("pallas"):
+        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    base_ms = ms.get(BASELINE)
+    recs = []
+    for name in fns:
+        recs.append(
+            dict(
+                suite="attention",
+                case=case,
+                device=device_name(family=True),
+                jax=jax.__version__,
+                impl=name,
+                baseline=BASELINE,
+                ms=ms[name],
+                baseline_ms=base_ms,
+                ratio=(base_ms / ms[name]) if base_ms else None,
+                tflops=flops / (ms[name] * 1e-3) / 1e12,
+                rel_err=errs[name],
+                bitwise_repeatable=repeat[name],
+                temp_bytes=temp[name],
+            )
+        )
+        r = recs[-1]
+        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
+        print(
+            f"   {case} {name:11s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s {ratio} "
+            f"err {r['rel_err']:.1e} repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
+            flush=True,
+        )
+    return recs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
+    p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    recs = []
+    for shape in SHAPES:
+        for backward in (False, True):
+            for causal in (False, True):
+                b, s, h, d = shape
+                name = (
+                    f"{'fwdbwd' if backward else 'fwd'}-{'causal' if causal else 'noncausal'}"
+                    f"-b{b}-s{s}-h{h}-d{d}-bf16"
+                )
+                if args.only and not any(x in name for x in args.only):
+                    continue
+                try:
+                    recs.extend(run_case(shape, causal, backward))
+                except Exception as e:
+                    traceback.print_exc()
+                    print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    path = Path(args.json or results_path(f"attention-{device_name(family=True)}.json"))
+    write_records(path, recs)
+    print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} vs-cudnn  err     repeat")
+    for r in recs:
+        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
+        print(
+            f"{r['case']:40s} {r['impl']:11s} {r['ms']:8.3f} {r['tflops']:6.1f} {ratio:8s} "
+            f"{r['rel_err']:.1e} {r['bitwise_repeatable']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
