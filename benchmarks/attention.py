@@ -6,7 +6,9 @@ reference before it is timed::
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
-``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``),
+``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``) and with ``xla`` (the
+blocked reference, what ``auto`` mode lowers to where the kernels are not preferred;
+``impl = "ts_reference"``),
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (the baseline) and
 ``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
 (``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
@@ -52,13 +54,13 @@ SHAPES = [
     (4, 4096, 16, 256),
     (16, 1024, 16, 128),
     (1, 16384, 16, 128),
+    (2, 512, 8, 128),
 ]
 BASELINE = "cudnn"
 
 
-def _ours(q, k, v, causal):
-    with ts.kernel_mode("pallas"):
-        return ts.flash_attention(q, k, v, causal=causal)
+def _ts(q, k, v, causal):
+    return ts.flash_attention(q, k, v, causal=causal)
 
 
 def _jax_nn(q, k, v, causal, implementation):
@@ -80,25 +82,32 @@ def _fwd_only(f):
     return lambda q, k, v, do: f(q, k, v)
 
 
+# impl -> (function, TESSERA_KERNELS mode it is compiled and called under)
 def _impls(causal: bool, backward: bool, head_dim: int) -> dict:
     fns = {
-        "mosaic_gpu": functools.partial(_ours, causal=causal),
-        "cudnn": functools.partial(_jax_nn, causal=causal, implementation="cudnn"),
-        "xla": functools.partial(_jax_nn, causal=causal, implementation="xla"),
+        "mosaic_gpu": (functools.partial(_ts, causal=causal), "pallas"),
+        "ts_reference": (functools.partial(_ts, causal=causal), "xla"),
+        "cudnn": (functools.partial(_jax_nn, causal=causal, implementation="cudnn"), "auto"),
+        "xla": (functools.partial(_jax_nn, causal=causal, implementation="xla"), "auto"),
     }
-    if backward:
-        if head_dim not in am.BWD_HEAD_DIMS:  # the backward kernels decline: not ours to time
-            del fns["mosaic_gpu"]
-        return {n: _fwdbwd(f) for n, f in fns.items()}
-    return {n: _fwd_only(f) for n, f in fns.items()}
+    if backward and head_dim not in am.BWD_HEAD_DIMS:  # the kernels decline: not ours to time
+        del fns["mosaic_gpu"]
+    wrap = _fwdbwd if backward else _fwd_only
+    return {n: (wrap(f), mode) for n, (f, mode) in fns.items()}
 
 
-def _compiled(fn, args):
-    """The jitted function (under the kernel mode the kernels need) and its temp bytes."""
+def _compiled(fn, mode: str, args):
+    """``fn`` jitted and called under kernel mode ``mode`` (part of the jit key), and the
+    compiled program's temporary bytes."""
     jitted = jax.jit(fn)
-    with ts.kernel_mode("pallas"):
+
+    def call(*a):
+        with ts.kernel_mode(mode):
+            return jitted(*a)
+
+    with ts.kernel_mode(mode):
         mem = jitted.lower(*args).compile().memory_analysis()
-    return jitted, int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+    return call, int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
 
 
 def _rel(out, ref) -> float:
@@ -119,15 +128,14 @@ def run_case(shape, causal: bool, backward: bool) -> list[dict]:
     case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
     args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
     flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-    ref_fn = _impls(causal, backward, d)["xla"]
+    ref_fn = _impls(causal, backward, d)["xla"][0]
     ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
     ref = ref if backward else (ref,)
     fns, errs, temp, repeat = {}, {}, {}, {}
-    for name, fn in _impls(causal, backward, d).items():
+    for name, (fn, mode) in _impls(causal, backward, d).items():
         try:
-            jitted, temp[name] = _compiled(fn, args)
-            with ts.kernel_mode("pallas"):
-                runs = [jitted(*args) for _ in range(3)]
+            jitted, temp[name] = _compiled(fn, mode, args)
+            runs = [jitted(*args) for _ in range(3)]
             runs = [r if backward else (r,) for r in runs]
             errs[name] = max(_rel(o, r) for o, r in zip(runs[0], ref))
             repeat[name] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
@@ -136,8 +144,7 @@ def run_case(shape, causal: bool, backward: bool) -> list[dict]:
             traceback.print_exc()
             print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del ref
-    with ts.kernel_mode("pallas"):
-        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    ms = time_interleaved(fns, args, repeats=5, target_ms=40)
     base_ms = ms.get(BASELINE)
     recs = []
     for name in fns:
