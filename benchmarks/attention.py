@@ -4,6 +4,7 @@ Runs on the GPU machine, one process, every implementation checked against an f3
 reference before it is timed::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward block_kv sweep
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
 ``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``) and with ``xla`` (the
@@ -44,6 +45,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks._common import normal as rand  # noqa: E402
 from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
+from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -175,13 +177,119 @@ def run_case(shape, causal: bool, backward: bool) -> list[dict]:
     return recs
 
 
+def run_sweep() -> list[dict]:
+    """The forward kernel with each ``block_kv`` that fits vs cuDNN, B4 S4096 H16 bf16; then
+    the backward's dQ block sweep."""
+    recs = []
+    for d in (64, 128, 256):
+        b, s, h = 4, 4096, 16
+        q, k, v = (rand(i, (b, s, h, d), BF16) for i in range(3))
+        for causal in (False, True):
+            spec = tuple(
+                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
+            )
+            fns = {
+                "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
+            }
+            for bkv in am.FWD_BLOCK_KV_CHOICES:
+                if am._fwd_stages(d, bkv) >= 2:
+                    fns[f"mosaic_gpu[block_kv={bkv}]"] = jax.jit(
+                        lambda q, k, v, bkv=bkv, spec=spec: am.flash_fwd(
+                            spec, q, k, v, block_kv=bkv
+                        )[0]
+                    )
+            ref = fns["cudnn"](q, k, v)
+            errs = {}
+            for name in list(fns):
+                try:
+                    errs[name] = _rel(fns[name](q, k, v), ref)
+                except Exception as e:
+                    print(f"!! sweep d{d} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    del fns[name]
+            ms = time_interleaved(fns, (q, k, v), repeats=5, target_ms=40)
+            flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
+            case = f"sweep-fwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            for name in fns:
+                r = dict(
+                    suite="attention-sweep",
+                    case=case,
+                    device=device_name(family=True),
+                    jax=jax.__version__,
+                    impl=name,
+                    baseline=BASELINE,
+                    ms=ms[name],
+                    baseline_ms=ms["cudnn"],
+                    ratio=ms["cudnn"] / ms[name],
+                    tflops=flops / (ms[name] * 1e-3) / 1e12,
+                    rel_err=errs[name],
+                )
+                recs.append(r)
+                print(
+                    f"   {case} {name:24s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s "
+                    f"x{r['ratio']:.3f} err {r['rel_err']:.1e}",
+                    flush=True,
+                )
+    return recs + _sweep_bwd()
+
+
+def _sweep_bwd() -> list[dict]:
+    """The backward kernels with each dQ ``block_kv`` (baseline: 64 keys), B4 S4096 H16."""
+    recs = []
+    for d in (64, 128):
+        b, s, h = 4, 4096, 16
+        q, k, v, do = (rand(i, (b, s, h, d), BF16) for i in range(4))
+        for causal in (False, True):
+            spec = tuple(
+                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
+            )
+            out, lse = jax.jit(functools.partial(am.flash_fwd, spec))(q, k, v)
+            args = (q, k, v, out, lse, do)
+            fns = {
+                f"mosaic_gpu[dq_block_kv={bkv}]": jax.jit(
+                    functools.partial(am.flash_bwd, spec, dq_block_kv=bkv)
+                )
+                for bkv in am.DQ_BLOCK_KV_CHOICES
+            }
+            base = "mosaic_gpu[dq_block_kv=64]"
+            ref = fns[base](*args)
+            errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
+            ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+            flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * 2.5
+            case = f"sweep-bwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            for name in fns:
+                recs.append(
+                    dict(
+                        suite="attention-sweep",
+                        case=case,
+                        device=device_name(family=True),
+                        jax=jax.__version__,
+                        impl=name,
+                        baseline=base,
+                        ms=ms[name],
+                        baseline_ms=ms[base],
+                        ratio=ms[base] / ms[name],
+                        tflops=flops / (ms[name] * 1e-3) / 1e12,
+                        rel_err=errs[name],
+                    )
+                )
+                print(f"   {case} {name:26s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+    return recs
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
+    p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     args = p.parse_args()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    if args.sweep or args.sweep_bwd:
+        name = f"attention-{device_name(family=True)}-sweep.json"
+        recs = _sweep_bwd() if args.sweep_bwd else run_sweep()
+        write_records(Path(args.json or results_path(name)), recs)
+        return
     recs = []
     for shape in SHAPES:
         for backward in (False, True):

@@ -181,3 +181,23 @@ def test_declined_case_runs_the_reference():
 
 def test_hardware_names_the_platform():
     assert "not cpu" in am.hardware("cpu")
+
+
+def test_supports_declines_parameters_it_does_not_implement():
+    """An operator parameter the kernels do not know (e.g. a mask added later) is declined."""
+    spec = tuple(sorted((*_spec(), ("window", 128))))
+    why = am.supports(spec, _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16))
+    assert why is not None and "window" in why
+
+
+def test_prefer_from_the_measured_sequence_lengths():
+    assert am.prefer(_spec(), _avals(2, 4096, 4096, 16, 16, 128, jnp.bfloat16))
+    assert am.prefer(_spec(), _avals(1, 512, 2048, 8, 2, 64, jnp.bfloat16, backward=True))
+    assert not am.prefer(_spec(), _avals(1, 128, 4096, 8, 8, 128, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("block_kv", [32, 256])
+def test_forward_block_kv_override_is_checked(block_kv):
+    q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"block_kv={block_kv} must be one of"):
+        am.flash_fwd(_spec(config=FlashAttentionConfig()), q, q, q, block_kv=block_kv)

@@ -98,7 +98,8 @@ class Problem:
 
     @property
     def seq_kv_pad(self) -> int:
-        return -(-self.seq_kv // TILE) * TILE
+        unit = math.lcm(TILE, self.block_kv)  # whole CTA tiles (dK/dV) and kv blocks
+        return -(-self.seq_kv // unit) * unit
 
     @property
     def offset(self) -> int:
@@ -111,19 +112,40 @@ class Problem:
         return self.scale * LOG2E
 
 
-def _fwd_problem(q, k, causal: bool, scale: float) -> Problem:
+# The forward's keys per loop step, by head_dim: a (64, 256) f32 accumulator leaves room in
+# the registers for a (64, 64) score tile only; a smaller head_dim takes longer blocks.
+# (benchmarks/results/attention-h100-sweep.json: 256 keys at D=64 measured 0.97x cuDNN, 128
+# keys 0.84x).
+FWD_BLOCK_KV = {64: 256, 128: 128, 256: 64}
+FWD_BLOCK_KV_CHOICES = (64, 128, 256)
+
+
+def _fwd_stages(d: int, block_kv: int) -> int:
+    """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3)."""
+    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2
+    slot_bytes = 2 * block_kv * d * 2
+    return min(3, (227 * 1024 - q_bytes - 4096) // slot_bytes)
+
+
+def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
-    # (64, 256) f32 accumulator plus a (64, block_kv) score tile per thread: 64 keys at D=256.
-    block_kv = 64 if d > 128 else 128
-    stages = 3 if d <= 64 else 2  # what fits 227 KiB of shared memory with the Q tiles
+    block_kv = FWD_BLOCK_KV[d] if block_kv is None else block_kv
+    stages = _fwd_stages(d, block_kv)
     return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
 
 
-def _bwd_problem(q, k, causal: bool, scale: float) -> Problem:
+# The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
+# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json).
+DQ_BLOCK_KV = {64: 128, 128: 128}
+DQ_BLOCK_KV_CHOICES = (64, 128)
+
+
+def _bwd_problem(q, k, causal: bool, scale: float, dq_block_kv: int | None = None) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
-    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, WG_ROWS, 2)
+    bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
+    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, bkv, 2)
 
 
 def _smem(shape, dtype) -> Any:
@@ -280,7 +302,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
                 schedule()
                 return acc_ref[...]
 
@@ -411,9 +433,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         def step(j, dq, masked: bool):
             slot = _slot(j, p.stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _dot((bq, bkv), qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
             plgpu.barrier_wait(v_bar.at[slot])
-            dp = _dot((bq, bkv), dos, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+            dp = _dot((bq, bkv), dos, v_smem.at[slot].transpose((1, 0)))
             plgpu.barrier_arrive(v_done.at[slot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
@@ -531,13 +553,13 @@ def _dkv_kernel(
             dk, dv = carry
             slot = _slot(g * per_head + qi - cta_start, p.stages)
             wait(slot)
-            st = _dot((bkv, bq), ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+            st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
                 pt = jnp.where(vis, pt, 0.0)
-            dpt = _dot((bkv, bq), vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+            dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
             dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
             delta = delta_smem[slot]
             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
@@ -672,26 +694,47 @@ def _decode(spec) -> tuple[bool, float]:
     return bool(params["causal"]), float(params["scale"])
 
 
-def flash_fwd(spec, q, k, v, *, interpret: bool = False):
-    """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``)."""
+def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = None):
+    """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
+
+    ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
+    (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
+    """
     reason = supports(spec, (q, k, v))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    if block_kv is not None and (
+        block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv) < 2
+    ):
+        raise ValueError(
+            f"attention_mgpu.flash_fwd: {block_kv=} must be one of {FWD_BLOCK_KV_CHOICES} with "
+            f"two K/V slots fitting shared memory at head_dim {q.shape[-1]}"
+        )
     causal, scale = _decode(spec)
-    p = _fwd_problem(q, k, causal, scale)
+    p = _fwd_problem(q, k, causal, scale, block_kv)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp), interpret=interpret)
     return out[:, : p.seq_q], lse[:, :, : p.seq_q]
 
 
-def flash_bwd(spec, q, k, v, out, lse, dout, *, interpret: bool = False):
-    """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible."""
+def flash_bwd(
+    spec, q, k, v, out, lse, dout, *, interpret: bool = False, dq_block_kv: int | None = None
+):
+    """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
+
+    ``dq_block_kv`` (benchmarks, tests) replaces the dQ kernel's tuned keys per loop step
+    (:data:`DQ_BLOCK_KV`).
+    """
     reason = supports(spec, (q, k, v, out, lse, dout))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
+    if dq_block_kv is not None and dq_block_kv not in DQ_BLOCK_KV_CHOICES:
+        raise ValueError(
+            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES}"
+        )
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
@@ -742,6 +785,9 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
         return f"head_dim {d} (the {what} kernel takes {', '.join(map(str, dims))})"
     if q.shape[1] == 0 or k.shape[1] == 0:
         return "an empty sequence"
+    extra = sorted(set(dict(spec)) - {"causal", "scale", "config"})
+    if extra:
+        return f"parameters {extra} (the kernels implement causal, scale and config only)"
     if not _default_config(spec):
         return (
             f"config={dict(spec)['config']}: the kernels use their own tiles; an explicit "
@@ -750,13 +796,16 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     return None
 
 
-# Dispatch rule: set from the measurements in benchmarks/results/attention-*.json.
-PREFER_MIN_SEQ: int | None = None
+# Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
+# operator's blocked XLA reference, which the kernels beat 10-20x at every measured shape
+# (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
+# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
+PREFER_MIN_SEQ = 512
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
-    """Whether the kernels are expected to beat the XLA path here (``auto`` mode)."""
-    if PREFER_MIN_SEQ is None:
-        return False
+    """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
+    from :data:`PREFER_MIN_SEQ` queries and keys. Asked only of cases :func:`supports`
+    accepts."""
     q, k = avals[0], avals[1]
     return min(q.shape[1], k.shape[1]) >= PREFER_MIN_SEQ
