@@ -21,8 +21,10 @@ Masking: causal (bottom-right aligned, as the operator defines it) loops run thr
 per warpgroup — blocks that need no mask, blocks on the diagonal that are masked, and
 blocks past the diagonal that are skipped (their data still streams for the other
 warpgroup, so both keep the same barrier phases). Sequences are zero-padded to whole
-128-row tiles; the forward masks the padded keys of the last block, the backward gives
-padded and fully masked query rows ``lse = +inf`` so their probabilities are exactly 0.
+tiles (128 rows, or the key block where it is longer); the forward masks the padded keys of
+the last block, the backward gives padded and fully masked query rows ``lse = +inf`` so
+their probabilities are exactly 0 (the dQ pass masks padded keys too; they reach only
+padded dK/dV rows, which are cut off).
 
 In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
 shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
