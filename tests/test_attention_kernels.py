@@ -155,6 +155,7 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
     [
         (_avals(1, 128, 128, 2, 2, 64, jnp.float32), _spec(), "dtype float32"),
         (_avals(1, 128, 128, 2, 2, 96, jnp.bfloat16), _spec(), "head_dim 96"),
+        (_avals(0, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(), "an empty operand"),
         (_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16, True), _spec(), "head_dim 256"),
         (
             _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16),

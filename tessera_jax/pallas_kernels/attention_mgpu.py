@@ -785,8 +785,8 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     if d not in dims:
         what = "backward" if backward else "forward"
         return f"head_dim {d} (the {what} kernel takes {', '.join(map(str, dims))})"
-    if q.shape[1] == 0 or k.shape[1] == 0:
-        return "an empty sequence"
+    if 0 in q.shape or 0 in k.shape:
+        return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     extra = sorted(set(dict(spec)) - {"causal", "scale", "config"})
     if extra:
         return f"parameters {extra} (the kernels implement causal, scale and config only)"
