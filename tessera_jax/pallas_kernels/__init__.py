@@ -3,6 +3,8 @@
 * :mod:`.matmul_mgpu`: the Hopper (sm_90a) Mosaic GPU matmul with the fused epilogue.
 * :mod:`.matmul_portable`: a plain ``pallas_call`` matmul for other GPUs (and interpret mode).
 * :mod:`.matmul_configs`: the tile config dataclass, named candidates, heuristic, budget checks.
+* :mod:`.attention_mgpu`: Hopper flash attention: forward, and a backward of separate dQ
+  and dK/dV kernels with no atomics (bitwise reproducible gradients).
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
 * :mod:`.norms_gpu`: row-wise softmax, log_softmax, rmsnorm and layernorm, forward and backward.
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).

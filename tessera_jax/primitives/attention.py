@@ -110,7 +110,9 @@ from tessera_jax.contracts.attention import (
     AttentionSpec,
     FlashAttentionConfig,
 )
+from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.primitives._core import (
+    Kernel,
     Operator,
     ad,
     as_array,
@@ -862,3 +864,11 @@ def flash_attention_fwd(
     )
     out, lse = flash_attention_fwd_op.bind(q, k, v, *extras, spec=spec)
     return out, lse
+
+
+# --- kernels ------------------------------------------------------------------------------
+
+# Hopper (Mosaic GPU) forward and deterministic backward of plain (causal or not) attention;
+# a spec with ``features`` (masks, bias, lengths, segments, window, dlse) runs the reference.
+flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
+flash_attention_bwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_bwd))

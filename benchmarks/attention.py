@@ -1,0 +1,321 @@
+"""Attention benchmark: ``ts.flash_attention`` (Hopper Mosaic GPU kernels) vs cuDNN vs XLA.
+
+Runs on the GPU machine, one process, every implementation checked against an f32 XLA
+reference before it is timed::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward block_kv sweep
+
+Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
+``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``) and with ``xla`` (the
+blocked reference, what ``auto`` mode lowers to where the kernels are not preferred;
+``impl = "ts_reference"``),
+``jax.nn.dot_product_attention(implementation="cudnn")`` (the baseline) and
+``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
+(``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
+FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
+Besides the time, each record says whether three calls gave bitwise identical results
+(``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
+Timing: ``benchmarks/_common.time_interleaved``. Prints a table last and writes JSON
+records ``{suite: "attention", case, device, jax, impl, baseline, ms, baseline_ms, ratio =
+baseline_ms / ms, tflops, rel_err, bitwise_repeatable, temp_bytes}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tessera_jax as ts  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    results_path,
+    time_interleaved,
+    write_records,
+)
+from benchmarks._common import normal as rand  # noqa: E402
+from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
+from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# (batch, seq, heads, head_dim); every shape runs causal and not, fwd and fwd+bwd.
+SHAPES = [
+    (4, 4096, 16, 128),
+    (4, 4096, 16, 64),
+    (4, 4096, 16, 256),
+    (16, 1024, 16, 128),
+    (1, 16384, 16, 128),
+    (2, 512, 8, 128),
+]
+BASELINE = "cudnn"
+
+
+def _ts(q, k, v, causal):
+    return ts.flash_attention(q, k, v, causal=causal)
+
+
+def _jax_nn(q, k, v, causal, implementation):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def _fwdbwd(f):
+    """``(out, dq, dk, dv)`` of ``sum(f(q, k, v) · dout)``."""
+
+    def g(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(do))
+
+    return g
+
+
+def _fwd_only(f):
+    """``f`` taking (and ignoring) the ``dout`` operand, so every case has one signature."""
+    return lambda q, k, v, do: f(q, k, v)
+
+
+# impl -> (function, TESSERA_KERNELS mode it is compiled and called under)
+def _impls(causal: bool, backward: bool, head_dim: int) -> dict:
+    fns = {
+        "mosaic_gpu": (functools.partial(_ts, causal=causal), "pallas"),
+        "ts_reference": (functools.partial(_ts, causal=causal), "xla"),
+        "cudnn": (functools.partial(_jax_nn, causal=causal, implementation="cudnn"), "auto"),
+        "xla": (functools.partial(_jax_nn, causal=causal, implementation="xla"), "auto"),
+    }
+    if backward and head_dim not in am.BWD_HEAD_DIMS:  # the kernels decline: not ours to time
+        del fns["mosaic_gpu"]
+    wrap = _fwdbwd if backward else _fwd_only
+    return {n: (wrap(f), mode) for n, (f, mode) in fns.items()}
+
+
+def _compiled(fn, mode: str, args):
+    """``fn`` jitted and called under kernel mode ``mode`` (part of the jit key), and the
+    compiled program's temporary bytes."""
+    jitted = jax.jit(fn)
+
+    def call(*a):
+        with ts.kernel_mode(mode):
+            return jitted(*a)
+
+    with ts.kernel_mode(mode):
+        mem = jitted.lower(*args).compile().memory_analysis()
+    return call, int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
+
+
+def _rel(out, ref) -> float:
+    out, ref = out.astype(F32), ref.astype(F32)
+    return float(jnp.linalg.norm((out - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+
+
+def _same_bits(a, b) -> bool:
+    return all(
+        np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+        for x, y in zip(a, b)
+    )
+
+
+def run_case(shape, causal: bool, backward: bool) -> list[dict]:
+    b, s, h, d = shape
+    mode = "fwdbwd" if backward else "fwd"
+    case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+    args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
+    flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    ref_fn = _impls(causal, backward, d)["xla"][0]
+    ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
+    ref = ref if backward else (ref,)
+    fns, errs, temp, repeat = {}, {}, {}, {}
+    for name, (fn, mode) in _impls(causal, backward, d).items():
+        try:
+            jitted, temp[name] = _compiled(fn, mode, args)
+            runs = [jitted(*args) for _ in range(3)]
+            runs = [r if backward else (r,) for r in runs]
+            errs[name] = max(_rel(o, r) for o, r in zip(runs[0], ref))
+            repeat[name] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
+            fns[name] = jitted
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    del ref
+    ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    base_ms = ms.get(BASELINE)
+    recs = []
+    for name in fns:
+        recs.append(
+            dict(
+                suite="attention",
+                case=case,
+                device=device_name(family=True),
+                jax=jax.__version__,
+                impl=name,
+                baseline=BASELINE,
+                ms=ms[name],
+                baseline_ms=base_ms,
+                ratio=(base_ms / ms[name]) if base_ms else None,
+                tflops=flops / (ms[name] * 1e-3) / 1e12,
+                rel_err=errs[name],
+                bitwise_repeatable=repeat[name],
+                temp_bytes=temp[name],
+            )
+        )
+        r = recs[-1]
+        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
+        print(
+            f"   {case} {name:11s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s {ratio} "
+            f"err {r['rel_err']:.1e} repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
+            flush=True,
+        )
+    return recs
+
+
+def run_sweep() -> list[dict]:
+    """The forward kernel with each ``block_kv`` that fits vs cuDNN, B4 S4096 H16 bf16; then
+    the backward's dQ block sweep."""
+    recs = []
+    for d in (64, 128, 256):
+        b, s, h = 4, 4096, 16
+        q, k, v = (rand(i, (b, s, h, d), BF16) for i in range(3))
+        for causal in (False, True):
+            spec = tuple(
+                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
+            )
+            fns = {
+                "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
+            }
+            for bkv in am.FWD_BLOCK_KV_CHOICES:
+                if am._fwd_stages(d, bkv) >= 2:
+                    fns[f"mosaic_gpu[block_kv={bkv}]"] = jax.jit(
+                        lambda q, k, v, bkv=bkv, spec=spec: am.flash_fwd(
+                            spec, q, k, v, block_kv=bkv
+                        )[0]
+                    )
+            ref = fns["cudnn"](q, k, v)
+            errs = {}
+            for name in list(fns):
+                try:
+                    errs[name] = _rel(fns[name](q, k, v), ref)
+                except Exception as e:
+                    print(f"!! sweep d{d} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    del fns[name]
+            ms = time_interleaved(fns, (q, k, v), repeats=5, target_ms=40)
+            flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
+            case = f"sweep-fwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            for name in fns:
+                r = dict(
+                    suite="attention-sweep",
+                    case=case,
+                    device=device_name(family=True),
+                    jax=jax.__version__,
+                    impl=name,
+                    baseline=BASELINE,
+                    ms=ms[name],
+                    baseline_ms=ms["cudnn"],
+                    ratio=ms["cudnn"] / ms[name],
+                    tflops=flops / (ms[name] * 1e-3) / 1e12,
+                    rel_err=errs[name],
+                )
+                recs.append(r)
+                print(
+                    f"   {case} {name:24s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s "
+                    f"x{r['ratio']:.3f} err {r['rel_err']:.1e}",
+                    flush=True,
+                )
+    return recs + _sweep_bwd()
+
+
+def _sweep_bwd() -> list[dict]:
+    """The backward kernels with each dQ ``block_kv`` (baseline: 64 keys), B4 S4096 H16."""
+    recs = []
+    for d in (64, 128):
+        b, s, h = 4, 4096, 16
+        q, k, v, do = (rand(i, (b, s, h, d), BF16) for i in range(4))
+        for causal in (False, True):
+            spec = tuple(
+                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
+            )
+            out, lse = jax.jit(functools.partial(am.flash_fwd, spec))(q, k, v)
+            args = (q, k, v, out, lse, do)
+            fns = {
+                f"mosaic_gpu[dq_block_kv={bkv}]": jax.jit(
+                    functools.partial(am.flash_bwd, spec, dq_block_kv=bkv)
+                )
+                for bkv in am.DQ_BLOCK_KV_CHOICES
+            }
+            base = "mosaic_gpu[dq_block_kv=64]"
+            ref = fns[base](*args)
+            errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
+            ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+            flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * 2.5
+            case = f"sweep-bwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            for name in fns:
+                recs.append(
+                    dict(
+                        suite="attention-sweep",
+                        case=case,
+                        device=device_name(family=True),
+                        jax=jax.__version__,
+                        impl=name,
+                        baseline=base,
+                        ms=ms[name],
+                        baseline_ms=ms[base],
+                        ratio=ms[base] / ms[name],
+                        tflops=flops / (ms[name] * 1e-3) / 1e12,
+                        rel_err=errs[name],
+                    )
+                )
+                print(f"   {case} {name:26s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+    return recs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
+    p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
+    p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    if args.sweep or args.sweep_bwd:
+        name = f"attention-{device_name(family=True)}-sweep.json"
+        recs = _sweep_bwd() if args.sweep_bwd else run_sweep()
+        write_records(Path(args.json or results_path(name)), recs)
+        return
+    recs = []
+    for shape in SHAPES:
+        for backward in (False, True):
+            for causal in (False, True):
+                b, s, h, d = shape
+                name = (
+                    f"{'fwdbwd' if backward else 'fwd'}-{'causal' if causal else 'noncausal'}"
+                    f"-b{b}-s{s}-h{h}-d{d}-bf16"
+                )
+                if args.only and not any(x in name for x in args.only):
+                    continue
+                try:
+                    recs.extend(run_case(shape, causal, backward))
+                except Exception as e:
+                    traceback.print_exc()
+                    print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    path = Path(args.json or results_path(f"attention-{device_name(family=True)}.json"))
+    write_records(path, recs)
+    print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} vs-cudnn  err     repeat")
+    for r in recs:
+        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
+        print(
+            f"{r['case']:40s} {r['impl']:11s} {r['ms']:8.3f} {r['tflops']:6.1f} {ratio:8s} "
+            f"{r['rel_err']:.1e} {r['bitwise_repeatable']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,814 @@
+"""Hopper (sm_90a) flash attention in Pallas Mosaic GPU: forward and a deterministic backward.
+
+Three kernels, each a CTA of two *compute* warpgroups (64 rows each, ``wgmma`` into f32
+accumulators in registers) and one *memory* warpgroup that streams the loop operand with
+TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers:
+
+* forward: a CTA owns 128 query rows of one head; its loop streams K/V blocks and runs the
+  FlashAttention online softmax in the exp2 domain, then writes ``out`` and the
+  log-sum-exp (natural log, what the operator saves for the backward);
+* dQ: a CTA owns 128 query rows of one head; its loop streams K/V blocks, recomputes
+  ``P = exp2(S − lse)`` and accumulates ``dQ += dS·K``;
+* dK/dV: a CTA owns 128 key rows of one kv head; its loop streams the query blocks of every
+  query head of the GQA group, in a fixed order, and accumulates ``dV += Pᵀ·dO`` and
+  ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator.
+
+No atomics anywhere: every output element is written by exactly one warpgroup after a loop
+of fixed order, so outputs and all three gradients are bitwise identical run to run.
+``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
+
+Masking: causal (bottom-right aligned, as the operator defines it) loops run three ranges
+per warpgroup — blocks that need no mask, blocks on the diagonal that are masked, and
+blocks past the diagonal that are skipped (their data still streams for the other
+warpgroup, so both keep the same barrier phases). Sequences are zero-padded to whole
+tiles (128 rows, or the key block where it is longer); the forward masks the padded keys of
+the last block, the backward gives padded and fully masked query rows ``lse = +inf`` so
+their probabilities are exactly 0 (the dQ pass masks padded keys too; they reach only
+padded dK/dV rows, which are cut off).
+
+In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
+shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
+there instead of being fed from registers; everything else is the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tessera_jax import _compat
+from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
+from tessera_jax.pallas_kernels import device
+
+__all__ = ["Problem", "flash_bwd", "flash_fwd", "hardware", "prefer", "supports"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WG_ROWS = 64  # rows of one warpgroup's wgmma tile
+NUM_COMPUTE_WGS = 2
+TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+FWD_HEAD_DIMS = (64, 128, 256)
+# Two f32 (64, D) accumulators (dK and dV) per thread: 2·D/2 registers; at D=256 that is
+# the whole register file, so the backward stops at 128.
+BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call as the kernels see it (sequences padded to whole tiles).
+
+    Attributes:
+      batch, heads_q, heads_kv, head_dim: the operand sizes.
+      seq_q, seq_kv: the true sequence lengths (masks use them).
+      dtype: the 16-bit input dtype.
+      causal: bottom-right aligned causal mask.
+      scale: the score scale.
+      block_kv: keys per loop step of the forward and dQ kernels.
+      stages: shared-memory ring slots of the streamed operand.
+    """
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    seq_q: int
+    seq_kv: int
+    dtype: np.dtype
+    causal: bool
+    scale: float
+    block_kv: int
+    stages: int
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def seq_q_pad(self) -> int:
+        return -(-self.seq_q // TILE) * TILE
+
+    @property
+    def seq_kv_pad(self) -> int:
+        unit = math.lcm(TILE, self.block_kv)  # whole CTA tiles (dK/dV) and kv blocks
+        return -(-self.seq_kv // unit) * unit
+
+    @property
+    def offset(self) -> int:
+        """Causal alignment: query ``i`` sees keys ``j <= i + offset``."""
+        return self.seq_kv - self.seq_q
+
+    @property
+    def c(self) -> float:
+        """Scores to the exp2 domain: ``s · scale · log2(e)``."""
+        return self.scale * LOG2E
+
+
+# The forward's keys per loop step, by head_dim: a (64, 256) f32 accumulator leaves room in
+# the registers for a (64, 64) score tile only; a smaller head_dim takes longer blocks.
+# (benchmarks/results/attention-h100-sweep.json: 256 keys at D=64 measured 0.97x cuDNN, 128
+# keys 0.84x).
+FWD_BLOCK_KV = {64: 256, 128: 128, 256: 64}
+FWD_BLOCK_KV_CHOICES = (64, 128, 256)
+
+
+def _fwd_stages(d: int, block_kv: int) -> int:
+    """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3)."""
+    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2
+    slot_bytes = 2 * block_kv * d * 2
+    return min(3, (227 * 1024 - q_bytes - 4096) // slot_bytes)
+
+
+def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) -> Problem:
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    block_kv = FWD_BLOCK_KV[d] if block_kv is None else block_kv
+    stages = _fwd_stages(d, block_kv)
+    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
+
+
+# The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
+# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json).
+DQ_BLOCK_KV = {64: 128, 128: 128}
+DQ_BLOCK_KV_CHOICES = (64, 128)
+
+
+def _bwd_problem(q, k, causal: bool, scale: float, dq_block_kv: int | None = None) -> Problem:
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
+    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, bkv, 2)
+
+
+def _smem(shape, dtype) -> Any:
+    """A shared-memory block of 16-bit rows, tiled and swizzled as TMA and wgmma want them
+    (every row here is a multiple of 64 elements: the 128-byte swizzle)."""
+    return plgpu.SMEM(
+        shape,
+        dtype,
+        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
+    )
+
+
+# --- shared pieces of the kernel bodies -----------------------------------------------------
+
+
+def _cdiv(x, d: int):
+    """``ceil(x / d)`` of a non-negative int32 scalar, 0 for negative ``x``."""
+    return lax.max(lax.div(x + (d - 1), jnp.int32(d)), jnp.int32(0))
+
+
+def _fdiv(x, d: int):
+    """``floor(x / d)`` of an int32 scalar, clipped at 0."""
+    return lax.max(lax.div(x, jnp.int32(d)), jnp.int32(0))
+
+
+def _clip(x, hi: int):
+    return lax.min(x, jnp.int32(hi))
+
+
+def _slot(step, stages: int):
+    return lax.rem(step, jnp.int32(stages))
+
+
+def _dot(shape, a, b) -> jax.Array:
+    """``a @ b`` of two shared-memory refs into a fresh f32 accumulator."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _dot_acc(acc, a, b_ref, stage_ref, *, interpret: bool) -> jax.Array:
+    """``acc + a @ b_ref`` with ``a`` in registers: fed to wgmma from registers when
+    compiled, staged through ``stage_ref`` in the interpreter (which reads A from shared
+    memory only)."""
+    if not interpret:
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+    stage_ref[...] = a
+    plgpu.commit_smem()
+    return acc + _dot(acc.shape, stage_ref, b_ref)
+
+
+def _producer(n_steps, stages: int, groups) -> None:
+    """The memory warpgroup: for each of ``n_steps`` (an int32 scalar) steps, into ring slot
+    ``step % stages``, once the slot's previous contents were consumed, every load of every
+    group.
+
+    ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, smem ring, barriers), ...])]``.
+    """
+    plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(0, n_steps)
+    def _step(step):
+        slot = _slot(step, stages)
+        for consumed, loads in groups:
+
+            @pl.when(step >= stages)
+            def _wait(consumed=consumed):
+                plgpu.barrier_wait(consumed.at[slot])
+
+            for src, ring, bars in loads:
+                plgpu.copy_gmem_to_smem(src(step), ring.at[slot], bars.at[slot])
+
+    # Drain: wait for the last steps' releases too, so that every phase of the consumed
+    # barriers is observed before the CTA ends (the interpreter checks it; free on the GPU,
+    # where the compute warpgroups finish after their last release anyway).
+    @pl.loop(lax.max(n_steps - stages, jnp.int32(0)), n_steps)
+    def _drain(step):
+        for consumed, _ in groups:
+            plgpu.barrier_wait(consumed.at[_slot(step, stages)])
+
+
+def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_tail: bool):
+    """Which scores of a tile are visible: rows from ``row0``, columns from ``col0``;
+    queries along rows (forward, dQ) or columns (dK/dV)."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    q_pos, kv_pos = (rows, cols) if rows_are_q else (cols, rows)
+    vis = None
+    if kv_tail:
+        vis = kv_pos < p.seq_kv
+    if p.causal:
+        c = kv_pos <= q_pos + p.offset
+        vis = c if vis is None else vis & c
+    return vis
+
+
+def _kv_ranges(p: Problem, q_base):
+    """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)``: the first
+    ``full`` need no mask, ``[full, steps)`` are masked, the rest see nothing."""
+    nkv = p.seq_kv_pad // p.block_kv
+    whole = p.seq_kv // p.block_kv  # blocks with no padded key
+    if not p.causal:
+        return jnp.int32(whole), jnp.int32(-(-p.seq_kv // p.block_kv))
+    steps = _clip(_cdiv(q_base + WG_ROWS + p.offset, p.block_kv), nkv)
+    steps = _clip(steps, -(-p.seq_kv // p.block_kv))
+    full = _clip(_fdiv(q_base + p.offset + 1, p.block_kv), whole)
+    return lax.min(full, steps), steps
+
+
+# --- forward --------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, interpret: bool):
+    qo_smem, k_smem, v_smem, lse_smem, stage = scratch[:5]
+    k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:]
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(p.group))
+    tile0 = lax.axis_index("q_seq") * TILE
+    # The CTA's loop length is its second warpgroup's (the later rows see the most keys).
+    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
+
+    def schedule():
+        # Ping-pong between the two compute warpgroups: one's softmax overlaps the other's
+        # wgmma (the FA3 schedule).
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
+        q_base = tile0 + wg * bq
+        full, steps = _kv_ranges(p, q_base)
+        qs = qo_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        m = jnp.full((bq,), -jnp.inf, jnp.float32)
+        l_ = jnp.zeros((bq,), jnp.float32)
+        acc = jnp.zeros((bq, d), jnp.float32)
+        pl.when(wg == 1)(schedule)
+
+        def step(j, carry, masked: bool):
+            acc, m, l_ = carry
+            slot = _slot(j, p.stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                schedule()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_done.at[slot])
+            s = s * p.c
+            if masked:
+                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_use = m_new
+            if masked:  # a row with nothing visible yet: subtract 0, not -inf (NaN)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_use)
+            pr = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_ = l_ * alpha + pr.sum(axis=1)
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+            acc = _dot_acc(acc, pr.astype(p.dtype), v_smem.at[slot], stg, interpret=interpret)
+            plgpu.barrier_arrive(v_done.at[slot])
+            return acc, m_new, l_
+
+        def flush(j, _):
+            # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
+            slot = _slot(j, p.stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_arrive(k_done.at[slot])
+            schedule()
+            plgpu.barrier_wait(v_bar.at[slot])
+            schedule()
+            plgpu.barrier_arrive(v_done.at[slot])
+
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l_))
+        carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+        lax.fori_loop(steps, cta_steps, flush, None)
+        acc, m, l_ = carry
+        pl.when(wg == 0)(schedule)
+        empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
+        l_safe = jnp.where(empty, 1.0, l_)
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        qs[...] = acc.astype(p.dtype)
+        lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qs, out_ref.at[b, pl.ds(q_base, bq), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _memory():
+        def kv(ref):
+            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+
+        _producer(
+            cta_steps,
+            p.stages,
+            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+        )
+
+
+def _build_fwd(p: Problem, interpret: bool) -> Any:
+    d, bkv = p.head_dim, p.block_kv
+    stage = _smem((NUM_COMPUTE_WGS, WG_ROWS, bkv), p.dtype) if interpret else None
+    scratch = [
+        _smem((NUM_COMPUTE_WGS, WG_ROWS, d), p.dtype),
+        _smem((p.stages, bkv, d), p.dtype),
+        _smem((p.stages, bkv, d), p.dtype),
+        plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
+        stage,
+        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+    ]
+    out_type = (
+        jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
+        jax.ShapeDtypeStruct((p.batch, p.heads_q, p.seq_q_pad), jnp.float32),
+    )
+    return plgpu.kernel(
+        functools.partial(_fwd_kernel, p=p, interpret=interpret),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(p.heads_q, p.seq_q_pad // TILE, p.batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+    )
+
+
+# --- backward: dQ ---------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, p, interpret):
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
+    q_bar, k_bar, v_bar, k_done, v_done = scratch[7:]
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(p.group))
+    tile0 = lax.axis_index("q_seq") * TILE
+    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
+        q_base = tile0 + wg * bq
+        full, steps = _kv_ranges(p, q_base)
+        rows = pl.ds(q_base, bq)
+        qs, dos = q_smem.at[wg], do_smem.at[wg]
+        bars = [q_bar.at[wg * 4 + i] for i in range(4)]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qs, bars[0])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dos, bars[1])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], bars[2])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], bars[3])
+        for bar in bars:
+            plgpu.barrier_wait(bar)
+        lse = lse_smem[wg]
+        delta = delta_smem[wg]
+        dq = jnp.zeros((bq, d), jnp.float32)
+
+        def step(j, dq, masked: bool):
+            slot = _slot(j, p.stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
+            plgpu.barrier_wait(v_bar.at[slot])
+            dp = _dot((bq, bkv), dos, v_smem.at[slot].transpose((1, 0)))
+            plgpu.barrier_arrive(v_done.at[slot])
+            pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
+            if masked:
+                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                pr = jnp.where(vis, pr, 0.0)
+            ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
+            plgpu.barrier_arrive(k_done.at[slot])
+            return dq
+
+        def flush(j, _):
+            slot = _slot(j, p.stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_done.at[slot])
+            plgpu.barrier_arrive(k_done.at[slot])
+
+        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+        lax.fori_loop(steps, cta_steps, flush, None)
+        qs[...] = (dq * p.scale).astype(p.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _memory():
+        def kv(ref):
+            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+
+        _producer(
+            cta_steps,
+            p.stages,
+            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+        )
+
+
+def _build_dq(p: Problem, interpret: bool) -> Any:
+    d, bkv, w = p.head_dim, p.block_kv, NUM_COMPUTE_WGS
+    stage = _smem((w, WG_ROWS, bkv), p.dtype) if interpret else None
+    scratch = [
+        _smem((w, WG_ROWS, d), p.dtype),
+        _smem((w, WG_ROWS, d), p.dtype),
+        plgpu.SMEM((w, WG_ROWS), jnp.float32),
+        plgpu.SMEM((w, WG_ROWS), jnp.float32),
+        _smem((p.stages, bkv, d), p.dtype),
+        _smem((p.stages, bkv, d), p.dtype),
+        stage,
+        plgpu.Barrier(num_barriers=4 * w),  # per warpgroup: Q, dO, lse, delta
+        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
+    ]
+    return plgpu.kernel(
+        functools.partial(_dq_kernel, p=p, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
+        scratch_types=scratch,
+        grid=(p.heads_q, p.seq_q_pad // TILE, p.batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+    )
+
+
+# --- backward: dK/dV ------------------------------------------------------------------------
+
+
+def _q_ranges(p: Problem, kv_base):
+    """Query blocks for the keys ``[kv_base, kv_base + 64)``: none before ``start``, masked in
+    ``[start, full)``, unmasked from ``full`` on."""
+    nq = p.seq_q_pad // WG_ROWS
+    if not p.causal:
+        return jnp.int32(0), jnp.int32(0)
+    start = _clip(_fdiv(kv_base - p.offset, WG_ROWS), nq)
+    full = _clip(_cdiv(kv_base + WG_ROWS - 1 - p.offset, WG_ROWS), nq)
+    return start, lax.max(full, start)
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
+):
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done = scratch[7:]
+    b, hk = lax.axis_index("batch"), lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile0 = lax.axis_index("kv_seq") * TILE
+    nq = p.seq_q_pad // WG_ROWS
+    cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
+    per_head = nq - cta_start
+    bq, bkv, d = WG_ROWS, WG_ROWS, p.head_dim
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
+        kv_base = tile0 + wg * bkv
+        start, full = _q_ranges(p, kv_base)
+        rows = pl.ds(kv_base, bkv)
+        ks, vs = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], ks, kv_bar.at[2 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], vs, kv_bar.at[2 * wg + 1])
+        plgpu.barrier_wait(kv_bar.at[2 * wg])
+        plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+        zeros = jnp.zeros((bkv, d), jnp.float32)
+
+        def wait(slot):
+            for bars in (q_bar, do_bar, lse_bar, delta_bar):
+                plgpu.barrier_wait(bars.at[slot])
+
+        def step(qi, carry, g, masked: bool):
+            dk, dv = carry
+            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            wait(slot)
+            st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
+            lse = lse_smem[slot]
+            pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
+            if masked:
+                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
+                pt = jnp.where(vis, pt, 0.0)
+            dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
+            dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
+            delta = delta_smem[slot]
+            dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+            dk = _dot_acc(dk, dst.astype(p.dtype), q_smem.at[slot], stg, interpret=interpret)
+            plgpu.barrier_arrive(done.at[slot])
+            return dk, dv
+
+        def skip(qi, _, g):
+            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            wait(slot)
+            plgpu.barrier_arrive(done.at[slot])
+
+        def head(g, carry):
+            # The group's query heads in a fixed order: their dK/dV sum in the accumulator.
+            if p.causal:
+                lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
+                masked = functools.partial(step, g=g, masked=True)
+                carry = lax.fori_loop(start, full, masked, carry)
+            return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
+
+        dk, dv = lax.fori_loop(0, p.group, head, (zeros, zeros))
+        ks[...] = (dk * p.scale).astype(p.dtype)
+        vs[...] = dv.astype(p.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ks, dk_ref.at[b, rows, hk])
+        plgpu.copy_smem_to_gmem(vs, dv_ref.at[b, rows, hk])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _memory():
+        def qh(step):
+            return hk * p.group + lax.div(step, per_head), (
+                cta_start + lax.rem(step, per_head)
+            ) * bq
+
+        def rows_of(ref):
+            def src(step):
+                h, q0 = qh(step)
+                return ref.at[b, pl.ds(q0, bq), h]
+
+            return src
+
+        def vec_of(ref):
+            def src(step):
+                h, q0 = qh(step)
+                return ref.at[b, h, pl.ds(q0, bq)]
+
+            return src
+
+        loads = [
+            (rows_of(q_ref), q_smem, q_bar),
+            (rows_of(do_ref), do_smem, do_bar),
+            (vec_of(lse_ref), lse_smem, lse_bar),
+            (vec_of(delta_ref), delta_smem, delta_bar),
+        ]
+        _producer(p.group * per_head, p.stages, [(done, loads)])
+
+
+def _build_dkv(p: Problem, interpret: bool) -> Any:
+    d, s, w = p.head_dim, p.stages, NUM_COMPUTE_WGS
+    stage = _smem((w, WG_ROWS, WG_ROWS), p.dtype) if interpret else None
+    scratch = [
+        _smem((w, WG_ROWS, d), p.dtype),
+        _smem((w, WG_ROWS, d), p.dtype),
+        _smem((s, WG_ROWS, d), p.dtype),
+        _smem((s, WG_ROWS, d), p.dtype),
+        plgpu.SMEM((s, WG_ROWS), jnp.float32),
+        plgpu.SMEM((s, WG_ROWS), jnp.float32),
+        stage,
+        plgpu.Barrier(num_barriers=2 * w),  # per warpgroup: K, V
+        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_arrivals=w, num_barriers=s),
+    ]
+    kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
+    return plgpu.kernel(
+        functools.partial(_dkv_kernel, p=p, interpret=interpret),
+        out_type=(kv, kv),
+        scratch_types=scratch,
+        grid=(p.heads_kv, p.seq_kv_pad // TILE, p.batch),
+        grid_names=("heads", "kv_seq", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+    )
+
+
+# --- the wrappers (Kernel calling convention of primitives/_core.py) ------------------------
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _run(call, operands, *, interpret: bool):
+    """``call(*operands)``; in interpret mode in the Mosaic GPU interpreter behind an opaque
+    host callback (as ``matmul_mgpu._run_interpret``: the interpreter's ordered effects have
+    no tokens inside a primitive's lowering, and its simulated device is process-global)."""
+    if not interpret:
+        return call(*operands)
+    params = _compat.gpu_interpret_current_params()
+    out_aval = jax.eval_shape(call, *operands)
+    jitted = jax.jit(call)
+
+    def host(*xs):
+        with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params):
+            return jax.tree.map(np.asarray, jitted(*xs))
+
+    return jax.pure_callback(host, out_aval, *operands)
+
+
+def _pad_seq(x: jax.Array, n: int, value: float = 0.0) -> jax.Array:
+    """``x`` zero-padded (or ``value``-padded) along its sequence axis 1 to ``n``."""
+    if x.shape[1] == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _pad_last(x: jax.Array, n: int, value: float) -> jax.Array:
+    if x.shape[-1] == n:
+        return x
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])]
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _decode(spec: AttentionSpec) -> tuple[bool, float]:
+    return bool(spec.causal), float(spec.scale)
+
+
+def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = None):
+    """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
+
+    ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
+    (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
+    """
+    reason = supports(spec, (q, k, v))
+    if reason is not None:
+        raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    if block_kv is not None and (
+        block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv) < 2
+    ):
+        raise ValueError(
+            f"attention_mgpu.flash_fwd: {block_kv=} must be one of {FWD_BLOCK_KV_CHOICES} with "
+            f"two K/V slots fitting shared memory at head_dim {q.shape[-1]}"
+        )
+    causal, scale = _decode(spec)
+    p = _fwd_problem(q, k, causal, scale, block_kv)
+    qp = _pad_seq(q, p.seq_q_pad)
+    kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
+    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp), interpret=interpret)
+    return out[:, : p.seq_q], lse[:, :, : p.seq_q]
+
+
+def flash_bwd(
+    spec, q, k, v, out, lse, dout, *, interpret: bool = False, dq_block_kv: int | None = None
+):
+    """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
+
+    ``dq_block_kv`` (benchmarks, tests) replaces the dQ kernel's tuned keys per loop step
+    (:data:`DQ_BLOCK_KV`).
+    """
+    reason = supports(spec, (q, k, v, out, lse, dout))
+    if reason is not None:
+        raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
+    if dq_block_kv is not None and dq_block_kv not in DQ_BLOCK_KV_CHOICES:
+        raise ValueError(
+            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES}"
+        )
+    causal, scale = _decode(spec)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv)
+    delta = jnp.einsum(
+        "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
+    )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
+    # The kernels work in the exp2 domain. Rows that saw no key (lse = -inf) and padded rows
+    # get +inf, so their probabilities exp2(s - inf) are exactly 0: zero gradients.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    lse2 = _pad_last(lse2, p.seq_q_pad, jnp.inf)
+    delta = _pad_last(delta, p.seq_q_pad, 0.0)
+    qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
+    kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
+    operands = (qp, kp, vp, dop, lse2, delta)
+    dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
+    dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+    return dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def hardware(platform: str) -> str | None:
+    """None if this machine's ``platform`` devices can run the compiled kernels, else why not."""
+    if platform != "cuda":
+        return f"a Mosaic GPU kernel for cuda, not {platform}"
+    if not device.is_sm90():
+        return "not a Hopper (sm_90) GPU"
+    return None
+
+
+def _default_config(spec: AttentionSpec) -> bool:
+    return spec.config is None or spec.config == FlashAttentionConfig()
+
+
+def supports(spec, avals: Sequence[Any]) -> str | None:
+    """None if the kernels can run the case, else why not (never raises).
+
+    ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward).
+    """
+    if spec.features:
+        return (
+            f"{', '.join(spec.features)} (the kernels run plain attention, causal or not; "
+            "the blocked reference runs the rest)"
+        )
+    q, k = avals[0], avals[1]
+    backward = len(avals) == 6
+    dt = np.dtype(q.dtype)
+    if dt not in DTYPES:
+        return f"dtype {dt} (the kernels take bfloat16 and float16)"
+    d = q.shape[-1]
+    dims = BWD_HEAD_DIMS if backward else FWD_HEAD_DIMS
+    if d not in dims:
+        what = "backward" if backward else "forward"
+        return f"head_dim {d} (the {what} kernel takes {', '.join(map(str, dims))})"
+    if 0 in q.shape or 0 in k.shape:
+        return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
+    if not _default_config(spec):
+        return (
+            f"config={spec.config}: the kernels use their own tiles; an explicit "
+            "FlashAttentionConfig runs the blocked reference, which honours it"
+        )
+    return None
+
+
+# Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
+# operator's blocked XLA reference, which the kernels beat 10-20x at every measured shape
+# (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
+# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
+PREFER_MIN_SEQ = 512
+
+
+def prefer(spec, avals: Sequence[Any]) -> bool:
+    """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
+    from :data:`PREFER_MIN_SEQ` queries and keys. Asked only of cases :func:`supports`
+    accepts."""
+    q, k = avals[0], avals[1]
+    return min(q.shape[1], k.shape[1]) >= PREFER_MIN_SEQ
