@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -68,7 +67,9 @@ def make_plain_step(cfg, optim, mesh, attn_impl):
     @jax.jit
     def plain_step(state, window):
         window = jax.lax.with_sharding_constraint(window, batch_sharding)
-        loss, grads = jax.value_and_grad(lambda p: plain_loss(cfg, p, window, attn_impl))(state["params"])
+        loss, grads = jax.value_and_grad(lambda p: plain_loss(cfg, p, window, attn_impl))(
+            state["params"]
+        )
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
