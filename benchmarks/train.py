@@ -84,6 +84,13 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="gradient groups (default: the device count, at least 2: the 1- and 2-device "
+        "runs give the same bits)",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps per timing")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="the record file (default: results/train-<device>.json)")
@@ -100,18 +107,19 @@ def main(argv=None):
         chunks=1,
         compute_dtype="bfloat16",
     )
-    step.check_layout(cfg, mesh, args.batch)
+    groups = args.groups or max(2, 1 << (len(devices) - 1).bit_length())
+    step.check_layout(cfg, mesh, args.batch, groups)
     optim = step.OptimConfig()
     tokens = data.encode(data.corpus())
     host = [
         data.batch(tokens, i, batch_size=args.batch, seq_len=args.seq, seed=0)
         for i in range(args.steps)
     ]
-    ours_step = step.make_train_step(cfg, optim, mesh)
+    ours_step = step.make_train_step(cfg, optim, mesh, groups)
     # cuDNN's fused attention where there is one (XLA's materialises S×S per layer).
     attn_impl = "cudnn" if devices[0].platform == "gpu" else None
     plain_step = make_plain_step(cfg, optim, mesh, attn_impl)
-    ours_in = [step.place_windows(mesh, w) for w in host]
+    ours_in = [step.place_windows(mesh, w, groups) for w in host]
     plain_in = [jax.device_put(w, NamedSharding(mesh, P(("dp", "tp")))) for w in host]
     states = {
         "ours": step.init_state(cfg, optim, mesh, 0),
@@ -143,7 +151,7 @@ def main(argv=None):
         fps.append(fingerprint(state["params"]))
 
     tokens_per_step = args.batch * args.seq
-    case = f"L{args.layers}-d{args.width}-s{args.seq}-b{args.batch}-bf16-x{len(devices)}"
+    case = f"L{args.layers}-d{args.width}-s{args.seq}-b{args.batch}-g{groups}-bf16-x{len(devices)}"
     record = {
         "suite": "train",
         "case": case,
@@ -159,6 +167,7 @@ def main(argv=None):
         "baseline_tokens_per_s": tokens_per_step / ms["plain"] * 1e3,
         "tokens_per_s_per_device": tokens_per_step / ms["ours"] * 1e3 / len(devices),
         "params": cfg.n_params,
+        "groups": groups,
         "loss_after_warmup": losses["ours"],
         "baseline_loss_after_warmup": losses["plain"],
         "repeatable": fps[0] == fps[1],

@@ -137,6 +137,8 @@ def test_two_processes_match_one(reference):
     [
         (["--steps", "0"], "--steps=0 must be >= 1"),
         (["--batch", "12"], "--batch=12 must be a multiple of the 8 gradient groups"),
+        (["--groups", "2"], "the mesh's dp=4 must divide the 2 gradient groups"),
+        (["--groups", "3"], "--groups=3 must be a power of two"),
         (["--mesh", "dp=2,tp=3"], "does not cover the 8 devices"),
         (["--mesh", "dp=1,tp=8"], "tp=8 must divide the model's 4 tensor-parallel chunks"),
         (["--mesh", "pp=8"], "must look like dp=4,tp=2"),

@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, default=16, help="sequences per step, a multiple of 8")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=step.GROUPS,
+        help=f"gradient groups, a power of two; the fingerprint is the same for every dp "
+        f"dividing it (default {step.GROUPS})",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128, help="d_model (heads of 16 dims)")
     p.add_argument("--seed", type=int, default=0)
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     primary = jax.process_index() == 0
     say = log if primary else (lambda *a, **k: None)
 
-    for name in ("steps", "batch", "seq", "layers", "width", "checkpoint_every"):
+    for name in ("steps", "batch", "seq", "layers", "width", "groups", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     devices = jax.devices()
@@ -142,11 +149,12 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         d_ff=4 * args.width,
         seq_len=args.seq,
     )
-    step.check_layout(cfg, mesh, args.batch)
+    step.check_layout(cfg, mesh, args.batch, args.groups)
     optim = step.OptimConfig()
     settings = {
         "model": dataclasses.asdict(cfg),
         "batch": args.batch,
+        "groups": args.groups,
         "seed": args.seed,
     }
 
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 )
             say(f"resumed from step {start} ({ckpt.directory / str(start)})")
 
-    train_step = step.make_train_step(cfg, optim, mesh)
+    train_step = step.make_train_step(cfg, optim, mesh, args.groups)
     first = last = None
     t0 = time.perf_counter()
     bar = tqdm(
@@ -196,7 +204,9 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     )
     for i in bar:
         windows = step.place_windows(
-            mesh, data.batch(tokens, i, batch_size=args.batch, seq_len=args.seq, seed=args.seed)
+            mesh,
+            data.batch(tokens, i, batch_size=args.batch, seq_len=args.seq, seed=args.seed),
+            args.groups,
         )
         state, loss = train_step(state, windows)
         last = float(loss)
@@ -220,7 +230,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         say("sample: " + repr(sample))
     say(
         f"the fingerprint is the same for this model, batch, seed and step count on any mesh "
-        f"with dp | {step.GROUPS} and tp | {cfg.chunks}, in one process or several, on "
+        f"with dp | {args.groups} and tp | {cfg.chunks}, in one process or several, on "
         f"{platform} devices"
     )
     if platform == "gpu" and DETERMINISTIC_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):

@@ -9,10 +9,10 @@ the last bit from the same row computed in a 512-row one. Splitting a batch over
 devices, or a layer's columns over more devices, therefore changes the bits — unless
 every per-device matmul keeps one shape whatever the mesh. So:
 
-* The global batch is cut into ``GROUPS`` groups of sequences. A device runs its groups
-  one after another (``lax.map``), each group's forward and backward with the same
-  shapes on any mesh. The per-group gradients are added on the canonical pairwise tree:
-  locally over the device's groups, then across the ``dp`` axis with
+* The global batch is cut into a fixed number of groups of sequences (8 by default). A
+  device runs its groups one after another (``lax.map``), each group's forward and
+  backward with the same shapes on any mesh. The per-group gradients are added on the
+  canonical pairwise tree: locally over the device's groups, then across the ``dp`` axis with
   ``ts.all_reduce(..., deterministic=True)`` — together the tree over all groups in
   order, because group counts are powers of two and each device holds a contiguous run.
 * Tensor parallelism splits the heads and the MLP's hidden units into ``chunks`` fixed
@@ -23,7 +23,7 @@ every per-device matmul keeps one shape whatever the mesh. So:
   canonical tree: locally, then across ``tp``. Nothing goes through ``lax.psum``.
 
 The result: the same loss, gradients and parameters, bit for bit, on any ``dp × tp``
-mesh with ``dp | GROUPS`` and ``tp | chunks``, in one process or several.
+mesh with ``dp`` dividing the group count and ``tp | chunks``, in one process or several.
 
 Layout
 ------

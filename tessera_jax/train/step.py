@@ -24,8 +24,9 @@ from tessera_jax import _compat
 from tessera_jax.train import model
 from tessera_jax.train.model import DP, TP, ModelConfig
 
-# The global batch is cut into this many groups: the data-parallel invariance holds for
-# every dp dividing it.
+# The global batch is cut into this many gradient groups by default: the data-parallel
+# invariance holds for every dp dividing it. Fewer groups mean fewer, larger per-group
+# launches (faster on few GPUs), more mean more meshes with the same bits.
 GROUPS = 8
 
 
@@ -61,15 +62,17 @@ def make_mesh(devices, dp: int, tp: int) -> jax.sharding.Mesh:
     return _compat.make_mesh(np.asarray(devices, dtype=object).reshape(dp, tp), (DP, TP))
 
 
-def check_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int) -> None:
+def check_layout(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int, groups: int = GROUPS
+) -> None:
     """Raises ValueError unless the mesh and batch keep the run mesh-invariant."""
     dp, tp = mesh.shape[DP], mesh.shape[TP]
-    if batch % GROUPS:
-        raise ValueError(f"--batch={batch} must be a multiple of the {GROUPS} gradient groups")
-    if GROUPS % dp:
-        raise ValueError(
-            f"the mesh's dp={dp} must divide the {GROUPS} gradient groups (1, 2, 4 or 8)"
-        )
+    if not model._power_of_two(groups):
+        raise ValueError(f"--groups={groups} must be a power of two")
+    if batch % groups:
+        raise ValueError(f"--batch={batch} must be a multiple of the {groups} gradient groups")
+    if groups % dp:
+        raise ValueError(f"the mesh's dp={dp} must divide the {groups} gradient groups")
     if cfg.chunks % tp:
         raise ValueError(
             f"the mesh's tp={tp} must divide the model's {cfg.chunks} tensor-parallel chunks"
@@ -118,8 +121,8 @@ def state_specs(opt: optax.GradientTransformation, state) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh):
-    """``step(state, windows) -> (state, loss)``, jitted; ``windows: (GROUPS, B/GROUPS,
+def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh, groups: int = GROUPS):
+    """``step(state, windows) -> (state, loss)``, jitted; ``windows: (groups, B/groups,
     S + 1)`` int32 laid out over ``dp``."""
     opt = optim.optimizer()
     abstract = jax.eval_shape(lambda key: _init_tree(cfg, opt, key), jax.random.key(0))
@@ -128,7 +131,7 @@ def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh):
     def local(params, windows):
         vg = jax.value_and_grad(functools.partial(model.loss, cfg), argnums=0)
         losses, grads = jax.lax.map(lambda w: vg(params, w, TP), windows)
-        scale = np.float32(1.0 / GROUPS)  # a power of two: exact
+        scale = np.float32(1.0 / groups)  # a power of two: exact
         loss = model.tree_sum(losses, DP) * scale
         return loss, jax.tree.map(lambda g: model.tree_sum(g, DP) * scale, grads)
 
@@ -159,9 +162,9 @@ def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh):
     return step
 
 
-def place_windows(mesh, windows: np.ndarray) -> jax.Array:
-    """The host batch ``(B, S + 1)`` as a global ``(GROUPS, B/GROUPS, S + 1)`` array laid
+def place_windows(mesh, windows: np.ndarray, groups: int = GROUPS) -> jax.Array:
+    """The host batch ``(B, S + 1)`` as a global ``(groups, B/groups, S + 1)`` array laid
     out over ``dp`` (each process supplies its own devices' groups)."""
-    grouped = windows.reshape(GROUPS, windows.shape[0] // GROUPS, windows.shape[1])
+    grouped = windows.reshape(groups, windows.shape[0] // groups, windows.shape[1])
     sharding = NamedSharding(mesh, P(DP))
     return jax.make_array_from_callback(grouped.shape, sharding, lambda idx: grouped[idx])
