@@ -140,3 +140,23 @@ def cuda_lowering(f, *args) -> str:
 def mosaic_gpu_calls(hlo_text: str) -> list[str]:
     """The lines of ``hlo_text`` that call a Mosaic GPU kernel."""
     return [ln for ln in hlo_text.splitlines() if "custom_call @mosaic_gpu" in ln]
+
+
+# The suite has 10 minutes on 2 cores, so CI runs a fixed sample of the largest grids;
+# TESSERA_TEST_FULL=1 runs every case, and TESSERA_TEST_SEED draws another sample.
+_FULL = os.environ.get("TESSERA_TEST_FULL") == "1"
+
+
+def sample(cases, k: int) -> list:
+    """``k`` of ``cases`` (all of them under TESSERA_TEST_FULL=1), in their order; the
+    same on every xdist worker."""
+    cases = list(cases)
+    if _FULL or len(cases) <= k:
+        return cases
+    rng = np.random.default_rng(4242 + _SEED)
+    return [cases[i] for i in sorted(rng.choice(len(cases), size=k, replace=False))]
+
+
+def sample_grid(k: int, **axes) -> tuple[str, list]:
+    """``pytest.mark.parametrize`` arguments for ``k`` cases of the product of ``axes``."""
+    return ",".join(axes), sample(itertools.product(*axes.values()), k)

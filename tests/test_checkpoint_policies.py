@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tessera_jax as ts
-from tests._util import rand
+from tests._util import rand, sample_grid
 
 POLICIES = [
     "dots_saveable",
@@ -53,8 +53,7 @@ def _products_in_grad(mm, policy, shapes):
     return _count(jaxpr, {"dot_general", "ts_matmul"})
 
 
-@pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize(*sample_grid(7, name=POLICIES, batched=[False, True]))
 def test_saves_what_jax_saves_for_jnp_dot(name, batched):
     shapes = [(3, 8, 16), (3, 16, 16), (3, 16, 4)] if batched else [(8, 16), (16, 16), (16, 4)]
     ts_count = _products_in_grad(ts.matmul, getattr(ts.checkpoint_policies, name), shapes)

@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax import _compat, op
 from tessera_jax.primitives import collectives as coll
-from tests._util import assert_close, f64, np_tree, rand
+from tests._util import assert_close, f64, np_tree, rand, sample, sample_grid
 
 
 def bits_equal(a, b) -> bool:
@@ -475,7 +475,7 @@ GRAD_CASES = {  # (in_spec, per-part input shape, body)
 }
 
 
-@pytest.mark.parametrize("name", list(GRAD_CASES))
+@pytest.mark.parametrize("name", sample(GRAD_CASES, 4))
 def test_collective_check_grads_order2(name, x64):
     in_spec, shape, body = GRAD_CASES[name]
     m = mesh_of("2x4")
@@ -782,9 +782,11 @@ COMBINE = {
 }
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("axes", [("tp",), ("dp",), ("dp", "tp")])
+@pytest.mark.parametrize(
+    *sample_grid(
+        15, kind=["auto", "explicit"], layout=list(LAYOUTS), axes=[("tp",), ("dp",), ("dp", "tp")]
+    )
+)
 def test_global_all_reduce_follows_the_layout(kind, layout, axes):
     jm = mesh_2x4(kind)
     spec, entries = LAYOUTS[layout]

@@ -20,7 +20,7 @@ import tessera_jax as ts
 from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.primitives.matmul import matmul_op, matmul_reference
-from tests._util import f64, np_activation, rand, rel_err
+from tests._util import f64, np_activation, rand, rel_err, sample, sample_grid
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = np.dtype(np.float32)
@@ -77,8 +77,7 @@ DTYPES = {
 SHAPES = [(1, 1, 1), (17, 33, 9), (64, 128, 32), (200, 136, 96)]
 
 
-@pytest.mark.parametrize("mkn", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize(*sample_grid(12, name=sorted(DTYPES), mkn=SHAPES))
 def test_values_and_dtypes_match_float64(name, mkn):
     da, db, out_dt, acc_dt = DTYPES[name]
     m, k, n = mkn
@@ -91,7 +90,9 @@ def test_values_and_dtypes_match_float64(name, mkn):
     assert eqn.params["spec"].accumulate_dtype == np.dtype(acc_dt)
 
 
-@pytest.mark.parametrize("mkn", [(4, 2, 4), (4, 6, 4), (8, 13, 8), (17, 33, 9), (3, 63, 3)])
+@pytest.mark.parametrize(
+    "mkn", sample([(4, 2, 4), (4, 6, 4), (8, 13, 8), (17, 33, 9), (3, 63, 3)], 3)
+)
 def test_int8_contraction_sizes_off_multiples_of_4(mkn):
     # XLA's GPU Triton GEMM fusion returned twice the product for these (see _dot); the
     # reference zero-pads K. On the CPU this runs the padding path.
@@ -121,7 +122,7 @@ def test_float64(x64):
         ((4, 1, 24), (4, 24, 1)),  # degenerate rows / columns
     ],
 )
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", sample([jnp.float32, jnp.bfloat16], 1))
 def test_batched_and_shared_operands(sa, sb, dtype):
     a, b = rand(sa, dtype), rand(sb, dtype)
     out = ts.matmul(a, b)
@@ -157,9 +158,11 @@ def flag_operands(ta, tb, layout, m, k, n, lead, dtype=jnp.float32):
     return a, b
 
 
-@pytest.mark.parametrize("ta", [False, True])
-@pytest.mark.parametrize("tb", [False, True])
-@pytest.mark.parametrize("layout", ["2d", "batched", "shared_a", "shared_b"])
+@pytest.mark.parametrize(
+    *sample_grid(
+        6, ta=[False, True], tb=[False, True], layout=["2d", "batched", "shared_a", "shared_b"]
+    )
+)
 def test_primitive_transpose_flags(ta, tb, layout):
     """The flags are dimension numbers of the reference; the adjoints rely on them."""
     m, k, n = 7, 11, 5
@@ -255,8 +258,11 @@ def test_bad_tile_shape_form(tile, what, fn):
     assert str(e.value).startswith(f"{fn}: tile_shape=")
 
 
-@pytest.mark.parametrize("mode", ["auto", "xla", "interpret"])
-@pytest.mark.parametrize("tile", [(32, 32, 32), (48, 16, 100), (64, 128, 64)])
+@pytest.mark.parametrize(
+    *sample_grid(
+        4, mode=["auto", "xla", "interpret"], tile=[(32, 32, 32), (48, 16, 100), (64, 128, 64)]
+    )
+)
 def test_any_tile_shape_runs_outside_pallas_mode(mode, tile):
     """A tile no kernel can run (the Hopper kernel needs BM a multiple of 64, the portable
     kernel powers of two) is not an error outside ``pallas`` mode: another kernel or the
@@ -381,8 +387,9 @@ ONE_D_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("sa,sb", ONE_D_SHAPES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "sa,sb,dtype", sample([(*s, d) for s in ONE_D_SHAPES for d in (jnp.float32, jnp.bfloat16)], 6)
+)
 def test_one_dimensional_operands_as_jnp_matmul(sa, sb, dtype):
     a, b = rand(sa, dtype), rand(sb, dtype)
     out = ts.matmul(a, b)
@@ -412,7 +419,7 @@ BROADCAST_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("sa,sb", BROADCAST_SHAPES)
+@pytest.mark.parametrize("sa,sb", sample(BROADCAST_SHAPES, 3))
 def test_batch_dims_broadcast_as_jnp_matmul(sa, sb):
     a, b = rand(sa), rand(sb)
     out = ts.matmul(a, b)
@@ -525,9 +532,14 @@ def test_linear_bad_inputs():
 # --- linear / fused_mlp values ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("xshape", [(200, 136), (2, 9, 136), (136,)])
+@pytest.mark.parametrize(
+    *sample_grid(
+        12,
+        activation=[None, "relu", "gelu", "gelu_tanh"],
+        dtype=[jnp.float32, jnp.bfloat16, jnp.float16],
+        xshape=[(200, 136), (2, 9, 136), (136,)],
+    )
+)
 def test_linear_values(activation, dtype, xshape):
     x, w = rand(xshape, dtype), rand((136, 96), dtype, scale=0.1)
     b, r = rand((96,), jnp.float32), rand((*xshape[:-1], 96), dtype)
@@ -579,13 +591,13 @@ GRAD_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("sa,sb", GRAD_LAYOUTS)
+@pytest.mark.parametrize("sa,sb", sample(GRAD_LAYOUTS, 2))
 def test_check_grads_order_2(x64, sa, sb):
     a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
     check_grads(ts.matmul, (a, b), order=2, modes=("fwd", "rev"))
 
 
-@pytest.mark.parametrize("sa,sb", GRAD_LAYOUTS)
+@pytest.mark.parametrize("sa,sb", sample(GRAD_LAYOUTS, 2))
 def test_check_grads_order_2_transposed_inputs(x64, sa, sb):
     a = rand((*sa[:-2], sa[-1], sa[-2]), jnp.float64)
     b = rand((*sb[:-2], sb[-1], sb[-2]), jnp.float64)
@@ -607,7 +619,7 @@ FLAG_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("ta,tb,layout", FLAG_LAYOUTS)
+@pytest.mark.parametrize("ta,tb,layout", sample(FLAG_LAYOUTS, 3))
 def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
     a, b = flag_operands(ta, tb, layout, 4, 6, 3, lead=(2,), dtype=jnp.float64)
     s = jnp.asarray(1.5, jnp.float64)
@@ -619,8 +631,11 @@ def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
     check_grads(f, (a, b, s), order=2, modes=("fwd", "rev"))
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("xshape", [(6, 5), (2, 3, 5), (5,)])
+@pytest.mark.parametrize(
+    *sample_grid(
+        5, activation=[None, "relu", "gelu", "gelu_tanh"], xshape=[(6, 5), (2, 3, 5), (5,)]
+    )
+)
 def test_check_grads_linear(x64, activation, xshape):
     x, w = rand(xshape, jnp.float64), rand((5, 4), jnp.float64)
     b, r = rand((4,), jnp.float64), rand((*xshape[:-1], 4), jnp.float64)
@@ -643,7 +658,7 @@ def test_second_order_linear_without_kinks(x64):
     check_grads(f, args, order=2, modes=("fwd", "rev"))
 
 
-@pytest.mark.parametrize("sa,sb", ONE_D_SHAPES[:5] + BROADCAST_SHAPES)
+@pytest.mark.parametrize("sa,sb", sample(ONE_D_SHAPES[:5] + BROADCAST_SHAPES, 4))
 def test_grads_of_1d_and_broadcast_operands_match_jnp_matmul(x64, sa, sb):
     a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
     # First order here: second-order rules are checked for the primitive's own forms
@@ -717,17 +732,20 @@ def test_int8_is_not_differentiable_but_traces():
 
 @pytest.mark.parametrize(
     "sa,sb,in_axes",
-    [
-        ((6, 5, 7), (7, 4), (0, None)),
-        ((5, 6, 7), (7, 4), (1, None)),
-        ((5, 7, 6), (7, 4), (2, None)),
-        ((5, 7), (7, 4, 6), (None, -1)),
-        ((6, 5, 7), (6, 7, 4), (0, 0)),
-        ((5, 7, 6), (6, 7, 4), (-1, 0)),
-        ((6, 3, 5, 7), (3, 7, 4), (0, None)),  # batched b broadcast over the mapped axis
-        ((6, 5, 7), (3, 7, 4), (0, None)),  # mapped a is 2-D per example, b batched
-        ((3, 5, 7), (6, 7, 4), (None, 0)),
-    ],
+    sample(
+        [
+            ((6, 5, 7), (7, 4), (0, None)),
+            ((5, 6, 7), (7, 4), (1, None)),
+            ((5, 7, 6), (7, 4), (2, None)),
+            ((5, 7), (7, 4, 6), (None, -1)),
+            ((6, 5, 7), (6, 7, 4), (0, 0)),
+            ((5, 7, 6), (6, 7, 4), (-1, 0)),
+            ((6, 3, 5, 7), (3, 7, 4), (0, None)),  # batched b broadcast over the mapped axis
+            ((6, 5, 7), (3, 7, 4), (0, None)),  # mapped a is 2-D per example, b batched
+            ((3, 5, 7), (6, 7, 4), (None, 0)),
+        ],
+        5,
+    ),
 )
 def test_vmap_any_in_axes(sa, sb, in_axes):
     a, b = rand(sa), rand(sb)

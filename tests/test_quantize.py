@@ -12,7 +12,7 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax.numerics.policy import ScaledPolicy
-from tests._util import f64, rand, rel_err, seed003_quantized_policy
+from tests._util import f64, rand, rel_err, sample, seed003_quantized_policy
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -235,7 +235,7 @@ def assert_product_close(out, a, b, k, out_eps=2.0**-23):
         (ts.fp6, ts.fp8_e4m3),
     ],
 )
-@pytest.mark.parametrize("mkn", [(32, 64, 16), (200, 136, 96)])
+@pytest.mark.parametrize("mkn", sample([(32, 64, 16), (200, 136, 96)], 1))
 def test_fp8_path_uses_the_scale_on_the_accumulator(pa, pb, mkn):
     m, k, n = mkn
     a = ts.quantize(rand((m, k), scale=3.0), pa)
