@@ -54,7 +54,7 @@ DP, TP = "dp", "tp"
 CHUNKED = ("wqkv", "wo", "w1", "w2")
 
 
-def _power_of_two(n: int) -> bool:
+def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
@@ -94,7 +94,7 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: d_model={self.d_model} must be a multiple of n_heads={self.n_heads}"
             )
-        if not _power_of_two(self.chunks):
+        if not is_power_of_two(self.chunks):
             raise ValueError(f"ModelConfig: chunks={self.chunks} must be a power of two")
         for name in ("n_heads", "d_ff"):
             if getattr(self, name) % self.chunks:

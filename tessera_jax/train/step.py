@@ -67,7 +67,7 @@ def check_layout(
 ) -> None:
     """Raises ValueError unless the mesh and batch keep the run mesh-invariant."""
     dp, tp = mesh.shape[DP], mesh.shape[TP]
-    if not model._power_of_two(groups):
+    if not model.is_power_of_two(groups):
         raise ValueError(f"--groups={groups} must be a power of two")
     if batch % groups:
         raise ValueError(f"--batch={batch} must be a multiple of the {groups} gradient groups")
