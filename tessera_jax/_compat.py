@@ -21,6 +21,7 @@ __all__ = [
     "MGPU_INTERPRET_TMA_OOB",
     "MGPU_MIXED_FP8",
     "MGPU_PEER_KERNELS",
+    "TRITON_LOWERS_WITHOUT_GPU",
     "Primitive",
     "ad",
     "apply_primitive",
@@ -45,6 +46,9 @@ MGPU_PEER_KERNELS = JAX_VERSION >= (0, 11)
 # ``plgpu.wgmma`` with one e4m3 and one e5m2 operand (PTX wgmma takes separate
 # ``.atype``/``.btype`` for fp8): accepted from jax 0.11; 0.10 requires one dtype.
 MGPU_MIXED_FP8 = JAX_VERSION >= (0, 11)
+# From jax 0.11 Pallas' Triton lowering asks the local GPU for its properties, so a
+# pallas_call for cuda no longer lowers on a machine without one (Mosaic GPU's still does).
+TRITON_LOWERS_WITHOUT_GPU = JAX_VERSION < (0, 11)
 
 # The Mosaic GPU interpreter emulates TMA's out-of-bounds behaviour (loads fill zeros,
 # stores skip) from jax 0.11; 0.10's raises on an out-of-bounds copy. The GPU does it on both.
