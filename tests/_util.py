@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax.primitives._core import OPERATORS
+
 # Relative tolerance of ||out - ref|| / ||ref|| against a float64 reference, by the
 # dtype the op computes in. 8-bit formats have 3 (e4m3) or 2 (e5m2) mantissa bits.
 RTOL = {
@@ -160,3 +162,28 @@ def sample(cases, k: int) -> list:
 def sample_grid(k: int, **axes) -> tuple[str, list]:
     """``pytest.mark.parametrize`` arguments for ``k`` cases of the product of ``axes``."""
     return ",".join(axes), sample(itertools.product(*axes.values()), k)
+
+
+def chosen_kernels(f, *args, ops=None) -> list[tuple[str, str]]:
+    """``(operator, implementation)`` for each ts primitive (of ``ops``, names; default
+    every operator) in ``f``'s program, gradients and inner jaxprs included, in the kernel
+    mode in force — by the rule the lowering itself uses."""
+    platform = jax.devices()[0].platform
+    platform = "cuda" if platform == "gpu" else platform
+    by_prim = {op.prim: op for name, op in OPERATORS.items() if ops is None or name in ops}
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            op = by_prim.get(eqn.primitive)
+            if op is not None:
+                avals = [v.aval for v in eqn.invars]
+                found.append((op.name, op.select(platform, avals, eqn.params)[0]))
+            for v in eqn.params.values():
+                for item in v if isinstance(v, (tuple, list)) else (v,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found

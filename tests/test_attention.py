@@ -53,20 +53,25 @@ def np_attention(q, k, v, causal=False, scale=None):
 def np_attention_grads(q, k, v, do, causal=False, scale=None):
     """float64 (dq, dk, dv) of sum(out·do); dk/dv summed over each kv head's query heads."""
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    hq, hkv = q.shape[2], k.shape[2]
-    kv_head = np.arange(hq) // (hq // hkv)
     p, _, _ = np_probs(q, k, causal, scale)
-    kk, vv = k[:, :, kv_head], v[:, :, kv_head]
-    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+    return np_backward(p, q, k, v, do, scale)[:3]
+
+
+def np_backward(p, q, k, v, do, scale):
+    """float64 ``(dq, dk, dv, ds)`` from the probabilities ``p: (B, Hq, Sq, Skv)``; dk/dv
+    summed over each kv head's query heads."""
+    hq = q.shape[2]
+    kv_head = np.arange(hq) // (hq // k.shape[2])
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v[:, :, kv_head])
     ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k[:, :, kv_head]) * scale
     dk_h = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     dv_h = np.einsum("bhqk,bqhd->bkhd", p, do)
     dk, dv = np.zeros_like(k), np.zeros_like(v)
     for h in range(hq):
         dk[:, :, kv_head[h]] += dk_h[:, :, h]
         dv[:, :, kv_head[h]] += dv_h[:, :, h]
-    return dq, dk, dv
+    return dq, dk, dv, ds
 
 
 def inputs(case, dtype=jnp.float32):
@@ -372,15 +377,7 @@ def np_dense(q, k, v, opts, *, do=None, tangents=None):
         return (out, lse), (t_out, t_lse[..., 0])
     if do is None:
         return out, lse
-    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
-    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk_h = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dv_h = np.einsum("bhqk,bqhd->bkhd", p, do)
-    dk, dv = np.zeros_like(k), np.zeros_like(v)
-    for h in range(hq):
-        dk[:, :, kv_head[h]] += dk_h[:, :, h]
-        dv[:, :, kv_head[h]] += dv_h[:, :, h]
+    dq, dk, dv, ds = np_backward(p, q, k, v, do, scale)
     dbias = None
     if bias is not None:
         axes = tuple(a for a in range(4) if bias.shape[a] == 1)

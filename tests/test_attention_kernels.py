@@ -22,32 +22,14 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
-from tessera_jax.primitives._core import OPERATORS
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, chosen_kernels, f64, rand
 from tests.test_attention import np_attention, np_attention_grads
 
 
 def _chosen(f, *args) -> list[str]:
-    """The implementation each flash-attention primitive in ``f``'s program (gradients
-    included) lowers to in the kernel mode in force, by the lowering's own rule."""
-    platform = jax.devices()[0].platform
-    platform = "cuda" if platform == "gpu" else platform
-    ops = {OPERATORS[n].prim: OPERATORS[n] for n in ("flash_attention_fwd", "flash_attention_bwd")}
-    names = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive in ops:
-                avals = [v.aval for v in eqn.invars]
-                names.append(ops[eqn.primitive].select(platform, avals, eqn.params)[0])
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    inner = getattr(item, "jaxpr", item)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return names
+    """The implementation each flash-attention primitive in ``f``'s program lowers to."""
+    ops = ("flash_attention_fwd", "flash_attention_bwd")
+    return [impl for _, impl in chosen_kernels(f, *args, ops=ops)]
 
 
 @functools.partial(jax.jit, static_argnames="causal")

@@ -20,34 +20,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from tessera_jax.primitives._core import OPERATORS
-from tests._util import assert_close, f64, np_activation, np_tree, rand
+from tests._util import assert_close, chosen_kernels, f64, np_activation, np_tree, rand
 
 # (M, K, N): whole tiles, and ragged edges in every dimension.
 SHAPES = [(128, 128, 128), (72, 48, 40)]
 
 
 def _chosen(f, *args) -> list[str]:
-    """The implementation each ``ts_matmul`` in ``f``'s program (gradients included) lowers
-    to in the kernel mode in force, by the rule the lowering itself uses."""
-    platform = jax.devices()[0].platform
-    platform = "cuda" if platform == "gpu" else platform
-    op = OPERATORS["matmul"]
-    names = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is op.prim:
-                avals = [v.aval for v in eqn.invars]
-                names.append(op.select(platform, avals, eqn.params)[0])
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    inner = getattr(item, "jaxpr", item)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return names
+    """The implementation each ``ts_matmul`` in ``f``'s program lowers to."""
+    return [impl for _, impl in chosen_kernels(f, *args, ops=("matmul",))]
 
 
 def _ref_linear(x, w, b=None, residual=None, activation=None):

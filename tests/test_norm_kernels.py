@@ -20,8 +20,7 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives import norms as _norms
-from tessera_jax.primitives._core import OPERATORS
-from tests._util import assert_close, cuda_lowering, f64, rand
+from tests._util import assert_close, chosen_kernels, cuda_lowering, f64, rand
 
 # (shape, dtype), sampled rather than crossed: one whole block of power-of-two rows in
 # bf16, and ragged rows of a length that is not a power of two (masked columns, a partial
@@ -63,27 +62,8 @@ def _operands(op: str, shape, dtype):
 
 
 def _chosen(f, *args) -> dict[str, str]:
-    """The implementation each ts primitive in ``f``'s program lowers to in the kernel mode
-    in force, by the rule the lowering itself uses."""
-    platform = jax.devices()[0].platform
-    platform = "cuda" if platform == "gpu" else platform
-    by_prim = {op.prim: op for op in OPERATORS.values()}
-    names = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            op = by_prim.get(eqn.primitive)
-            if op is not None:
-                avals = [v.aval for v in eqn.invars]
-                names[op.name] = op.select(platform, avals, eqn.params)[0]
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    inner = getattr(item, "jaxpr", item)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return names
+    """The implementation each ts primitive in ``f``'s program lowers to, by operator."""
+    return dict(chosen_kernels(f, *args))
 
 
 def _nan_equal_close(out, ref, rtol):
