@@ -40,6 +40,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -50,7 +51,11 @@ from typing import Any
 
 import jax
 import numpy as np
-import tqdm
+
+try:  # a declared dependency, but `import tessera_jax` must not fail where it is missing
+    import tqdm
+except ImportError:  # pragma: no cover - environments without tqdm
+    tqdm = None
 
 __all__ = [
     "CacheWarning",
@@ -423,6 +428,30 @@ def _time(
     return statistics.median(samples)
 
 
+class _Progress:
+    """A progress bar over the configs: tqdm's, or plain lines on stderr without tqdm."""
+
+    def __init__(self, total: int, desc: str, *, enabled: bool):
+        self.total, self.desc, self.enabled, self.done = total, desc, enabled, 0
+        self.bar = None
+        if enabled and tqdm is not None:
+            self.bar = tqdm.tqdm(total=total, desc=desc, unit="config")
+
+    def step(self, what: str) -> None:
+        """Marks the previous config done and names the one starting."""
+        if self.bar is not None:
+            self.bar.update(int(self.done > 0))
+            self.bar.set_postfix_str(what)
+        elif self.enabled:
+            print(f"{self.desc}: {self.done + 1}/{self.total} {what}", file=sys.stderr)
+        self.done += 1
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(int(self.done > 0))
+            self.bar.close()
+
+
 def _error_text(e: BaseException) -> str:
     first = str(e).strip().splitlines()
     return f"{type(e).__name__}: {first[0] if first else ''}"
@@ -454,7 +483,8 @@ def search(
       warmup, repeats: calls before timing, and timed measurements (the median is kept).
       min_time: seconds each measurement lasts at least (several calls for short kernels).
       cache: read and write the cache (False: always time, remember nothing).
-      progress: show a progress bar over the configs (tqdm, on stderr).
+      progress: show a progress bar over the configs (tqdm, on stderr; without tqdm
+        installed, one line per config).
       timer: the clock, in seconds (``time.perf_counter``).
     Returns:
       a :class:`TunedConfig`: a dict ``{name: value}`` of the winner, with ``.report``.
@@ -490,9 +520,9 @@ def search(
 
     timings, pruned, failed = [], [], []
     configs = list(_configs(space))
-    bar = tqdm.tqdm(configs, desc=f"autotune {t.name}", unit="config", disable=not progress)
-    for config in bar:
-        bar.set_postfix_str(", ".join(f"{k}={v}" for k, v in config.items()), refresh=False)
+    bar = _Progress(len(configs), f"autotune {t.name}", enabled=progress)
+    for config in configs:
+        bar.step(", ".join(f"{k}={v}" for k, v in config.items()))
         reason = t.check(args, config)
         if reason is not None:
             pruned.append((config, str(reason)))
