@@ -323,3 +323,22 @@ def test_trial_config_is_what_lookup_answers():
         assert mg.tuned_config(spec, (a, b)).tile_shape == (64, 128, 64)
         assert autotune.lookup(mc.TUNING_NAME, (*key[:-1], ("float32",))) is None
     assert autotune.lookup(mc.TUNING_NAME, key) is None
+
+
+def test_unwritable_cache_warns_and_still_returns_the_winner(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(blocker / "cache"))  # under a file: no mkdir
+    k = FakeKernel(COSTS)
+    with pytest.warns(autotune.CacheWarning, match="could not write"):
+        assert _search(k, (rand((8,)),)) == {"BM": 128}
+
+
+def test_progress_without_tqdm_prints_one_line_per_config(monkeypatch, capsys):
+    monkeypatch.setattr(autotune, "tqdm", None)
+    k = FakeKernel(COSTS)
+    autotune.search(
+        kernel=k, args=(rand((8,)),), params={"BM": [64, 128]}, timer=k.timer, cache=False
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["autotune fake: 1/2 BM=64", "autotune fake: 2/2 BM=128"]
