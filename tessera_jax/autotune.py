@@ -465,7 +465,7 @@ def search(
     objective: str = "runtime",
     warmup: int = 2,
     repeats: int = 7,
-    min_time: float = 1e-3,
+    min_time: float = 1e-2,
     cache: bool = True,
     progress: bool = True,
     timer: Callable[[], float] = time.perf_counter,
