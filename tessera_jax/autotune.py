@@ -5,7 +5,8 @@ config as a dict. What it does, in order:
 
 1. Looks up the JSON cache under :func:`cache_dir` for the key (kernel name, the key of
    ``args`` — shapes and dtypes —, device kind, jax version). A valid entry tuned over
-   the same space is returned without timing anything.
+   the same space is returned without timing anything; one tuned over another space is
+   tuned again and replaced.
 2. Otherwise enumerates the product of ``params`` and asks the kernel's ``check`` of each
    config first: a config that cannot fit (shared memory, registers) is pruned before
    anything is compiled.
@@ -318,7 +319,7 @@ def lookup(name: str, key: Any) -> dict | None:
 
 def _leaf_key(x: Any) -> Any:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return [list(map(int, x.shape)), np.dtype(x.dtype).name]
+        return [list(map(int, x.shape)), str(x.dtype)]
     return type(x).__name__
 
 
