@@ -13,9 +13,9 @@ How a row comes about:
    several operators into one kernel (an activation into the product before it), the
    kernel goes to the operator of its product (or library call), else of its root, and
    the row lists the others (``Row.fused``); an operator none of whose ops kept a kernel
-   has no row (``Profile.unattributed``). A kernel with no ts op is an ``(xla)`` row
-   named after its jax primitive (``(xla) add``), and the device's idle time inside a
-   step is the ``(idle)`` row. The rows therefore add up to the measured device time of
+   has no row (``Profile.unattributed``). A kernel whose root is no ts op is an ``(xla)``
+   row named after its jax primitive (``(xla) add``), and the device's idle time inside
+   a step is the ``(idle)`` row. The rows therefore add up to the measured device time of
    a step (less the time kernels overlapped, which the summary reports).
 
 FLOPs and bytes of a ts row come from its operators' shapes (the formulas in
@@ -349,30 +349,31 @@ def _result_bytes(rhs: str, opcode: str) -> int:
     return total
 
 
-def _attribute(own: str | None, called: list[_Computation]) -> tuple[str | None, frozenset]:
-    """The ts primitive a kernel is attributed to, and the others whose ops it runs.
+def _attribute(
+    own: tuple[str | None] | None, called: list[_Computation]
+) -> tuple[str | None, frozenset]:
+    """The ts primitive a kernel is attributed to (None: XLA's own), and the other ts
+    primitives whose ops it runs.
 
     XLA fuses ops of several operators into one kernel (an activation into the product
-    before it; a softmax recomputing the elementwise op feeding it). The kernel goes to
-    the owner of its first product or library call, else to the owner named by the
-    instruction's own metadata, else to that of its fused root, else to the owner of most
-    of its ops.
+    before it; a softmax recomputing the elementwise op feeding it; a reshape into the
+    user's slice). The kernel goes to the owner of its first product or library call,
+    else to the op its own metadata names (XLA gives a fusion its root's), else to its
+    fused root's owner. ``own`` is ``(owner,)`` where the instruction has metadata.
     """
     ops = [op for c in called for op in c.ops]
-    owners = [o for o, _ in ops if o is not None] + ([own] if own else [])
-    if not owners:
-        return None, frozenset()
+    owners = {o for o, _ in ops if o is not None} | ({own[0]} if own and own[0] else set())
     heavy = [o for o, code in ops if o is not None and code in _HEAVY_OPCODES]
-    roots = [c.root[0] for c in called if c.root is not None and c.root[0] is not None]
+    roots = [c.root for c in called if c.root is not None]
     if heavy:
         first = heavy[0]
     elif own is not None:
-        first = own
+        first = own[0]
     elif roots:
-        first = roots[0]
+        first = roots[0][0]
     else:
-        first = collections.Counter(owners).most_common(1)[0][0]
-    return first, frozenset(owners) - {first}
+        first = None
+    return first, frozenset(owners - {first})
 
 
 def _hlo_instructions(hlo_text: str, ts_names: frozenset[str]) -> dict[str, _Instruction]:
@@ -405,7 +406,7 @@ def _hlo_instructions(hlo_text: str, ts_names: frozenset[str]) -> dict[str, _Ins
         op_name = _OP_NAME.search(rhs)
         own = None
         if op_name and opcode not in ("parameter", "constant"):
-            own = _outermost_ts(op_name.group(1), ts_names)
+            own = (_outermost_ts(op_name.group(1), ts_names),)
         called = [
             computations[c.strip().lstrip("%")]
             for group in _FUSED_CALLS.findall(rhs)
@@ -633,11 +634,18 @@ class Profile:
             lines.append(
                 f"no kernel of their own (fused or removed): {', '.join(self.unattributed)}"
             )
+        ts_flops = [r.flops for r in self.rows if r.kind == "operator" and r.flops is not None]
+        if ts_flops and self.device_s:
+            lines.append(
+                f"ts operators (formulas): {sum(ts_flops) / 1e9:.4g} GFLOP, "
+                f"{sum(ts_flops) / self.device_s / 1e12:.4g} TFLOP/s over the device time"
+            )
         if self.xla_flops is not None:
             rate = self.xla_flops / self.device_s if self.device_s else 0.0
             lines.append(
-                f"program (XLA cost analysis): {self.xla_flops / 1e9:.3f} GFLOP, "
-                f"{(self.xla_bytes or 0) / 1e6:.3f} MB accessed, {rate / 1e12:.3f} TFLOP/s"
+                f"program (XLA cost analysis; custom calls such as cuBLAS or Pallas kernels "
+                f"count 0): {self.xla_flops / 1e9:.4g} GFLOP, "
+                f"{(self.xla_bytes or 0) / 1e6:.4g} MB accessed, {rate / 1e12:.4g} TFLOP/s"
             )
         if self.collective_s > 0:
             bw = (
@@ -785,9 +793,9 @@ def _executable_devices(compiled: Any, args: Sequence[Any]) -> list[jax.Device]:
         compiled.output_shardings
     )
     for s in shardings:
-        devs = getattr(s, "_device_assignment", None) or sorted(s.device_set, key=lambda d: d.id)
+        devs = sorted(s.device_set, key=lambda d: d.id)
         if devs:
-            return list(devs)
+            return devs
     return [jax.devices()[0]]
 
 
@@ -865,6 +873,7 @@ def _tabulate(
             is_coll = inst.opcode.startswith(_COLLECTIVE_OPCODES)
             key = f"(xla) {inst.opcode if is_coll else inst.label}"
             kind[key] = "collective" if is_coll else "xla"
+            fused[key] |= inst.others
             if is_coll and not inst.opcode.endswith("-done"):
                 coll_bytes[key] += inst.result_bytes
         time_us[key] += exclusive
