@@ -202,7 +202,7 @@ def operator_cost(name: str, avals_in: Sequence[Any], avals_out: Sequence[Any], 
     * ``ts_matmul``: ``2·M·N·K`` per batch element (the epilogue is not counted).
     * flash attention forward: ``2·B·H·Sq·Skv·(D + Dv)`` (``q·kᵀ`` and ``p·v``), backward
       ``2·B·H·Sq·Skv·(3·D + 2·Dv)`` (``q·kᵀ`` recomputed, ``dv``, ``dp``, ``dq``, ``dk``);
-      halved when causal.
+      halved when causal (a local window or masks are not accounted for).
     * ``ts_fft``: ``5·n·log2(n)`` per transform of length ``n``.
     * elementwise operators: one per element; reductions, norms, softmax: the nominal
       per-element counts of ``_PER_ELEMENT``.
@@ -258,7 +258,8 @@ def _program_costs(jaxpr: Any, ts_names: frozenset[str], num_devices: int) -> di
     """``{primitive name: _OpCost}`` of the ts binds in ``jaxpr`` and the jaxprs under it.
 
     A scan body counts ``length`` times; a bind under a ``while_loop`` (unknown trip count)
-    makes its operator's FLOPs and bytes unknown. Binds outside ``shard_map`` see global
+    or a ``cond`` (one branch of several runs) makes its operator's FLOPs and bytes
+    unknown. Binds outside ``shard_map`` see global
     shapes, which the devices share: counted per device as ``1/num_devices`` of the work
     (an even split); inside ``shard_map`` the shapes are already per device.
     """
@@ -283,7 +284,7 @@ def _program_costs(jaxpr: Any, ts_names: frozenset[str], num_devices: int) -> di
                 continue
             for key, sub in _subjaxprs(eqn.params):
                 t = times * eqn.params["length"] if name == "scan" and key == "jaxpr" else times
-                visit(sub, t, local or name == "shard_map", known and name != "while")
+                visit(sub, t, local or name == "shard_map", known and name not in ("while", "cond"))
 
     visit(jaxpr, 1, False, True)
     return dict(costs)
@@ -525,7 +526,8 @@ class Row:
       flops, bytes: per step and device (None where unknown: see the module docstring).
       dtype: the dtype of the operators' first operands (which peak FLOP/s applies).
       peak_flops_per_s: that peak (None where the table has none for the dtype).
-      peak_bytes_per_s: the device's memory bandwidth.
+      peak_bytes_per_s: the device's memory bandwidth (None for a collective, whose link
+        has a bandwidth of its own).
       fused: other ts operators whose ops XLA fused into this row's kernels (their time
         is this row's; their FLOPs and bytes are not).
     """
@@ -735,18 +737,18 @@ def profile(
     # On GPUs XLA records a step's kernels as CUDA graphs (command buffers), whose trace
     # events all name the graph, not the instruction: profiled without them, as jax's
     # own profile-guided compilation does (each kernel then pays its own launch).
-    platform = jax.devices()[0].platform if not args else _platform_of(args)
+    platform = _platform_of(args)
     options = {"xla_gpu_enable_command_buffer": ""} if platform == "gpu" else None
     compiled = traced.lower().compile(options)
     hlo_text = compiled.as_text()
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo_text).group(1)
-    devices = _executable_devices(compiled, args)
+    devices = _executable_devices(compiled)
     device = devices[0]
     peaks = peaks if peaks is not None else device_peaks(device)
     ts_names = _ts_names()
     costs = _program_costs(traced.jaxpr.jaxpr, ts_names, len(devices))
     instructions = _hlo_instructions(hlo_text, ts_names)
-    xla_flops, xla_bytes = _xla_cost(compiled, len(devices))
+    xla_flops, xla_bytes = _xla_cost(compiled)
 
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
@@ -787,7 +789,7 @@ def _platform_of(args: Sequence[Any]) -> str:
     return jax.devices()[0].platform
 
 
-def _executable_devices(compiled: Any, args: Sequence[Any]) -> list[jax.Device]:
+def _executable_devices(compiled: Any) -> list[jax.Device]:
     """The devices the compiled program runs on, the first being the one reported."""
     shardings = jax.tree.leaves(compiled.input_shardings) + jax.tree.leaves(
         compiled.output_shardings
@@ -799,9 +801,9 @@ def _executable_devices(compiled: Any, args: Sequence[Any]) -> list[jax.Device]:
     return [jax.devices()[0]]
 
 
-def _xla_cost(compiled: Any, num_devices: int) -> tuple[float | None, float | None]:
+def _xla_cost(compiled: Any) -> tuple[float | None, float | None]:
     """The program's FLOPs and bytes accessed from XLA's cost analysis (of one device's
-    program), or None where the backend gives none."""
+    program, after partitioning), or None where the backend gives none."""
     try:
         cost = compiled.cost_analysis()
     except Exception:  # some backends implement no cost analysis
@@ -810,7 +812,6 @@ def _xla_cost(compiled: Any, num_devices: int) -> tuple[float | None, float | No
         cost = cost[0] if cost else None
     if not cost:
         return None, None
-    del num_devices  # the analysis is of the per-device (partitioned) program
     flops = cost.get("flops")
     nbytes = cost.get("bytes accessed")
     return (float(flops) if flops is not None and flops >= 0 else None), (

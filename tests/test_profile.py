@@ -7,6 +7,7 @@ profile compiles the model and runs it under the profiler, which is the slow par
 import gzip
 import json
 import os
+import re
 import types
 
 import jax
@@ -93,6 +94,23 @@ def test_scan_counts_its_body_per_iteration():
     jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((8, 8))).jaxpr
     costs = profiling._program_costs(jaxpr, profiling._ts_names(), num_devices=1)
     assert costs["ts_matmul"].flops == 3 * 2 * 4 * 8 * 8
+
+
+def test_cond_makes_the_count_unknown():
+    def f(p, x, w):
+        return jax.lax.cond(p, lambda: ts.matmul(x, w), lambda: x @ w)
+
+    jaxpr = jax.make_jaxpr(f)(True, jnp.ones((4, 8)), jnp.ones((8, 8))).jaxpr
+    costs = profiling._program_costs(jaxpr, profiling._ts_names(), num_devices=1)
+    assert costs["ts_matmul"].flops is None and costs["ts_matmul"].bytes is None
+
+
+def test_lowering_names_the_operator():
+    # XLA's op metadata carries the ts primitive's name: how kernels are attributed.
+    hlo = jax.jit(lambda a, b: ts.matmul(a, b) + 1.0).lower(jnp.ones((4, 8)), jnp.ones((8, 2)))
+    text = hlo.compile().as_text()
+    assert re.search(r'op_name="[^"]*/ts_matmul/dot_general"', text)
+    assert re.search(r'op_name="jit\(<lambda>\)/add"', text)
 
 
 def test_table_plot_and_trace(result):
