@@ -8,6 +8,7 @@ import math as _math
 from tessera_jax import autotune as autotune
 from tessera_jax import checkpoint_policies as checkpoint_policies
 from tessera_jax import op as op
+from tessera_jax import profiling as profiling
 from tessera_jax._config import get_kernel_mode as get_kernel_mode
 from tessera_jax._config import kernel_mode as kernel_mode
 from tessera_jax._config import set_kernel_mode as set_kernel_mode
@@ -66,6 +67,7 @@ from tessera_jax.op import softmax as softmax
 from tessera_jax.op import sqrt as sqrt
 from tessera_jax.op import sum as sum
 from tessera_jax.op import tanh as tanh
+from tessera_jax.profiling import profile as profile
 from tessera_jax.sharding import array as array
 from tessera_jax.sharding import dist as dist
 from tessera_jax.sharding import domain as domain

@@ -439,3 +439,11 @@ def concrete_value(x: Any) -> Any:
         return jax.device_get(x)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None  # a value known only when the traced function runs
+
+
+def lowering_named(ctx: Any, name: str) -> Any:
+    """``ctx`` with ``name`` pushed on its name stack: the HLO ops the lowering emits then
+    carry ``…/name/…`` in their ``metadata.op_name``, which the profiler's trace events
+    point back to (jax names ops after the primitives of their jaxpr only, so an
+    operator lowered through ``mlir.lower_fun`` would otherwise not appear)."""
+    return ctx.replace(name_stack=ctx.name_stack.extend(name))

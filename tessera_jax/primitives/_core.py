@@ -246,6 +246,9 @@ class Operator:
         # which mesh axes its operands vary over) and without sharding in types: where the
         # operands are sharded, the partitioner (or the sharding rule) distributes the
         # implementation, which must not carry sharding constraints of its own.
+        # The primitive's name on the name stack labels every HLO op of its lowering
+        # (``metadata.op_name``): how ``ts.profile`` attributes device time to operators.
+        ctx = _compat.lowering_named(ctx, self.prim.name)
         ctx = ctx.replace(
             avals_in=[_unsharded(a) for a in ctx.avals_in],
             avals_out=[_unsharded(a) for a in ctx.avals_out],

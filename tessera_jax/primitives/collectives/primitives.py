@@ -118,6 +118,8 @@ def _lowering(impl, with_platform: bool = False):
         if with_platform:
             platforms = tuple(ctx.module_context.platforms)
             params["platform"] = platforms[0] if len(platforms) == 1 else None
+        # Named like an Operator's lowering, so ts.profile attributes the HLO ops.
+        ctx = _compat.lowering_named(ctx, ctx.primitive.name)
         with _compat.lowering_without_vma(ctx) as ctx:
             return mlir.lower_fun(impl, multiple_results=False)(ctx, x, **params)
 
