@@ -659,7 +659,7 @@ def _scalar(view: GraphView, v: Any) -> float | None:
     """The value of ``v`` if it is a constant holding one number (possibly broadcast)."""
     src, _ = view.unbroadcast(v) if isinstance(v, Var) else (v, ())
     val = view.const_value(src)
-    if val is None or val.size != 1 or not np.issubdtype(val.dtype, np.floating):
+    if val is None or val.size != 1 or not jnp.issubdtype(val.dtype, jnp.floating):
         return None
     return float(val.reshape(()))
 
