@@ -228,7 +228,7 @@ def _sharding_text(x: Any) -> str | None:
     if s is None or isinstance(x, jax.core.Tracer):
         return None
     if isinstance(s, jax.sharding.NamedSharding):
-        return f"{dict(s.mesh.shape)} {s.spec}"
+        return f"{dict(s.mesh.shape)} spec={tuple(s.spec)}"
     if len(s.device_set) > 1:
         return str(s)
     return None
