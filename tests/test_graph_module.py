@@ -75,10 +75,11 @@ def seed004(Q, K, V):
 
 
 @ts.graph.module("heads_masked")
-def heads_masked(q, k, v, keep):
-    """(heads, seq, dim) operands, the scale as a division, a runtime mask."""
+def heads_masked(q, k, v, drop):
+    """(heads, seq, dim) operands, the scale as a division, a runtime mask of the keys
+    to drop (True: hidden), broadcast over the queries."""
     s = ts.matmul(q, jnp.swapaxes(k, -1, -2)) / 2.0
-    s = jnp.where(keep, s, -jnp.inf)
+    s = jnp.where(drop, -jnp.inf, s)
     return ts.matmul(ts.softmax(s, axis=-1), v)
 
 
@@ -152,15 +153,16 @@ def test_attention_rewrite_matches_unrewritten(name, module, shapes, dtype, grad
 
 def test_attention_runtime_mask():
     q, k, v = rand((2, 6, 4)), rand((2, 5, 4)), rand((2, 5, 4))
-    keep = _RNG.random((2, 6, 5)) < 0.7
-    keep[:, :, 0] = True  # every query sees a key
-    keep = jnp.asarray(keep)
-    graph = heads_masked.lower(q, k, v, keep)
+    drop = _RNG.random((2, 1, 5)) < 0.4
+    drop[:, :, 0] = False  # every query sees a key
+    drop = jnp.asarray(drop)
+    graph = heads_masked.lower(q, k, v, drop)
     assert graph.ts_ops == ("ts_flash_attention_fwd",)
     (change,) = graph.report[0].changes
     assert "mask" in change.note and "scale=0.5" in change.note and "batch flattened" in change.note
-    ref = heads_masked.with_passes(())(q, k, v, keep)
-    np.testing.assert_allclose(heads_masked(q, k, v, keep), ref, rtol=1e-5, atol=1e-6)
+    assert "not" in graph.ops  # the mask inverted: flash attention's mask says who attends
+    ref = heads_masked.with_passes(())(q, k, v, drop)
+    np.testing.assert_allclose(heads_masked(q, k, v, drop), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_constant_noncausal_mask_with_finite_fill():

@@ -406,6 +406,16 @@ def rebuild(closed: ClosedJaxpr, replacements: Sequence[Replacement] = ()) -> Cl
             keep[i] = True
             live.update(x for x in eqn.invars if isinstance(x, Var))
 
+    # Each replacement traced on its own first, so that the graph receives its equations
+    # with nested jit calls (jnp helpers) inlined, like the rest of the graph.
+    traced = {
+        i: jax.make_jaxpr(r.fn)(
+            *[jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in r.inputs]
+        )
+        for i, r in at.items()
+        if keep[i]
+    }
+
     def run(*args):
         env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, args))
@@ -417,8 +427,9 @@ def rebuild(closed: ClosedJaxpr, replacements: Sequence[Replacement] = ()) -> Cl
             if not keep[i]:
                 continue
             if i in at:
-                r = at[i]
-                env.update(zip(r.outputs, r.fn(*map(read, r.inputs))))
+                t = traced[i]
+                outs = _eval(t.jaxpr, t.consts, list(map(read, at[i].inputs)))
+                env.update(zip(at[i].outputs, outs))
             else:
                 env.update(zip(eqn.outvars, eval_eqn(eqn, list(map(read, eqn.invars)))))
         return [read(v) for v in jaxpr.outvars]
@@ -436,16 +447,20 @@ def eval_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
     call = _compat.inlinable_call(eqn)
     if call is None:
         return _compat.bind_eqn(eqn, invals)
-    inner, consts = call
-    env: dict[Var, Any] = dict(zip(inner.constvars, consts))
-    env.update(zip(inner.invars, invals))
+    return _eval(*call, invals)
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
+    """``jaxpr`` evaluated equation by equation (:func:`eval_eqn`) on ``invals``."""
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, invals))
 
     def read(x):
         return x.val if isinstance(x, Literal) else env[x]
 
-    for e in inner.eqns:
+    for e in jaxpr.eqns:
         env.update(zip(e.outvars, eval_eqn(e, list(map(read, e.invars)))))
-    return [read(v) for v in inner.outvars]
+    return [read(v) for v in jaxpr.outvars]
 
 
 # --- attention fusion ---------------------------------------------------------------------
@@ -565,6 +580,8 @@ class AttentionFusion(Pass):
                 x = a
             elif name == "select_n" and len(e.invars) == 3 and mask is None:
                 pred, c0, c1 = e.invars
+                if pred.aval.dtype != np.bool_:
+                    return None
                 f0, f1 = _scalar(view, c0), _scalar(view, c1)
                 if (f0 is None) == (f1 is None):
                     return None
