@@ -119,8 +119,12 @@ def test_graph_text_shows_shardings():
         return ts.relu(ts.matmul(x, w))
 
     text = str(dense.lower(x, w))
-    assert "x: f32[8,4]  sharding {'x': 8} spec=('x',)" in text, text
+    assert "x: f32[8@x,4]  sharding {'x': 8} spec=('x',)" in text, text
     assert "w: f32[4,4]\n" in text
+    assert "%0: f32[8@x,4] = ts_matmul(x, w)" in text  # Explicit axes: sharding in the types
+    out = dense(x, w)
+    assert out.sharding.spec == jax.P("x", None)
+    np.testing.assert_allclose(out, np.maximum(f64(x) @ f64(w), 0), rtol=1e-5, atol=1e-6)
 
 
 _ATTENTION_CASES = [

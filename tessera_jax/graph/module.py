@@ -24,6 +24,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from tessera_jax.graph.rewrite import DEFAULT_PASSES, Pass, PassReport, apply_passes, rebuild
+from tessera_jax.primitives._core import explicit_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ class GraphModule:
             out_tree.append(tree)
             return flat
 
-        sds = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in types]
+        sds = [jax.ShapeDtypeStruct(s, d, weak_type=w, sharding=sh) for s, d, w, sh in types]
         original = rebuild(jax.make_jaxpr(flat_fn)(*sds))
         rewritten, report = apply_passes(original, self.passes)
         graph = Graph(
@@ -208,10 +209,13 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def _input_type(module_name: str, arg: str, x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
-    """``(shape, dtype, weak_type)`` of one input leaf, or a TypeError naming it."""
+def _input_type(module_name: str, arg: str, x: Any) -> tuple[Any, ...]:
+    """``(shape, dtype, weak_type, sharding)`` of one input leaf (the sharding where it is
+    part of the type: a mesh with Explicit axes), or a TypeError naming it."""
     if isinstance(x, jax.ShapeDtypeStruct):
-        return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+        aval = jax.core.ShapedArray(x.shape, x.dtype, weak_type=bool(x.weak_type))
+        sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+        return (*_type_key(aval), sharding if _explicit(sharding) else None)
     ok = isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
     if not ok:
         raise TypeError(
@@ -219,7 +223,16 @@ def _input_type(module_name: str, arg: str, x: Any) -> tuple[tuple[int, ...], np
             "is not an array; a graph module takes arrays (or pytrees of arrays)"
         )
     aval = jax.typeof(x)
+    return (*_type_key(aval), explicit_sharding(aval))
+
+
+def _type_key(aval: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
     return tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type)
+
+
+def _explicit(sharding: Any) -> bool:
+    mesh = getattr(sharding, "mesh", None)
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _sharding_text(x: Any) -> str | None:

@@ -41,7 +41,7 @@ from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from tessera_jax import _compat
 from tessera_jax.contracts.matmul import MatmulSpec
-from tessera_jax.primitives._core import OPERATORS, compute_dtype
+from tessera_jax.primitives._core import OPERATORS, compute_dtype, explicit_sharding
 from tessera_jax.primitives.attention import flash_attention
 from tessera_jax.primitives.matmul import matmul_op
 
@@ -360,8 +360,7 @@ def apply_passes(
 def _check(p: Pass, view: GraphView, r: Replacement) -> Change:
     """The change ``r`` makes; a TypeError naming the pass if its results do not have the
     types of the values they replace."""
-    sds = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in r.inputs]
-    traced = jax.make_jaxpr(r.fn)(*sds)
+    traced = jax.make_jaxpr(r.fn)(*[_sds(x.aval) for x in r.inputs])
     got = [(tuple(a.shape), np.dtype(a.dtype)) for a in traced.out_avals]
     want = [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in r.outputs]
     if got != want:
@@ -371,6 +370,12 @@ def _check(p: Pass, view: GraphView, r: Replacement) -> Change:
         )
     added = tuple(e.primitive.name for e in _flat_eqns(traced.jaxpr))
     return Change(view.op_names(sorted(r.eqns)), added, r.note)
+
+
+def _sds(aval: Any, weak_type: bool = False) -> jax.ShapeDtypeStruct:
+    """A value of ``aval``'s type to trace with (its sharding where the type has one)."""
+    sharding = explicit_sharding(aval)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type, sharding=sharding)
 
 
 def _types(pairs) -> str:
@@ -409,11 +414,7 @@ def rebuild(closed: ClosedJaxpr, replacements: Sequence[Replacement] = ()) -> Cl
     # Each replacement traced on its own first, so that the graph receives its equations
     # with nested jit calls (jnp helpers) inlined, like the rest of the graph.
     traced = {
-        i: jax.make_jaxpr(r.fn)(
-            *[jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in r.inputs]
-        )
-        for i, r in at.items()
-        if keep[i]
+        i: jax.make_jaxpr(r.fn)(*[_sds(x.aval) for x in r.inputs]) for i, r in at.items() if keep[i]
     }
 
     def run(*args):
@@ -434,10 +435,7 @@ def rebuild(closed: ClosedJaxpr, replacements: Sequence[Replacement] = ()) -> Cl
                 env.update(zip(eqn.outvars, eval_eqn(eqn, list(map(read, eqn.invars)))))
         return [read(v) for v in jaxpr.outvars]
 
-    sds = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in jaxpr.invars
-    ]
+    sds = [_sds(v.aval, weak_type=v.aval.weak_type) for v in jaxpr.invars]
     return jax.make_jaxpr(run)(*sds)
 
 
