@@ -379,5 +379,9 @@ def test_bad_input_errors():
         ts.graph.PatternPass("p", "relu", lambda m: None)
     with pytest.raises(TypeError, match=r"argument K='keys' of type str is not an array"):
         seed004(rand((2, 4)), "keys", rand((2, 4)))
+    types = [jax.ShapeDtypeStruct((2, 4), jnp.float32)] * 3
+    assert seed004.lower(*types).ts_ops == ("ts_flash_attention_fwd",)
+    with pytest.raises(TypeError, match=r"argument Q is a ShapeDtypeStruct; call the module"):
+        seed004(*types)
     with pytest.raises(TypeError, match=r"graph module 'seed004': missing a required argument"):
         seed004(rand((2, 4)), rand((2, 4)))

@@ -80,7 +80,9 @@ class GraphModule:
         self.passes = passes
         self._signature = _signature(fn)
         self._cache: dict[Any, tuple[Graph, Callable[..., Any] | None]] = {}
-        functools.update_wrapper(self, fn)
+        # Name, docstring and __wrapped__ (signature) of fn; not its __dict__, which for a
+        # wrapped GraphModule would replace this module's own state.
+        functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
         return f"GraphModule({self.name!r}, passes={[p.name for p in self.passes]})"
@@ -96,6 +98,12 @@ class GraphModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graph, run = self._lowered(args, kwargs)
         leaves = jax.tree_util.tree_leaves((args, kwargs))
+        for name, x in zip(graph.input_names, leaves):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                raise TypeError(
+                    f"graph module {self.name!r}: argument {name} is a ShapeDtypeStruct; "
+                    "call the module with arrays (.lower accepts types)"
+                )
         if run is None:  # constants captured from an enclosing trace: evaluated in it
             outs = jax.core.eval_jaxpr(graph.jaxpr.jaxpr, graph.jaxpr.consts, *leaves)
         else:
