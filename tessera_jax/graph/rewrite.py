@@ -49,8 +49,9 @@ from tessera_jax.primitives.matmul import matmul_op
 # checked on its un-broadcast source, which is at most (Sq, Skv).
 _FOLD_LIMIT = 1 << 26
 # A masked score filled with a finite value at or below this acts as -inf: exp(fill - max)
-# underflows to 0 in every float format whenever a visible score of the row is above
-# fill + 104 (float32's underflow), which holds for any score of a real model.
+# underflows to 0 whenever a visible score of the row is above fill + 745 (exp's underflow
+# in float64; 104 in float32, where 8- and 16-bit softmaxes compute), which holds for any
+# score of a real model.
 _MASK_FILL_MAX = -1e9
 
 
@@ -618,14 +619,16 @@ class AttentionFusion(Pass):
         if mask is not None:
             value = view.const_value(mask.pred)
             if value is not None:
-                visible = np.broadcast_to(value.reshape(mask.view), shape)
+                # Checked on the un-broadcast mask: the scores' shape can be gigabytes.
+                visible = value.reshape(mask.view)
                 visible = visible if mask.scores_case else ~visible
                 tril = np.tril(np.ones((sq, skv), bool), k=skv - sq)
-                if np.array_equal(visible, np.broadcast_to(tril, shape)):
+                if visible.all():
+                    pass  # hides nothing
+                elif visible.shape[-2:] == (sq, skv) and (visible == tril).all():
                     causal = True
-                elif not visible.all():
-                    const_mask = value.reshape(mask.view)
-                    const_mask = const_mask if mask.scores_case else ~const_mask
+                else:
+                    const_mask = visible
                 if mask.fill != -math.inf and not visible.any(axis=-1).all():
                     return None  # a finite fill averages v over an empty row; flash gives 0
             elif mask.fill == -math.inf:
