@@ -77,6 +77,8 @@ class PassReport:
 
     name: str
     changes: tuple[Change, ...] = ()
+    ops_before: int = 0
+    ops_after: int = 0
 
     @property
     def changed(self) -> bool:
@@ -86,7 +88,9 @@ class PassReport:
         if not self.changes:
             return f"{self.name}: no match (graph unchanged)"
         n = len(self.changes)
-        lines = [f"{self.name}: {n} rewrite{'s' * (n > 1)}"]
+        # The counts include what became unused (a mask's iota, a transpose) and was dropped.
+        ops = f"{self.ops_before} ops -> {self.ops_after}"
+        lines = [f"{self.name}: {n} rewrite{'s' * (n > 1)}, {ops}"]
         lines += [f"  {c}" for c in self.changes]
         return "\n".join(lines)
 
@@ -352,9 +356,10 @@ def apply_passes(
                 taken.update(r.eqns)
                 chosen.append(r)
         changes = tuple(_check(p, view, r) for r in chosen)
+        before = len(closed.jaxpr.eqns)
         if chosen:
             closed = rebuild(closed, chosen)
-        reports.append(PassReport(p.name, changes))
+        reports.append(PassReport(p.name, changes, before, len(closed.jaxpr.eqns)))
     return closed, tuple(reports)
 
 
