@@ -49,15 +49,16 @@ def _grads(fn, args, w):
 # --- attention ----------------------------------------------------------------------------
 
 
-def _bshd_attention(causal: bool, scale: bool = True):
+def _bshd_attention(causal: bool, scale: str | None = "scores"):
     """Seed 004's attention over (batch, seq, heads, dim) inputs, heads moved for the
-    products and back."""
+    products and back; the scale applied to the scores, to the queries, or not at all."""
 
     @ts.graph.module("attention")
     def attention(q, k, v):
-        s = ts.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1))
-        if scale:
-            s = s * (1.0 / math.sqrt(q.shape[-1]))
+        c = 1.0 / math.sqrt(q.shape[-1])
+        s = ts.matmul((q * c if scale == "q" else q).transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1))
+        if scale == "scores":
+            s = s * c
         if causal:
             n = s.shape[-1]
             s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
@@ -130,7 +131,7 @@ def test_graph_text_shows_shardings():
 _ATTENTION_CASES = [
     # (name, module, input shapes, dtype, check gradients)
     ("bshd-causal", _bshd_attention(True), [(2, 8, 2, 4)] * 3, jnp.float32, True),
-    ("bshd-full-noscale", _bshd_attention(False, scale=False), [(1, 6, 2, 4)] * 3, BF16, False),
+    ("bshd-full-qscale", _bshd_attention(False, scale="q"), [(1, 6, 2, 4)] * 3, BF16, False),
     ("seed004-2d", seed004, [(5, 4), (7, 4), (7, 4)], jnp.float32, True),
 ]
 

@@ -482,14 +482,33 @@ def _plain_product(spec: MatmulSpec, dtype: Any) -> bool:
     )
 
 
-def _logical(view: GraphView, v: Any, perm: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
-    """``(x, axes)`` with ``transpose(v, perm) == transpose(x, axes)``, looking through the
-    transposes that produced ``v``."""
-    while (eqn := view.producer_eqn(v, "transpose")) is not None:
-        p = eqn.params["permutation"]
-        perm = tuple(p[a] for a in perm)
-        v = eqn.invars[0]
-    return v, perm
+def _logical(
+    view: GraphView, v: Any, perm: tuple[int, ...], *, scaled: bool = False
+) -> tuple[Any, tuple[int, ...], float]:
+    """``(x, axes, c)`` with ``transpose(v, perm) == c · transpose(x, axes)``, looking
+    through the transposes that produced ``v`` and, if ``scaled``, multiplications by
+    positive scalar constants (a query scaled before its product) that keep its dtype."""
+    factor = 1.0
+    while (eqn := view.producer(v)) is not None:
+        eqn = view.eqns[eqn]
+        if eqn.primitive.name == "transpose":
+            p = eqn.params["permutation"]
+            perm = tuple(p[a] for a in perm)
+            v = eqn.invars[0]
+            continue
+        if not scaled or eqn.primitive.name != "mul":
+            break
+        a, b = eqn.invars
+        if _scalar(view, a) is not None:
+            a, b = b, a
+        c = _scalar(view, b)
+        if c is None or not (math.isfinite(c) and c > 0) or a.aval.dtype != v.aval.dtype:
+            break
+        if a.aval.shape != v.aval.shape:
+            break
+        factor *= c
+        v = a
+    return v, perm, factor
 
 
 def _swap_last(n: int) -> tuple[int, ...]:
@@ -519,7 +538,10 @@ class AttentionFusion(Pass):
     * between them only: multiplications or divisions by scalar constants (the scale, in
       the scores' dtype), at most one ``jnp.where(mask, s, fill)`` whose fill is ``-inf``
       (or a finite value ≤ -1e9 with a constant mask that leaves every row a visible key),
-      and ``ts.softmax`` over the last (key) axis;
+      and ``ts.softmax`` over the last (key) axis; the scale may instead (or also) multiply
+      the query or key before the first product (there it rounds them to their dtype,
+      which the fused form, scaling the f32 scores, does not: bf16 results then differ by
+      that rounding);
     * every intermediate (scores, scaled and masked scores, probabilities) has exactly one
       use and is not a graph output.
 
@@ -609,9 +631,10 @@ class AttentionFusion(Pass):
             return None
         # Logical views: q (*lead, Sq, D), k (*lead, Skv, D), v (*lead, Skv, Dv).
         ident = tuple(range(n))
-        qx, qa = _logical(view, a, _swap_last(n) if spec_qk.transpose_a else ident)
-        kx, ka = _logical(view, b, ident if spec_qk.transpose_b else _swap_last(n))
-        vx, va = _logical(view, v, _swap_last(n) if spec_pv.transpose_b else ident)
+        qx, qa, cq = _logical(view, a, _swap_last(n) if spec_qk.transpose_a else ident, scaled=True)
+        kx, ka, ck = _logical(view, b, ident if spec_qk.transpose_b else _swap_last(n), scaled=True)
+        vx, va, _ = _logical(view, v, _swap_last(n) if spec_pv.transpose_b else ident)
+        scale *= cq * ck
         qs = tuple(qx.aval.shape[d] for d in qa)
         ks = tuple(kx.aval.shape[d] for d in ka)
         vs = tuple(vx.aval.shape[d] for d in va)
