@@ -7,6 +7,7 @@ import math as _math
 
 from tessera_jax import autotune as autotune
 from tessera_jax import checkpoint_policies as checkpoint_policies
+from tessera_jax import graph as graph
 from tessera_jax import op as op
 from tessera_jax import profiling as profiling
 from tessera_jax._config import get_kernel_mode as get_kernel_mode

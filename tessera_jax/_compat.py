@@ -447,3 +447,32 @@ def lowering_named(ctx: Any, name: str) -> Any:
     point back to (jax names ops after the primitives of their jaxpr only, so an
     operator lowered through ``mlir.lower_fun`` would otherwise not appear)."""
     return ctx.replace(name_stack=ctx.name_stack.extend(name))
+
+
+# --- graph modules (tessera_jax/graph): evaluating and inlining jaxpr equations ----------
+
+
+def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
+    """Evaluates one jaxpr equation on ``invals`` under the current trace, as
+    ``jax.core.eval_jaxpr`` does for each of its equations; returns its outputs as a list.
+
+    ``get_bind_params`` turns the parameters a jaxpr stores (the sub-jaxprs of
+    ``custom_jvp_call`` …) into the ones ``bind`` takes.
+    """
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def inlinable_call(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """``(jaxpr, consts)`` of a nested ``jax.jit`` equation (which a graph inlines), else
+    None. jax 0.10 stores a ClosedJaxpr under ``params["jaxpr"]``, jax 0.11 an open Jaxpr."""
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return None
+    inner = eqn.params.get("jaxpr")
+    if isinstance(inner, jax.extend.core.ClosedJaxpr):
+        return inner.jaxpr, list(inner.consts)
+    if isinstance(inner, jax.extend.core.Jaxpr) and not inner.constvars:
+        return inner, []
+    return None

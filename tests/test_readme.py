@@ -15,6 +15,7 @@ def test_readme_tour_runs(capsys):
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert "ts_matmul" in out and "ts_softmax" in out
+    assert "('ts_flash_attention_fwd',)" in out  # the graph tour: attention rewritten
     assert "matmul: A.shape[-1]=128 must equal B.shape[-2]=256" in out
     ts, x = namespace["ts"], namespace["x"]
     np.testing.assert_array_equal(
