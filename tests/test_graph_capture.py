@@ -71,6 +71,13 @@ def test_graph_text_multi_results_and_record_call():
     np.testing.assert_allclose(np.asarray(p3), np.asarray(p), rtol=RTOL[np.dtype(np.float32)])
     np.testing.assert_allclose(np.asarray(z3), np.asarray(z), rtol=RTOL[np.dtype(np.float32)])
     assert g.trace_count == 1
+    g.set_outputs(z, p)  # only these, in this order: the program is compiled again
+    z4, p4 = ts.graph.launch(g, in0=2 * x)
+    assert_close(z4, np.exp(2 * f64(x) - f64(y)))
+    assert_close(p4, np.maximum(2 * f64(x), 0) * 2.5 + f64(y))
+    assert g.trace_count == 2
+    with pytest.raises(ValueError, match=r"set_outputs: result 0 \(a ArrayImpl\) is not an"):
+        g.set_outputs(x)
     # Outside a capture, record_call is the call itself.
     np.testing.assert_array_equal(ts.graph.record_call("saxpy", saxpy, x, y, alpha=1.0)[1], x - y)
 

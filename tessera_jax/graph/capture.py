@@ -87,8 +87,9 @@ class Graph:
         (the number is the input's position). :func:`launch` replaces them by name.
       ops: the recorded steps' names in capture order (``ts_matmul`` for an operator,
         the name given to :func:`record_call` for a kernel launch).
-      trace_count: how many times the replay program has been traced (one per kernel
-        mode launched with: a later launch reuses the compiled program).
+      trace_count: how many times the replay program has been traced: once per kernel
+        mode (and again after :meth:`set_outputs`); later launches reuse the compiled
+        program.
       compiler_options: the XLA options the replay is compiled with (the command-buffer
         option on GPUs; empty elsewhere, where XLA has no command buffers).
     """
@@ -101,6 +102,7 @@ class Graph:
         self._inputs: dict[str, jax.Array] = {}
         self._input_index: dict[int, int] = {}  # id(array) -> input position
         self._produced: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, step, leaf)
+        self._outputs: tuple[tuple[int, int], ...] | None = None  # None: every step's result
         self._live: dict[int, weakref.ref] | None = None
         self._capturing = False
         self._compiled: dict[str, Any] = {}  # kernel mode -> executable
@@ -144,7 +146,6 @@ class Graph:
     def _end(self, *, check_names: bool) -> None:
         self._capturing = False
         self._live = None
-        self._produced = {}
         unused = [n for n in self._named_arrays if n not in self._inputs]
         self._named, self._named_arrays = {}, {}
         if check_names and unused:
@@ -215,8 +216,32 @@ class Graph:
 
     # --- replay ---------------------------------------------------------------------------
 
+    def set_outputs(self, *results: jax.Array) -> None:
+        """Makes :func:`launch` return only these results of the capture, in this order.
+
+        ``results`` are arrays the capture block computed with recorded steps (``y`` after
+        ``y = ts.relu(x)`` in the block). By default a launch returns every step's result,
+        which the program must then write to memory; returning only the ones used lets
+        XLA keep the others in registers or drop them. With no arguments, every step's
+        result is returned again.
+        """
+        if self._capturing:
+            raise RuntimeError("Graph.set_outputs: call it after the capture block")
+        where = []
+        for i, r in enumerate(results):
+            made = self._produced.get(id(r))
+            if made is None or made[0]() is not r:
+                raise ValueError(
+                    f"Graph.set_outputs: result {i} (a {type(r).__name__}) is not an array "
+                    "that a recorded step of this graph computed"
+                )
+            where.append((made[1], made[2]))
+        self._outputs = tuple(where) if results else None
+        self._compiled = {}  # the program returns other values: compile it again
+
     def _program(self, *inputs: jax.Array) -> tuple[Any, ...]:
-        """Every recorded step in order, on ``inputs``: the results in capture order."""
+        """Every recorded step in order, on ``inputs``: the results in capture order (or
+        the ones chosen by :meth:`set_outputs`)."""
         self.trace_count += 1
         results: list[Any] = []
         leaves: list[list[Any]] = []
@@ -228,9 +253,19 @@ class Graph:
             out = step.fn(*operands)
             results.append(out)
             leaves.append(jax.tree.leaves(out))
+        if self._outputs is not None:
+            return tuple(leaves[k][j] for k, j in self._outputs)
         return tuple(results)
 
-    def _executable(self) -> Any:
+    def compile(self) -> Any:
+        """The replay program compiled for the kernel mode in force (a ``jax.stages.Compiled``:
+        ``.as_text()`` shows the optimized HLO). Compiled at the first call per kernel mode
+        and kept; :func:`launch` calls it."""
+        if self._capturing:
+            raise RuntimeError(
+                "ts.graph: the graph is still being captured; compile or launch it after its "
+                "`with ts.graph.capture()` block"
+            )
         mode = get_kernel_mode()
         exe = self._compiled.get(mode)
         if exe is None:
@@ -371,7 +406,8 @@ def launch(graph: Graph, /, **new_inputs: Any) -> tuple[Any, ...]:
       like the captured one). Inputs not given keep their captured values.
 
     **Returns:** a tuple with one entry per recorded step, in capture order: the result
-    of that operator (a tuple for operators with several results) or kernel launch.
+    of that operator (a list for operators with several results) or kernel launch; or
+    the results chosen by ``graph.set_outputs(...)``.
     """
     if not isinstance(graph, Graph):
         raise TypeError(
@@ -407,7 +443,7 @@ def launch(graph: Graph, /, **new_inputs: Any) -> tuple[Any, ...]:
             )
         else:
             args.append(captured)
-    return graph._executable()(*args)
+    return graph.compile()(*args)
 
 
 def _replacement(name: str, captured: jax.Array, value: Any) -> jax.Array:
