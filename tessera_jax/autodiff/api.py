@@ -590,9 +590,11 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool | None = None, **ji
     with XLA's command buffers on, so that its kernels are recorded into CUDA graphs at
     the first execution and later executions launch the graphs instead of each kernel;
     ``False`` turns them off (each kernel launched on its own); ``None`` keeps XLA's
-    default. It sets the compile option ``xla_gpu_enable_command_buffer``
+    default (which, in the XLA of jax 0.11, has them on: ``True`` pins that whatever
+    ``XLA_FLAGS`` says). It sets the compile option ``xla_gpu_enable_command_buffer``
     (``ts.graph.command_buffer_options``), merged into ``compiler_options``; CPUs have no
-    command buffers, and there it changes nothing.
+    command buffers, and there it changes nothing. Measured in
+    benchmarks/results/graphs-h100.json (benchmarks/graphs.py).
 
     Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
     attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s. For a
