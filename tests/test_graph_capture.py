@@ -129,6 +129,8 @@ def test_capture_and_launch_errors():
         ts.graph.launch(g, x=x.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match=r"input 'x' is a str; expected an array"):
         ts.graph.launch(g, x="x")
+    with pytest.raises(RuntimeError, match=r"cannot launch a graph under a trace"):
+        jax.jit(lambda a: ts.graph.launch(g, x=a))(x)
     with pytest.raises(TypeError, match=r"graph=list must be a Graph"):
         ts.graph.launch([])
     with ts.graph.capture() as empty:

@@ -414,6 +414,12 @@ def launch(graph: Graph, /, **new_inputs: Any) -> tuple[Any, ...]:
             f"ts.graph.launch: graph={type(graph).__name__} must be a Graph from "
             "`with ts.graph.capture() as graph:`"
         )
+    if not _compat.is_eager():
+        raise RuntimeError(
+            "ts.graph.launch: cannot launch a graph under a trace (inside jax.jit, grad or "
+            "vmap), where its captured inputs would become constants; call the operators "
+            "themselves there, or launch the graph eagerly"
+        )
     if graph._capturing:
         raise RuntimeError(
             "ts.graph.launch: the graph is still being captured; launch it after its "
