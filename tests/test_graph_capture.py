@@ -96,6 +96,14 @@ def test_non_ts_operations_inside_the_block_are_errors():
     with pytest.raises(TypeError, match=r"operand 0 of saxpy is a ndarray, not a jax array"):
         with ts.graph.capture():
             ts.graph.record_call("saxpy", lambda a: a, np.ones(3, np.float32))
+    # A refused step records nothing, not even its valid operands as inputs.
+    a, b = rand((8, 8)), rand((8, 8))
+    with ts.graph.capture() as g:
+        with pytest.raises(ValueError, match=r"operand 1 of ts_matmul"):
+            ts.matmul(b, ts.relu(a) + 1.0)
+        ts.matmul(a, a)  # one array passed twice is one input
+    assert g.ops == ["ts_relu", "ts_matmul"] and list(g.inputs) == ["in0"]
+    assert g.inputs["in0"] is a
     # Operators traced inside the block (under jit) are not recorded.
     with ts.graph.capture() as g:
         jax.jit(ts.relu)(x)

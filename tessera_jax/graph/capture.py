@@ -171,11 +171,7 @@ class Graph:
             return ("input", self._input_index[key])
         live = self._live.get(key) if self._live is not None else None
         if (live is not None and live() is x) or key in self._named:
-            k = len(self._inputs)
-            name_k = self._named.get(key) or self._auto_name(k)
-            self._inputs[name_k] = x
-            self._input_index[key] = k
-            return ("input", k)
+            return ("new input", x)  # becomes an input once every operand is checked
         raise ValueError(
             f"ts.graph.capture: operand {pos} of {name} (a {x.dtype}{list(x.shape)} array) was "
             "computed inside the capture block by an operation that is not a ts operator (a "
@@ -184,6 +180,14 @@ class Graph:
             "operators, or compute it before the `with ts.graph.capture()` block so that it "
             "becomes a graph input"
         )
+
+    def _add_input(self, _: str, x: jax.Array) -> tuple[str, int]:
+        key = id(x)
+        if key not in self._input_index:  # (an array passed twice to one step is one input)
+            k = len(self._inputs)
+            self._inputs[self._named.get(key) or self._auto_name(k)] = x
+            self._input_index[key] = k
+        return ("input", self._input_index[key])
 
     def _auto_name(self, k: int) -> str:
         taken = set(self._inputs) | set(self._named_arrays)
@@ -194,7 +198,10 @@ class Graph:
 
     def _record(self, name: str, fn: Callable[..., Any], operands: Sequence[Any]) -> Any:
         """Records ``fn(*operands)`` as the next step and returns its (eager) result."""
-        sources = tuple(self._source(name, i, x) for i, x in enumerate(operands))
+        sources = tuple(
+            self._add_input(*src) if src[0] == "new input" else src
+            for src in [self._source(name, i, x) for i, x in enumerate(operands)]
+        )
         with _suspended():  # whatever ``fn`` binds eagerly belongs to this one step
             out = fn(*operands)
         leaves = jax.tree.leaves(out)
