@@ -156,6 +156,8 @@ def test_jit_capture_graph():
     opts = ts.graph.command_buffer_options(True)
     assert opts == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}
     assert ts.graph.command_buffer_options(False) == {"xla_gpu_enable_command_buffer": ""}
+    with pytest.raises(TypeError, match=r"command_buffer_options: enabled=1 must be a bool"):
+        ts.graph.command_buffer_options(1)
     x = rand((8, 8))
     ref = np.maximum(f64(x) @ f64(x), 0)
     for flag in (True, False):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax.graph.capture import command_buffer_options
+from tessera_jax._config import command_buffer_options
 from tessera_jax.numerics import annotations as _ann
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.numerics.dtypes import LossScale

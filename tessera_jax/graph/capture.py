@@ -35,32 +35,10 @@ import jax
 import numpy as np
 
 from tessera_jax import _compat
-from tessera_jax._config import get_kernel_mode
+from tessera_jax._config import command_buffer_options, get_kernel_mode
 from tessera_jax.primitives import _core
 
-# What ``command_buffer=True`` records into command buffers: fused kernels, cuBLAS/cuBLASLt
-# and cuDNN calls, and custom calls (Pallas and Mosaic GPU kernels, where their handlers
-# allow it). XLA's DebugOptions.CommandBufferCmdType names them.
-COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN")
-
 _STATE = threading.local()  # the capture running on this thread (one at a time)
-
-
-def command_buffer_options(enabled: bool) -> dict[str, str]:
-    """The XLA compile option turning GPU command buffers (CUDA graphs) on or off.
-
-    ``{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}`` when
-    ``enabled``, ``{"xla_gpu_enable_command_buffer": ""}`` (every kernel launched on its
-    own) otherwise; pass it as ``jax.jit(f, compiler_options=...)`` or to
-    ``.lower(...).compile(compiler_options=...)``. It is the per-compile form of
-    ``XLA_FLAGS=--xla_gpu_enable_command_buffer=...``. XLA wraps runs of at least
-    ``xla_gpu_graph_min_graph_size`` (default 5) such kernels into a command buffer,
-    recorded at the first execution and replayed as one CUDA graph launch afterwards; the
-    option only affects GPU compilations.
-    """
-    if not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f"command_buffer_options: {enabled=!r} must be a bool")
-    return {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_TYPES) if enabled else ""}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,10 +205,10 @@ class Graph:
         """Makes :func:`launch` return only these results of the capture, in this order.
 
         ``results`` are arrays the capture block computed with recorded steps (``y`` after
-        ``y = ts.relu(x)`` in the block). By default a launch returns every step's result,
-        which the program must then write to memory; returning only the ones used lets
-        XLA keep the others in registers or drop them. With no arguments, every step's
-        result is returned again.
+        ``y = ts.relu(x)`` in the block). By default a launch returns every step's result:
+        the program writes each to a buffer of its own and the launch wraps each in an
+        array; returning only the ones used saves both, and lets XLA fuse the others away.
+        With no arguments, every step's result is returned again.
         """
         if self._capturing:
             raise RuntimeError("Graph.set_outputs: call it after the capture block")
