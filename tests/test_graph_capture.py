@@ -1,6 +1,8 @@
 """Graph capture and replay (``ts.graph.capture`` / ``launch`` / ``record_call``),
 ``ts.jit(capture_graph=...)`` and ``ts.stream``."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,16 @@ def test_non_ts_operations_inside_the_block_are_errors():
     with ts.graph.capture() as g:
         jax.jit(ts.relu)(x)
     assert g.ops == []
+
+
+def test_capture_records_its_own_thread_only():
+    x = rand((4, 8))
+    with ts.graph.capture() as g:
+        other = threading.Thread(target=lambda: ts.relu(x))
+        other.start()
+        other.join()
+        ts.exp(x)
+    assert g.ops == ["ts_exp"]
 
 
 def test_capture_and_launch_errors():

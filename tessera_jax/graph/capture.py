@@ -271,7 +271,7 @@ class Graph:
 
 @contextlib.contextmanager
 def _suspended() -> Iterator[None]:
-    recorder = getattr(_core.CAPTURE, "recorder", None)
+    recorder = _core.CAPTURE.recorder
     _core.CAPTURE.recorder = None
     try:
         yield
@@ -362,7 +362,7 @@ def record_call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     if not callable(fn):
         raise TypeError(f"ts.graph.record_call: fn={fn!r} must be callable")
     g = getattr(_STATE, "graph", None)
-    if g is None or getattr(_core.CAPTURE, "recorder", None) is None or not _compat.is_eager():
+    if g is None or _core.CAPTURE.recorder is None or not _compat.is_eager():
         return fn(*args, **kwargs)
     leaves, tree = jax.tree.flatten((args, kwargs))
     where = [i for i, v in enumerate(leaves) if isinstance(v, (jax.Array, np.ndarray))]

@@ -44,10 +44,15 @@ OPERATORS: dict[str, Operator] = {}
 # wrapper running ``fn`` on local shards), or None to lower ``fn`` as it is.
 SHARDING_RULES: dict[str, Callable[..., Any]] = {}
 
+
 # The graph capture in force on this thread: ``CAPTURE.recorder(op, args, params)`` is set
 # by ``ts.graph.capture`` (tessera_jax/graph/capture.py, which imports this module) for the
 # duration of its block; an eager bind then goes through it, to be recorded and run.
-CAPTURE = threading.local()
+class _Capture(threading.local):
+    recorder: Callable[..., Any] | None = None  # a class default: no lookup miss per bind
+
+
+CAPTURE = _Capture()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +149,7 @@ class Operator:
         if _compat.vma_checking():  # inside shard_map: operands agree on their varying axes
             args = _compat.match_vma(args)
         elif _compat.is_eager():
-            recorder = getattr(CAPTURE, "recorder", None)
+            recorder = CAPTURE.recorder
             if recorder is not None:  # inside ``ts.graph.capture``: recorded, then run
                 return recorder(self, args, params)
             return self.bind_eager(args, params)
