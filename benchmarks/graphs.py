@@ -13,8 +13,16 @@ checked against the direct call before it is timed, and the rewritten graph's op
 are recorded (``rewritten_ops``: one ``ts_flash_attention_fwd``). FLOPs: ``4·B·S²·H·D``,
 halved when causal. Timing: ``benchmarks/_common.time_interleaved``.
 
+Section ``capture`` (:func:`bench_capture`): 100 small ts operators on a 64x64 array,
+dispatched eagerly (one dispatch each) against the same sequence captured with
+``ts.graph.capture`` and replayed by ``ts.graph.launch`` (one compiled program), with XLA's
+command buffers (CUDA graphs) on and off, and ``ts.jit(capture_graph=True/False)`` of the
+same function. Eager time is nearly all dispatch at this size; ``ratio`` = eager time /
+variant time, target >= 2. Each record says which command-buffer option it compiled with
+(``command_buffer``: they are built from the compiled thunks, so only the timing shows them).
+
 Records ``{suite: "graphs", section, case, device, jax, impl, baseline, ms,
-baseline_ms, ratio = baseline_ms / ms, tflops, rel_err}`` go to
+baseline_ms, ratio = baseline_ms / ms, rel_err, …}`` go to
 ``graphs-<device>.json``, merged with the records of the file's other sections.
 """
 
@@ -114,7 +122,88 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=jnp.bfloat16) -> list[dict]:
     return records
 
 
-SECTIONS = {"attention": bench_attention}
+def _ops(x, w):
+    """100 small ts operators: 25 rounds of matmul, tanh, relu and a row softmax (the
+    scale of ``w`` keeps the values in range)."""
+    h = x
+    for _ in range(25):
+        h = ts.softmax(ts.relu(ts.tanh(ts.matmul(h, w))), axis=1)
+    return h
+
+
+def bench_capture(
+    *, size: int = 64, dtype=jnp.float32, repeats: int = 9, device: str | None = None
+) -> list[dict]:
+    """The "capture" section's records: eager against replayed (command buffers on and
+    off), and ``ts.jit(capture_graph=...)``, for :func:`_ops` on ``size``-square arrays."""
+    device = device or device_name(family=True)
+    x = normal(0, (size, size), dtype)
+    w = normal(1, (size, size), dtype, scale=size**-0.5)
+    x2 = normal(2, (size, size), dtype)
+    n_ops = 100
+    graphs = {}
+    for cb in (True, False):
+        with ts.graph.capture(x=x, w=w, command_buffer=cb) as g:
+            last = _ops(x, w)
+        assert len(g) == n_ops, g.ops
+        g.set_outputs(last)  # only the last result, the one the eager loop keeps
+        graphs[cb] = g
+    # The same graph returning all 100 results (the default), which the program must write.
+    with ts.graph.capture(x=x, w=w) as g_all:
+        _ops(x, w)
+    jits = {cb: ts.jit(_ops, capture_graph=cb) for cb in (True, False)}
+    plain = jax.jit(_ops)
+    fns = {
+        "eager": lambda: _ops(x2, w),
+        "replay[command_buffer]": lambda: ts.graph.launch(graphs[True], x=x2)[-1],
+        "replay[no_command_buffer]": lambda: ts.graph.launch(graphs[False], x=x2)[-1],
+        "replay[command_buffer,all_outputs]": lambda: ts.graph.launch(g_all, x=x2)[-1],
+        "ts.jit[capture_graph=True]": lambda: jits[True](x2, w),
+        "ts.jit[capture_graph=False]": lambda: jits[False](x2, w),
+        "jax.jit[xla_default]": lambda: plain(x2, w),
+    }
+    # The command-buffer option each variant compiles with. (XLA builds command buffers
+    # from the compiled thunks: they do not show in the optimized HLO, only in the timing.)
+    gpu = jax.default_backend() == "gpu"
+    command_buffer = {impl: "on" if gpu else "none on this backend" for impl in fns}
+    if gpu:
+        command_buffer["replay[no_command_buffer]"] = "off"
+        command_buffer["ts.jit[capture_graph=False]"] = "off"
+        command_buffer["jax.jit[xla_default]"] = "xla default"
+    # Correct first: every variant against the eager sequence on new inputs.
+    ref = np.asarray(fns["eager"](), np.float64)
+    errs = {}
+    for impl, f in fns.items():
+        out = np.asarray(f(), np.float64)
+        errs[impl] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        assert errs[impl] < 1e-3, (impl, errs[impl])
+
+    t = time_interleaved(fns, (), repeats=repeats)
+    case = f"capture-{n_ops}ops-{size}x{size}-{jnp.dtype(dtype).name}"
+    records = []
+    for impl, ms in t.items():
+        if impl == "eager":
+            continue
+        records.append(
+            dict(
+                suite="graphs",
+                section="capture",
+                case=case,
+                device=device,
+                jax=jax.__version__,
+                impl=f"ts.graph.launch{impl[6:]}" if impl.startswith("replay") else impl,
+                baseline="eager",
+                ms=ms,
+                baseline_ms=t["eager"],
+                ratio=t["eager"] / ms,
+                rel_err=errs[impl],
+                command_buffer=command_buffer[impl],
+            )
+        )
+    return records
+
+
+SECTIONS = {"attention": bench_attention, "capture": bench_capture}
 
 
 def merge_records(path: Path, records: list[dict]) -> Path:
@@ -128,8 +217,9 @@ def merge_records(path: Path, records: list[dict]) -> Path:
 def _table(records: list[dict]) -> str:
     rows = [f"{'case':38s} {'impl':20s} {'ms':>9s} {'TFLOP/s':>8s} {'ratio':>6s} {'rel_err':>8s}"]
     for r in records:
+        tflops = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'-':>8s}"
         rows.append(
-            f"{r['case']:38s} {r['impl']:20s} {r['ms']:9.3f} {r['tflops']:8.1f} "
+            f"{r['case']:38s} {r['impl']:20s} {r['ms']:9.3f} {tflops} "
             f"{r['ratio']:6.3f} {r['rel_err']:8.1e}"
         )
     return "\n".join(rows)
@@ -144,7 +234,7 @@ def main() -> None:
     for name in args.section or sorted(SECTIONS):
         records += SECTIONS[name]()
     print(_table(records))
-    path = args.json or results_path(f"graphs-{device_name()}.json")
+    path = args.json or results_path(f"graphs-{device_name(family=True)}.json")
     print("wrote", merge_records(path, records))
 
 

@@ -10,6 +10,7 @@ from tessera_jax import checkpoint_policies as checkpoint_policies
 from tessera_jax import graph as graph
 from tessera_jax import op as op
 from tessera_jax import profiling as profiling
+from tessera_jax import stream as stream
 from tessera_jax._config import get_kernel_mode as get_kernel_mode
 from tessera_jax._config import kernel_mode as kernel_mode
 from tessera_jax._config import set_kernel_mode as set_kernel_mode

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import numpy as np
 
 from tessera_jax import _compat
 
@@ -51,3 +52,28 @@ def set_kernel_mode(mode: str) -> None:
     if mode not in KERNEL_MODES:
         raise ValueError(f"set_kernel_mode: {mode=!r} must be one of {KERNEL_MODES}")
     jax.config.update("tessera_kernels", mode)
+
+
+# --- XLA command buffers (ts.graph capture, ts.jit(capture_graph=...)) ---------------
+
+# What ``command_buffer=True`` records into command buffers: fused kernels, cuBLAS/cuBLASLt
+# and cuDNN calls, and custom calls (Pallas and Mosaic GPU kernels, where their handlers
+# allow it). XLA's DebugOptions.CommandBufferCmdType names them.
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN")
+
+
+def command_buffer_options(enabled: bool) -> dict[str, str]:
+    """The XLA compile option turning GPU command buffers (CUDA graphs) on or off.
+
+    ``{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}`` when
+    ``enabled``, ``{"xla_gpu_enable_command_buffer": ""}`` (every kernel launched on its
+    own) otherwise; pass it as ``jax.jit(f, compiler_options=...)`` or to
+    ``.lower(...).compile(compiler_options=...)``. It is the per-compile form of
+    ``XLA_FLAGS=--xla_gpu_enable_command_buffer=...``. XLA wraps runs of at least
+    ``xla_gpu_graph_min_graph_size`` (default 5) such kernels into a command buffer,
+    recorded at the first execution and replayed as one CUDA graph launch afterwards; the
+    option only affects GPU compilations.
+    """
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"ts.graph.command_buffer_options: {enabled=!r} must be a bool")
+    return {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_TYPES) if enabled else ""}

@@ -410,10 +410,10 @@ def test_jit_forms():
 
 
 def test_jit_errors():
-    with pytest.raises(TypeError, match=r"ts\.jit: capture_graph is not supported"):
-        ts.jit(lambda x: x, capture_graph=True)
-    with pytest.raises(TypeError, match=r"ts\.jit: capture_graph is not supported"):
-        ts.jit(capture_graph=True)
+    with pytest.raises(TypeError, match=r"ts\.jit: capture_graph='yes' must be a bool or None"):
+        ts.jit(lambda x: x, capture_graph="yes")
+    with pytest.raises(TypeError, match=r"ts\.jit: capture_graph=1 must be a bool or None"):
+        ts.jit(capture_graph=1)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'capture_graphs'"):
         ts.jit(lambda x: x, capture_graphs=True)
     with pytest.raises(TypeError, match=r"ts\.jit: expected a function, got a int"):

@@ -338,7 +338,7 @@ AUTODIFF = [
     ("vjp-defvjp-int", lambda: ts.custom_vjp(_loss).defvjp(1, 2), TypeError, r"defvjp: expected"),
     ("jvp-defjvps-int", lambda: ts.custom_jvp(_loss).defjvps(1), TypeError, r"tangent_fns\[0\]=1"),
     ("jit-int", lambda: ts.jit(3), TypeError, r"ts.jit: expected a function, got a int"),
-    ("jit-capture", lambda: ts.jit(_loss, capture_graph=1), TypeError, r"capture_graph is not"),
+    ("jit-capture", lambda: ts.jit(_loss, capture_graph=1), TypeError, r"capture_graph=1 must be"),
 ]
 
 

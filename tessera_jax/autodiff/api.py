@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax._config import command_buffer_options
 from tessera_jax.numerics import annotations as _ann
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.numerics.dtypes import LossScale
@@ -572,7 +573,7 @@ def _checked(f: Callable) -> Callable:
     return body
 
 
-def jit(f: Callable | None = None, /, **jit_kwargs: Any):
+def jit(f: Callable | None = None, /, *, capture_graph: bool | None = None, **jit_kwargs: Any):
     """``jax.jit`` with Tessera's trace-time annotation checks.
 
     Usable as ``@ts.jit``, ``@ts.jit(static_argnames=...)`` or ``ts.jit(f, ...)``.
@@ -584,8 +585,16 @@ def jit(f: Callable | None = None, /, **jit_kwargs: Any):
     parameters carry region privileges are first wrapped by
     ``tessera_jax.sharding.regions``.
 
-    Tessera's ``capture_graph=True`` (CUDA-graph capture and replay) is not offered: a
-    flag that changed nothing would only pretend. Passing it is a TypeError.
+    ``capture_graph`` (seed 002's ``@jit(capture_graph=True)``): jit already compiles the
+    function into one program launched by one call; on GPUs, ``True`` also compiles it
+    with XLA's command buffers on, so that its kernels are recorded into CUDA graphs at
+    the first execution and later executions launch the graphs instead of each kernel;
+    ``False`` turns them off (each kernel launched on its own); ``None`` keeps XLA's
+    default (which, in the XLA of jax 0.11, has them on: ``True`` pins that whatever
+    ``XLA_FLAGS`` says). It sets the compile option ``xla_gpu_enable_command_buffer``
+    (``ts.graph.command_buffer_options``), merged into ``compiler_options``; CPUs have no
+    command buffers, and there it changes nothing. Measured in
+    benchmarks/results/graphs-h100.json (benchmarks/graphs.py).
 
     Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
     attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s. For a
@@ -594,11 +603,18 @@ def jit(f: Callable | None = None, /, **jit_kwargs: Any):
     to two parameters is only visible outside), then calls the ``jax.jit`` object
     (available as ``.jitted``; ``.lower`` is forwarded).
     """
-    if "capture_graph" in jit_kwargs:
-        raise TypeError(
-            "ts.jit: capture_graph is not supported (graph capture and replay is not "
-            "implemented; jit already runs one compiled executable per call): remove it"
-        )
+    if capture_graph is not None:
+        if not isinstance(capture_graph, (bool, np.bool_)):
+            raise TypeError(f"ts.jit: {capture_graph=!r} must be a bool or None")
+        options = dict(jit_kwargs.get("compiler_options") or {})
+        given = options.get("xla_gpu_enable_command_buffer")
+        wanted = command_buffer_options(bool(capture_graph))
+        if given is not None and given != wanted["xla_gpu_enable_command_buffer"]:
+            raise ValueError(
+                f"ts.jit: capture_graph={capture_graph} contradicts compiler_options' "
+                f"xla_gpu_enable_command_buffer={given!r}; give one of them"
+            )
+        jit_kwargs["compiler_options"] = {**options, **wanted}
     if f is None:
         return lambda g: jit(g, **jit_kwargs)
     _check_callable("ts.jit", f)

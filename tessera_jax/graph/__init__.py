@@ -1,6 +1,11 @@
 """``ts.graph``: operator graphs. Graph modules and their rewrite passes (module.py,
-rewrite.py); see docs/GRAPHS.md."""
+rewrite.py; docs/GRAPHS.md), capture and replay of eager operators (capture.py)."""
 
+from tessera_jax._config import command_buffer_options as command_buffer_options
+from tessera_jax.graph.capture import CapturedGraph as CapturedGraph
+from tessera_jax.graph.capture import capture as capture
+from tessera_jax.graph.capture import launch as launch
+from tessera_jax.graph.capture import record_call as record_call
 from tessera_jax.graph.module import Graph as Graph
 from tessera_jax.graph.module import GraphModule as GraphModule
 from tessera_jax.graph.module import module as module

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,16 @@ OPERATORS: dict[str, Operator] = {}
 # avals_in, params)`` returns what to lower instead of ``fn`` (a custom_partitioning
 # wrapper running ``fn`` on local shards), or None to lower ``fn`` as it is.
 SHARDING_RULES: dict[str, Callable[..., Any]] = {}
+
+
+# The graph capture in force on this thread: ``CAPTURE.recorder(op, args, params)`` is set
+# by ``ts.graph.capture`` (tessera_jax/graph/capture.py, which imports this module) for the
+# duration of its block; an eager bind then goes through it, to be recorded and run.
+class _Capture(threading.local):
+    recorder: Callable[..., Any] | None = None  # a class default: no lookup miss per bind
+
+
+CAPTURE = _Capture()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +149,22 @@ class Operator:
         if _compat.vma_checking():  # inside shard_map: operands agree on their varying axes
             args = _compat.match_vma(args)
         elif _compat.is_eager():
-            # Outside any trace (a notebook calling operators one by one), a jitted bind per
-            # parameter set takes jax's C++ dispatch path instead of the Python one that
-            # evaluating a primitive goes through.
-            fn = self._eager(_frozen(params))
-            if fn is not None:
-                return fn(*args)
+            recorder = CAPTURE.recorder
+            if recorder is not None:  # inside ``ts.graph.capture``: recorded, then run
+                return recorder(self, args, params)
+            return self.bind_eager(args, params)
+        return self.prim.bind(*args, **params)
+
+    def bind_eager(self, args: Sequence[Any], params: dict[str, Any]) -> Any:
+        """Applies the operator to concrete arrays outside any trace.
+
+        A jitted bind per parameter set takes jax's C++ dispatch path instead of the Python
+        one that evaluating a primitive goes through (a notebook calling operators one by
+        one pays only that).
+        """
+        fn = self._eager(_frozen(params))
+        if fn is not None:
+            return fn(*args)
         return self.prim.bind(*args, **params)
 
     @functools.lru_cache(maxsize=512)  # noqa: B019 (operators live as long as the process)
