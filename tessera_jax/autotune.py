@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -52,11 +51,7 @@ from typing import Any
 
 import jax
 import numpy as np
-
-try:  # a declared dependency, but `import tessera_jax` must not fail where it is missing
-    import tqdm
-except ImportError:  # pragma: no cover - environments without tqdm
-    tqdm = None
+import tqdm
 
 __all__ = [
     "CacheWarning",
@@ -430,21 +425,17 @@ def _time(
 
 
 class _Progress:
-    """A progress bar over the configs: tqdm's, or plain lines on stderr without tqdm."""
+    """A tqdm progress bar over the configs (on stderr), or nothing when disabled."""
 
     def __init__(self, total: int, desc: str, *, enabled: bool):
-        self.total, self.desc, self.enabled, self.done = total, desc, enabled, 0
-        self.bar = None
-        if enabled and tqdm is not None:
-            self.bar = tqdm.tqdm(total=total, desc=desc, unit="config")
+        self.done = 0
+        self.bar = tqdm.tqdm(total=total, desc=desc, unit="config") if enabled else None
 
     def step(self, what: str) -> None:
         """Marks the previous config done and names the one starting."""
         if self.bar is not None:
             self.bar.update(int(self.done > 0))
             self.bar.set_postfix_str(what)
-        elif self.enabled:
-            print(f"{self.desc}: {self.done + 1}/{self.total} {what}", file=sys.stderr)
         self.done += 1
 
     def close(self) -> None:
@@ -484,8 +475,7 @@ def search(
       warmup, repeats: calls before timing, and timed measurements (the median is kept).
       min_time: seconds each measurement lasts at least (several calls for short kernels).
       cache: read and write the cache (False: always time, remember nothing).
-      progress: show a progress bar over the configs (tqdm, on stderr; without tqdm
-        installed, one line per config).
+      progress: show a tqdm progress bar over the configs (on stderr).
       timer: the clock, in seconds (``time.perf_counter``).
     Returns:
       a :class:`TunedConfig`: a dict ``{name: value}`` of the winner, with ``.report``.

@@ -334,11 +334,10 @@ def test_unwritable_cache_warns_and_still_returns_the_winner(tmp_path, monkeypat
         assert _search(k, (rand((8,)),)) == {"BM": 128}
 
 
-def test_progress_without_tqdm_prints_one_line_per_config(monkeypatch, capsys):
-    monkeypatch.setattr(autotune, "tqdm", None)
+def test_progress_bar_counts_the_configs(capsys):
     k = FakeKernel(COSTS)
     autotune.search(
         kernel=k, args=(rand((8,)),), params={"BM": [64, 128]}, timer=k.timer, cache=False
     )
-    err = capsys.readouterr().err.splitlines()
-    assert err == ["autotune fake: 1/2 BM=64", "autotune fake: 2/2 BM=128"]
+    err = capsys.readouterr().err
+    assert "autotune fake" in err and "2/2" in err and "BM=128" in err
