@@ -1,0 +1,258 @@
+"""The tile kernel language (``ts.kernel``, ``ts.launch``, ``ts.tile``) on Pallas' interpreter.
+
+Every seed example under examples/kernels/ runs against a float64 NumPy reference at a
+ragged size (N not a multiple of the block), as do the ``mut`` semantics (unstored elements
+keep their values, the caller's arrays are unchanged), ``jit``/``vmap`` of a launch, the
+loop structure the GPU compiler needs, and the errors a kernel author can hit. The ``gpu``
+twins run the same examples compiled by Pallas' Triton backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tessera_jax as ts
+from tests._util import assert_close, rand
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kernels"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"tile_example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(out, ref, dtype=np.float32, factor=4.0):
+    assert_close(out, ref, dtype, factor=factor)
+
+
+# --- the seed examples --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1000, 256])
+def test_saxpy(n):
+    m = _example("saxpy")
+    x, y = rand((n,)), rand((n,))
+    _check(m.run(2.5, x, y), m.reference(2.5, x, y))
+
+
+def test_saxpy_issue_form_traced_scalar():
+    """The issue's exact launch, with ``a`` a traced 0-d array."""
+    m = _example("saxpy")
+    N = 777
+    a, X, Y, Out = jnp.float32(-1.25), rand((N,)), rand((N,)), jnp.zeros((N,), jnp.float32)
+    out = ts.launch.grid(blocks=(ts.ceil_div(N, 256),), threads=(256,))(m.saxpy)(a, X, Y, Out)
+    _check(out, m.reference(-1.25, X, Y))
+
+
+def test_scale_and_group_sum():
+    x = rand((999,))
+    s = _example("scale")
+    _check(s.run(x, 3.0), s.reference(x, 3.0))
+    g = _example("group_sum")
+    _check(g.run(x), g.reference(x))
+
+
+def test_warp_and_cooperative_reductions():
+    x = rand((1000,))
+    w = _example("warp_reduce_sum")
+    _check(w.run(x), w.reference(x))
+    c = _example("cooperative_reduction")
+    _check(c.run(x), c.reference(x), factor=8.0)
+
+
+@pytest.mark.parametrize("name", ["gemm_tc", "pipelined_gemm"])
+def test_gemms_ragged(name):
+    m = _example(name)
+    a, b = rand((100, 72)), rand((72, 40))
+    _check(m.run(a, b, BM=32, BN=32, BK=16), m.reference(a, b), factor=8.0)
+
+
+def test_gemm_bf16_f32_output():
+    m = _example("gemm_tc")
+    a, b = rand((64, 48), jnp.bfloat16), rand((48, 32), jnp.bfloat16)
+    out = m.run(a, b, BM=32, BN=16, BK=16, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    _check(out, m.reference(a, b), factor=8.0)
+
+
+def test_flash_attention_and_fused_mlp():
+    fa = _example("flash_attention")
+    q, k, v = rand((2, 50, 16)), rand((2, 50, 16)), rand((2, 50, 16))
+    _check(fa.run(q, k, v, BQ=16, BKV=16), fa.reference(q, k, v), factor=8.0)
+    mlp = _example("fused_mlp")
+    args = (rand((50, 16)), rand((16, 32)), rand((32,)), rand((32, 16)), rand((16,)))
+    _check(mlp.run(*args, BM=16), mlp.reference(*args), factor=8.0)
+
+
+def test_memory_hierarchy_examples():
+    mh = _example("memory_hierarchy")
+    a = rand((50, 70))
+    _check(mh.run_memory_hierarchy(a, T=16), mh.reference_memory_hierarchy(a, T=16))
+    out = mh.run_optimized_memory_access(a, TILE_M=16, TILE_N=32, ROWS=4)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(a))
+
+
+# --- semantics ----------------------------------------------------------------------------
+
+
+@ts.kernel
+def _every_other(X, Out: ts.mut):
+    i = ts.launch.thread_id()
+    ts.tile.store(Out, i, 2 * ts.tile.load(X, i), mask=i % 2 == 0)
+
+
+def test_mut_keeps_unstored_values_and_does_not_mutate_the_callers_array():
+    x, old = rand((37,)), rand((37,))
+    before = np.asarray(old).copy()
+    out = _every_other[ts.ceil_div(37, 16), 16](x, old)
+    even = np.arange(37) % 2 == 0
+    ref = np.where(even, 2 * np.asarray(x, np.float64), before)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(old), before)  # JAX is functional
+
+
+@ts.kernel
+def _two_outputs(X, Lo: ts.mut, Hi: ts.mut, *, cut: float):
+    i = ts.launch.thread_id()
+    v = ts.tile.load(X, i)
+    Lo[i] = ts.tile.where(v < cut, v, 0.0)
+    Hi[i] = ts.tile.where(v < cut, 0.0, v)
+
+
+def test_several_muts_jit_and_vmap():
+    x = rand((4, 40))
+    z = jnp.zeros((40,), jnp.float32)
+
+    def f(row):
+        return _two_outputs[ts.ceil_div(40, 32), 32](row, z, z, cut=0.25)
+
+    lo, hi = jax.jit(jax.vmap(f))(x)
+    xn = np.asarray(x)
+    np.testing.assert_array_equal(np.asarray(lo), np.where(xn < 0.25, xn, 0))
+    np.testing.assert_array_equal(np.asarray(hi), np.where(xn < 0.25, 0, xn))
+
+
+@ts.kernel
+def _rowsum(X, Out: ts.mut, *, BK: int):
+    r = ts.tile.group_id()
+    acc = 0.0  # a Python scalar initialiser takes the loop's shape (BK,)
+    for k in ts.tile.range(0, X.shape[1], BK):
+        acc += ts.tile.load(X, (r, ts.tile.lanes(k, BK)))
+    Out[r] = ts.tile.reduce_sum(acc)
+
+
+def test_tile_range_is_one_loop():
+    """The K loop is one loop in the kernel (the pipeliner's ``scf.for``), not unrolled."""
+    x = rand((3, 50))
+    run = ts.launch.grid(blocks=(3,), threads=(16,))(_rowsum)
+    out = run(x, jnp.zeros((3,), jnp.float32), BK=16)
+    _check(out, np.asarray(x, np.float64).sum(1))
+    text = str(jax.make_jaxpr(lambda a: run(a, jnp.zeros((3,), jnp.float32), BK=16))(x))
+    body = text[text.index("pallas_call") :]
+    assert len(re.findall(r"\b(while|scan)\[", body)) == 1, body
+    assert body.count("reduce_sum") == 1
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+@ts.kernel
+def _if_on_tile(X, Out: ts.mut):
+    i = ts.launch.thread_id()
+    if i < X.shape[0]:
+        Out[i] = X[i]
+
+
+@ts.kernel
+def _python_loop(X, Out: ts.mut):
+    for k in range(ts.tile.group_id()):
+        Out[k] = 1.0
+
+
+@ts.kernel
+def _never_stored(X, Out: ts.mut):
+    ts.tile.load(X, ts.launch.thread_id())
+
+
+@ts.kernel
+def _small_dot(A, Out: ts.mut):
+    Out[0:8, 0:8] = ts.tile.dot(A[0:8, 0:8], A[0:8, 0:8])
+
+
+@ts.kernel
+def _dynamic_window(X, Out: ts.mut):
+    g = ts.tile.group_id()
+    Out[0:16] = X[g : 2 * g]
+
+
+@ts.kernel
+def _shape_change(X, Out: ts.mut):
+    acc = ts.tile.zeros((1,), jnp.float32)
+    for k in ts.tile.range(0, 32, 16):
+        acc = acc + ts.tile.load(X, ts.tile.lanes(k, 16))
+    Out[0:16] = acc
+
+
+def _line(fn, text):
+    src, first = __import__("inspect").getsourcelines(fn)
+    return first + next(i for i, s in enumerate(src) if text in s)
+
+
+@pytest.mark.parametrize(
+    "kern, exc, pattern, line",
+    [
+        (_if_on_tile, TypeError, r"`if` .* on a tile value.*mask=.*ts\.tile\.where", "if i <"),
+        (
+            _python_loop,
+            TypeError,
+            r"range\(\.\.\.\)` over a traced bound.*ts\.tile\.range",
+            "for k",
+        ),
+        (_never_stored, ValueError, r"ts\.mut parameter 'Out' is never stored", None),
+        (_small_dot, ValueError, r"extent below 16", "ts.tile.dot"),
+        (_dynamic_window, ValueError, r"no static size.*start:start \+ SIZE", "X[g"),
+        (
+            _shape_change,
+            TypeError,
+            r"'acc' is float32\[1\] before the loop and float32\[16\]",
+            "for k",
+        ),
+    ],
+)
+def test_kernel_errors_name_the_kernel_and_line(kern, exc, pattern, line):
+    x = rand((32, 32)) if kern is _small_dot else rand((32,))
+    with pytest.raises(exc, match=pattern) as e:
+        kern[2, 16](x, jnp.zeros_like(x))
+    assert f"kernel '{kern.name}'" in str(e.value)
+    if line is not None:
+        assert f"{__file__}:{_line(kern.fn, line)}" in str(e.value), str(e.value)
+
+
+def test_launch_errors():
+    x = rand((32,))
+    with pytest.raises(
+        TypeError, match=r"kernel '_every_other' takes 2 arguments \(X, Out: ts\.mut\), got 3"
+    ):
+        _every_other[2, 16](x, x, x)
+    with pytest.raises(TypeError, match=r"ts\.mut parameter 'Out' got float"):
+        _every_other[2, 16](x, 1.0)
+    with pytest.raises(ValueError, match=r"threads=\(24,\) must be powers of two"):
+        _every_other[2, 24](x, x)
+    with pytest.raises(ValueError, match=r"blocks=\(0,\)"):
+        ts.launch.grid(blocks=(0,), threads=(16,))
+    with pytest.raises(TypeError, match=r"is launched over a grid"):
+        _every_other(x, x)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['BK'\]"):
+        _every_other[2, 16](x, x, BK=4)
+    with pytest.raises(RuntimeError, match=r"only inside a kernel"):
+        ts.tile.group_id()
