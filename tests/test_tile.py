@@ -9,6 +9,7 @@ twins run the same examples compiled by Pallas' Triton backend.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 import re
@@ -100,6 +101,26 @@ def test_memory_hierarchy_examples():
     _check(mh.run_memory_hierarchy(a, T=16), mh.reference_memory_hierarchy(a, T=16))
     out = mh.run_optimized_memory_access(a, TILE_M=16, TILE_N=32, ROWS=4)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(a))
+
+
+def _gpu_twin(test):
+    """``test`` again under ``-m gpu``: the kernels compiled by Pallas' Triton backend."""
+
+    @functools.wraps(test)
+    def twin(*args, **kwargs):
+        return test(*args, **kwargs)
+
+    twin.pytestmark = [*getattr(test, "pytestmark", []), pytest.mark.gpu]
+    return twin
+
+
+test_saxpy_gpu = _gpu_twin(test_saxpy)
+test_scale_and_group_sum_gpu = _gpu_twin(test_scale_and_group_sum)
+test_warp_and_cooperative_reductions_gpu = _gpu_twin(test_warp_and_cooperative_reductions)
+test_gemms_ragged_gpu = _gpu_twin(test_gemms_ragged)
+test_gemm_bf16_f32_output_gpu = _gpu_twin(test_gemm_bf16_f32_output)
+test_flash_attention_and_fused_mlp_gpu = _gpu_twin(test_flash_attention_and_fused_mlp)
+test_memory_hierarchy_examples_gpu = _gpu_twin(test_memory_hierarchy_examples)
 
 
 # --- semantics ----------------------------------------------------------------------------
@@ -256,3 +277,9 @@ def test_launch_errors():
         _every_other[2, 16](x, x, BK=4)
     with pytest.raises(RuntimeError, match=r"only inside a kernel"):
         ts.tile.group_id()
+
+
+test_mut_keeps_unstored_values_gpu = _gpu_twin(
+    test_mut_keeps_unstored_values_and_does_not_mutate_the_callers_array
+)
+test_several_muts_jit_and_vmap_gpu = _gpu_twin(test_several_muts_jit_and_vmap)
