@@ -5,6 +5,7 @@
 
 import math as _math
 
+from tessera_jax import autotune as autotune
 from tessera_jax import checkpoint_policies as checkpoint_policies
 from tessera_jax import launch as launch
 from tessera_jax import op as op

@@ -13,8 +13,11 @@ Which backend a run uses:
 
 import os
 import re
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
+# The suite neither reads nor writes the user's autotune cache (kernels consult it).
+os.environ.setdefault("TESSERA_CACHE_DIR", tempfile.mkdtemp(prefix="tessera-test-cache-"))
 
 import jax
 

@@ -381,6 +381,50 @@ def candidates_for(dtype_a: Any, dtype_b: Any) -> dict[str, MatmulConfig]:
     return {k: v for k, v in CANDIDATES.items() if k.startswith(prefix)}
 
 
+# --- autotuning: the cache's key and configs of the Hopper kernel ------------------------------
+
+# The kernel's name in the autotune cache (``ts.autotune``): ``ts.autotune.search(kernel=
+# ts.op.matmul, ...)`` writes entries under it and the kernel reads them.
+TUNING_NAME = "ts.matmul"
+TUNING_PARAMS = ("BM", "BN", "BK", "stages")  # BM, BN, BK required; stages optional
+
+
+def tuning_key(spec: MatmulSpec, avals: Sequence[Any]) -> tuple:
+    """What makes two ``ts_matmul`` binds different problems for tuning: the operands'
+    shapes and dtypes as bound, the output dtype, the transposes and the epilogue."""
+    a, b, *extras = avals
+    return (
+        tuple(int(d) for d in a.shape),
+        np.dtype(a.dtype).name,
+        tuple(int(d) for d in b.shape),
+        np.dtype(b.dtype).name,
+        spec.out_dtype.name,
+        spec.transpose_a,
+        spec.transpose_b,
+        spec.activation,
+        spec.has_bias,
+        spec.has_residual,
+        spec.has_scale,
+        tuple(np.dtype(x.dtype).name for x in extras),
+    )
+
+
+def config_from_tuned(tuned: dict[str, Any], dtype_a: Any, dtype_b: Any) -> MatmulConfig:
+    """The config of a tuned ``{BM, BN, BK[, stages]}`` (ValueError/TypeError naming what is
+    wrong with it): ``config_for_tile_shape((BM, BN, BK))`` with ``stages`` pipeline stages
+    (default 4)."""
+    names = set(tuned)
+    if not {"BM", "BN", "BK"} <= names <= set(TUNING_PARAMS):
+        raise ValueError(
+            f"matmul: tuning parameters {sorted(names)} must be BM, BN, BK and optionally stages"
+        )
+    stages = tuned.get("stages", 4)
+    if not isinstance(stages, (int, np.integer)) or isinstance(stages, bool):
+        raise TypeError(f"matmul: tuning parameter stages={stages!r} must be an int")
+    tile = (tuned["BM"], tuned["BN"], tuned["BK"])
+    return config_for_tile_shape(tile, dtype_a, dtype_b, num_stages=int(stages))
+
+
 # --- what both kernels (matmul_mgpu and matmul_portable) share ----------------------------------
 
 

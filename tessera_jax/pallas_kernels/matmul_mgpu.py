@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -52,13 +53,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tessera_jax import _compat
+from tessera_jax import _compat, autotune
 from tessera_jax.contracts.matmul import MatmulSpec, apply_activation
 from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels.matmul_configs import FP8_DTYPES, MatmulConfig
 
-__all__ = ["MatmulConfig", "Problem", "hardware", "matmul", "prefer", "supports"]
+__all__ = [
+    "MatmulConfig",
+    "Problem",
+    "hardware",
+    "matmul",
+    "prefer",
+    "supports",
+    "tuned_config",
+]
 
 
 def _erf(x: jax.Array) -> jax.Array:
@@ -484,6 +493,30 @@ def _config(
     return mc.fit_stages(config, dtype_a, dtype_b, spec.out_dtype, res_dtype, has_vec)
 
 
+def tuned_config(spec: MatmulSpec, avals: Sequence[Any]) -> MatmulConfig | None:
+    """The autotuned config of this product (``ts.autotune.search(kernel=ts.op.matmul)``
+    stored it for these shapes and dtypes on this device), or None: with an explicit
+    ``spec.tile_shape``, without a cache entry, or with one this kernel cannot read (a
+    warning). Read at trace time; the autotune cache keeps parsed entries in memory."""
+    if spec.tile_shape is not None:
+        return None
+    tuned = autotune.lookup(mc.TUNING_NAME, mc.tuning_key(spec, avals))
+    if tuned is None:
+        return None
+    dts = mc.kernel_operand_dtypes(avals[0].dtype, avals[1].dtype)
+    if dts is None:
+        return None
+    try:
+        return mc.config_from_tuned(tuned, *dts)
+    except (TypeError, ValueError) as e:
+        warnings.warn(
+            f"matmul: ignoring the autotuned config {tuned} ({e}); using the heuristic's",
+            autotune.CacheWarning,
+            stacklevel=2,
+        )
+        return None
+
+
 def _pad_for_kernel(
     p: Problem, a3: jax.Array, b3: jax.Array, m: int, n: int, k: int, *, interpret: bool
 ) -> tuple[jax.Array, jax.Array, int, int, int]:
@@ -531,13 +564,17 @@ def matmul(
     The ``ts_matmul`` contract of :mod:`tessera_jax.contracts.matmul`: ``extras`` are
     ``bias (N,)``, ``residual`` (output shape) and ``scale ()`` f32, each present only if
     ``spec`` says so. ``interpret`` runs the kernel in the Mosaic GPU interpreter (any
-    platform). Keyword-only overrides for benchmarks and tests: ``config`` replaces the tile
-    heuristic and ``spec.tile_shape``; ``num_sms`` the SM count (see ``device.sm_counts``).
+    platform). The tile config: ``spec.tile_shape``'s, else the one ``ts.autotune`` cached
+    for this problem (:func:`tuned_config`), else the heuristic's. Keyword-only overrides
+    for benchmarks and tests: ``config`` replaces all of those; ``num_sms`` the SM count
+    (see ``device.sm_counts``).
     A case :func:`supports` declines is a ValueError naming the reason.
     """
     reason = supports(spec, (a, b, *extras))
     if reason is not None:
         raise ValueError(f"matmul_mgpu.matmul: this kernel cannot run the case: {reason}")
+    if config is None:
+        config = tuned_config(spec, (a, b, *extras))
     sms = device.sm_counts(interpret=interpret, override=num_sms)
     bias, residual, scale = spec.split(extras)
     m, n, k = spec.problem_shape(a.shape, b.shape)
@@ -629,7 +666,16 @@ def supports(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
         m *= int(np.prod(a.shape[:-2]))
     res_dtype = np.dtype(avals[2 + spec.has_bias].dtype) if spec.has_residual else None
     try:
-        _config(spec, *dts, m, n, k, res_dtype, tuned_sms=device.sm_counts(interpret=False).tuned)
+        _config(
+            spec,
+            *dts,
+            m,
+            n,
+            k,
+            res_dtype,
+            tuned_sms=device.sm_counts(interpret=False).tuned,
+            config=tuned_config(spec, avals),
+        )
     except ValueError as e:
         return str(e)
     return None
@@ -683,7 +729,7 @@ def prefer(spec: MatmulSpec, avals: Sequence[Any]) -> bool:
     lo = PREFER_MIN_EPILOGUE if spec.has_epilogue else PREFER_PLAIN_MIN
     if lo is None or min(m, n, k) < lo:
         return False
-    cfg = (
+    cfg = tuned_config(spec, avals) or (
         mc.config_for_tile_shape(spec.tile_shape, da, db)
         if spec.tile_shape is not None
         else mc.default_config(m, n, k, da, db, num_sms=sms)

@@ -81,10 +81,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax import autotune
+from tessera_jax._config import get_kernel_mode, kernel_mode
 from tessera_jax.contracts.matmul import ACTIVATIONS, MatmulSpec, epilogue, epilogue_dtype
 from tessera_jax.numerics import context as _numerics_context
 from tessera_jax.numerics.dtypes import FP8_DTYPES, as_np_dtype
 from tessera_jax.numerics.policy import QuantizedTensor, fp8_scaled_values
+from tessera_jax.pallas_kernels import matmul_configs as _mc
 from tessera_jax.pallas_kernels import matmul_mgpu as _mgpu
 from tessera_jax.pallas_kernels import matmul_portable as _portable
 from tessera_jax.primitives import elementwise as _ew
@@ -910,3 +913,109 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
 # takes the first kernel that supports the case, on any platform.
 matmul_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.matmul))
 matmul_op.add_kernel(Kernel.from_module("pallas_portable", _portable, _portable.matmul))
+
+
+# --- autotuning ---------------------------------------------------------------------------
+# ``ts.autotune.search(kernel=ts.op.matmul, args=(A, B), params=dict(BM=…, BN=…, BK=…,
+# stages=…))`` tunes the Hopper kernel's tile for the product ``matmul(A, B)`` binds; the
+# kernel reads the winner from the cache whenever it runs that product without an explicit
+# ``tile_shape`` (``matmul_mgpu.tuned_config``).
+
+
+def _bound_product(A: Any, B: Any) -> tuple[MatmulSpec, list[Any]]:
+    """The spec and operand avals of the one ``ts_matmul`` that ``matmul(A, B)`` binds."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is matmul_op.prim:
+                found.append((eqn.params["spec"], [v.aval for v in eqn.invars]))
+            for v in eqn.params.values():
+                for item in v if isinstance(v, (tuple, list)) else (v,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(matmul)(A, B).jaxpr)
+    if len(found) != 1:
+        raise ValueError(f"matmul autotune: matmul(A, B) binds {len(found)} products, not one")
+    return found[0]
+
+
+def _tuning_mode() -> str:
+    """The kernel mode a tuning run uses: the interpreter where it is in force (CPU tests),
+    else ``pallas``, so the kernel runs whatever ``auto``'s speed heuristic would pick."""
+    return "interpret" if get_kernel_mode() == "interpret" else "pallas"
+
+
+class _MatmulTunable:
+    """:class:`ts.autotune.Tunable` of ``matmul(A, B)`` on the Hopper Mosaic GPU kernel:
+    ``{BM, BN, BK[, stages]}`` is the kernel's ``tile_shape=(BM, BN, BK)`` with ``stages``
+    pipeline stages (default 4, lowered to fit shared memory)."""
+
+    name = _mc.TUNING_NAME
+
+    def __init__(self):
+        self._jitted: dict[tuple, Any] = {}  # one fresh jit per config (see autotune.trial)
+        self._keys: dict[Any, tuple] = {}  # by the arguments' types: timed calls don't trace
+
+    def key(self, args: tuple) -> tuple:
+        if len(args) != 2:
+            raise ValueError(f"matmul autotune: args must be (A, B), got {len(args)} arguments")
+        leaves, tree = jax.tree.flatten(args)
+        sig = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        if sig not in self._keys:
+            self._keys[sig] = _mc.tuning_key(*_bound_product(*args))
+        return self._keys[sig]
+
+    def check(self, args: tuple, config: dict) -> str | None:
+        """Why the kernel cannot run ``config`` here, asked of the operator's own dispatch
+        (hardware, shared memory, instruction shapes) before anything compiles."""
+        for name, v in config.items():
+            if name not in _mc.TUNING_PARAMS:
+                raise ValueError(
+                    f"matmul autotune: parameter {name!r} is not one of "
+                    f"{_mc.TUNING_PARAMS} (BM, BN, BK are required)"
+                )
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"matmul autotune: {name}={v!r} must be an int")
+        spec, avals = _bound_product(*args)
+        key = _mc.tuning_key(spec, avals)
+        dts = _mc.kernel_operand_dtypes(avals[0].dtype, avals[1].dtype)
+        if dts is None:
+            return f"operand dtypes {avals[0].dtype} x {avals[1].dtype} are not the kernel's"
+        try:
+            cfg = _mc.config_from_tuned(config, *dts)
+        except ValueError as e:
+            return str(e)
+        if "stages" in config:
+            # The kernel lowers stages until the ring fits; a count that does not fit would
+            # run as a smaller one already in the space.
+            res = avals[2 + spec.has_bias].dtype if spec.has_residual else None
+            has_vec = spec.has_bias or spec.has_scale
+            need = _mc.smem_bytes(cfg, *dts, spec.out_dtype, res, has_vec)
+            if need > _mc.SMEM_BYTES:
+                return (
+                    f"{cfg.num_stages} stages of tile {cfg.tile_shape} need {need} bytes of "
+                    f"shared memory, over {_mc.SMEM_BYTES}"
+                )
+        platform = jax.devices()[0].platform
+        platform = "cuda" if platform == "gpu" else platform
+        with kernel_mode(_tuning_mode()), autotune.trial(self.name, key, config):
+            impl, _ = matmul_op.select(platform, avals, {"spec": spec})
+            if impl != "mosaic_gpu":
+                why = matmul_op.reasons(platform, avals, {"spec": spec}).get("mosaic_gpu")
+                return f"the Mosaic GPU kernel does not run it ({why or impl + ' would'})"
+        return None
+
+    def run(self, args: tuple, config: dict) -> Any:
+        frozen = tuple(sorted(config.items()))
+        fn = self._jitted.get(frozen)
+        if fn is None:
+            fn = self._jitted[frozen] = jax.jit(lambda a, b: matmul(a, b))
+        key = self.key(args)
+        with kernel_mode(_tuning_mode()), autotune.trial(self.name, key, config):
+            return fn(*args)
+
+
+matmul.__tessera_tunable__ = _MatmulTunable
