@@ -16,6 +16,7 @@ with ``jax.jit``, ``jax.vmap`` (a batched launch adds a grid axis) and ``ts.inde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -26,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera_jax import autotune
 from tessera_jax._config import get_kernel_mode
 from tessera_jax.tile import lowering
 
-__all__ = ["Grid", "Kernel", "ceil_div", "grid", "kernel", "mut"]
+__all__ = ["AutotunedKernel", "Grid", "Kernel", "Launch", "ceil_div", "grid", "kernel", "mut"]
 
 # Triton's largest tile (TRITON_MAX_TENSOR_NUMEL).
 MAX_LANES = 1 << 20
@@ -154,14 +156,20 @@ class Grid:
     depth of ``ts.tile.range`` loops) go to the Triton compiler; by default 4 warps and
     ``prefetch + 1`` stages (3 without a prefetch). They tune the GPU code only: the
     interpreter has no warps or pipeline, and computes the same values with any.
+
+    Any of the four may instead be a function of the kernel's keyword-only arguments (a
+    dict), e.g. ``threads=lambda c: (c["BM"],)``, so that an autotuned tile size sets the
+    launch; it is evaluated at each launch.
     """
 
-    blocks: tuple[int, ...]
-    threads: tuple[int, ...]
-    num_warps: int | None = None
-    num_stages: int | None = None
+    blocks: Any
+    threads: Any
+    num_warps: Any = None
+    num_stages: Any = None
 
     def __post_init__(self):
+        if self.dynamic:
+            return
         if math.prod(self.threads) > MAX_LANES:
             raise ValueError(
                 f"ts.launch.grid: threads={self.threads} holds {math.prod(self.threads)} lanes; "
@@ -174,27 +182,115 @@ class Grid:
         if s is not None and (not isinstance(s, int) or s < 1):
             raise ValueError(f"ts.launch.grid: num_stages={s!r} must be an int >= 1")
 
-    def __call__(self, k: Kernel) -> Callable[..., Any]:
+    @property
+    def dynamic(self) -> bool:
+        return any(callable(v) for v in dataclasses.astuple(self))
+
+    def resolve(self, kw: dict[str, Any]) -> Grid:
+        """This grid with its functions of the keyword-only arguments evaluated."""
+        if not self.dynamic:
+            return self
+        v = [f(dict(kw)) if callable(f) else f for f in dataclasses.astuple(self)]
+        return grid(v[0], v[1], num_warps=v[2], num_stages=v[3])
+
+    def __call__(self, k: Kernel) -> Launch:
         if not isinstance(k, Kernel):
             raise TypeError(f"ts.launch.grid(...): expected a @ts.kernel, got {k!r}")
-
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            return _launch(k, self, args, kwargs)
-
-        launch.__name__ = k.name
-        return launch
+        return Launch(k, self)
 
 
-def grid(
-    blocks: Any, threads: Any, *, num_warps: int | None = None, num_stages: int | None = None
-) -> Grid:
+def grid(blocks: Any, threads: Any, *, num_warps: Any = None, num_stages: Any = None) -> Grid:
     """``ts.launch.grid(blocks=(ts.ceil_div(N, 256),), threads=(256,))(kernel)(*args)``."""
-    return Grid(
-        _dims("blocks", blocks, pow2=False),
-        _dims("threads", threads, pow2=True),
-        num_warps,
-        num_stages,
-    )
+    b = blocks if callable(blocks) else _dims("blocks", blocks, pow2=False)
+    t = threads if callable(threads) else _dims("threads", threads, pow2=True)
+    return Grid(b, t, num_warps, num_stages)
+
+
+class Launch:
+    """A kernel bound to a grid: call it with the kernel's arguments.
+
+    It is also an autotuning target: ``ts.autotune.search(kernel=launch, args=(…),
+    params={…})`` times it over keyword-only arguments (and grid functions of them),
+    pruning configs whose tiles cannot fit the GPU (``check``).
+    """
+
+    def __init__(self, k: Kernel, g: Grid):
+        self.kernel, self.grid = k, g
+        self.__name__ = k.name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _launch(self.kernel, self.grid, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<launch of {self.kernel!r} over {self.grid}>"
+
+    def __tessera_tunable__(self) -> Any:
+        return autotune.Tunable(
+            name=f"ts.kernel:{self.kernel.fn.__module__}.{self.kernel.fn.__qualname__}",
+            key=functools.partial(_tuning_key, self),
+            check=functools.partial(_fits, self),
+            run=lambda args, config: self(*args, **config),
+        )
+
+
+def _leaf(x: Any) -> Any:
+    if _is_array(x):
+        return ["array", list(x.shape), str(np.dtype(x.dtype))]
+    return x if isinstance(x, (bool, int, float, str, type(None))) else repr(x)
+
+
+def _tuning_key(launch: Launch, args: Sequence[Any]) -> tuple:
+    g = launch.grid
+    geometry = None if g.dynamic else [list(g.blocks), list(g.threads), g.num_warps, g.num_stages]
+    return (tuple(_leaf(a) for a in args), geometry, jax.default_backend())
+
+
+# Shared memory per group and registers per thread of the GPUs Triton targets (by compute
+# capability major version); Hopper's limits where no GPU is present.
+_SMEM_BYTES = {9: 227 * 1024, 8: 163 * 1024}
+_MAX_REGS = 255
+
+
+def _smem_limit() -> int:
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or not cc:
+        return _SMEM_BYTES[9]
+    return _SMEM_BYTES.get(int(str(cc).split(".")[0]), 99 * 1024)
+
+
+def _fits(launch: Launch, args: Sequence[Any], config: dict[str, Any]) -> str | None:
+    """Why ``config`` cannot run (its tiles overflow shared memory or registers), or None.
+
+    Shared memory: the shared tiles plus the dot operand tiles once per pipeline stage
+    (Triton's pipeliner stages them there). Registers: the loop-carried tiles spread over
+    the group's threads (32 bits a register).
+    """
+    k = launch.kernel
+    try:
+        params, kw = _bind(k, args, dict(config))
+        g = launch.grid.resolve(kw)
+        body, filename, lines = k.body()
+        dyn = [
+            jnp.asarray(x) if not _is_array(x) else x
+            for p, x in zip(params, args)
+            if p.kind != "static"
+        ]
+        ctx = lowering.trace(body, k.name, filename, lines, params, kw, g.blocks, g.threads, dyn)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    stages = g.num_stages or (ctx.prefetch + 1 if ctx.prefetch else 3)
+    smem = ctx.shared_bytes + stages * ctx.dot_bytes
+    if smem > _smem_limit():
+        return f"needs about {smem} bytes of shared memory per group; the GPU has {_smem_limit()}"
+    threads = 32 * (g.num_warps or 4)
+    regs = ctx.carried_bytes // (4 * threads)
+    if regs > _MAX_REGS:
+        return (
+            f"its loop-carried tiles need about {regs} registers per thread over {threads} "
+            f"threads; a thread has {_MAX_REGS}"
+        )
+    return None
 
 
 def _is_array(x: Any) -> bool:
@@ -262,7 +358,10 @@ def interpreting() -> bool:
 
 def _launch(k: Kernel, g: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """The one way a kernel runs: validate, then call the launch compiled for this shape."""
+    if isinstance(k, AutotunedKernel):
+        kwargs = {**k.choose(g, args, kwargs), **kwargs}
     params, kw = _bind(k, args, kwargs)
+    g = g.resolve(kw)
     interpret = interpreting()
     key = (g, tuple(p.key() for p in params), tuple(sorted(kw.items())), interpret)
     fn = k._jitted.get(key)
@@ -290,3 +389,81 @@ def _launch(k: Kernel, g: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> 
     dyn = [jnp.asarray(x) for p, x in zip(params, args) if p.kind != "static"]
     outs = fn(*dyn)
     return outs[0] if len(outs) == 1 else outs
+
+
+class AutotunedKernel(Kernel):
+    """``@ts.kernel.autotune(space={name: [values]})``: a kernel whose keyword-only
+    arguments named in ``space`` are chosen by timing (``ts.autotune.search``) on its first
+    launch for each new key (argument shapes, dtypes and constants, and the grid); the
+    winner is kept in memory and in the autotune cache. Arguments given at a launch are
+    not tuned."""
+
+    def __init__(self, fn: Callable[..., Any], space: dict[str, Sequence[Any]]):
+        super().__init__(fn)
+        if not isinstance(space, dict) or not space:
+            raise ValueError(f"ts.kernel.autotune: space={space!r} must be a non-empty dict")
+        missing = sorted(set(space) - set(self.kwonly))
+        if missing:
+            raise ValueError(
+                f"ts.kernel.autotune: kernel {self.name!r} has no keyword-only parameters "
+                f"{missing}; tuning parameters are keyword-only (def {self.name}(..., *, "
+                f"{', '.join(space)}))"
+            )
+        self.space = {n: list(v) for n, v in space.items()}
+        self.tuned: dict[str, dict[str, Any]] = {}
+
+    def choose(self, g: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The tuned values of the parameters ``kwargs`` leaves open (searching if new)."""
+        open_ = {n: v for n, v in self.space.items() if n not in kwargs}
+        if not open_:
+            return {}
+        fixed = {n: v for n, v in kwargs.items()}
+        launch = _FixedLaunch(self, g, fixed)
+        concrete = [_concrete(x) for x in args]
+        key = repr((_tuning_key(launch, concrete), tuple(sorted(fixed.items()))))
+        if key not in self.tuned:
+            self.tuned[key] = dict(
+                autotune.search(kernel=launch, args=tuple(concrete), params=open_)
+            )
+        return self.tuned[key]
+
+
+class _FixedLaunch(Launch):
+    """A launch with some keyword-only arguments fixed (the ones a caller gave)."""
+
+    def __init__(self, k: Kernel, g: Grid, fixed: dict[str, Any]):
+        super().__init__(k, g)
+        self.fixed = fixed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _launch(self.kernel, self.grid, args, {**self.fixed, **kwargs})
+
+    def __tessera_tunable__(self) -> Any:
+        t = super().__tessera_tunable__()
+        key = lambda args: (t.key(args), tuple(sorted(self.fixed.items())))
+        check = lambda args, config: t.check(args, {**self.fixed, **config})
+        return autotune.Tunable(name=t.name, key=key, check=check, run=t.run)
+
+
+def _concrete(x: Any) -> Any:
+    """``x``, or random values of its shape and dtype when it is traced (a launch inside
+    ``jit`` tunes on stand-ins: the timing depends on shapes, not values)."""
+    if not isinstance(x, jax.core.Tracer):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.random.normal(jax.random.key(0), x.shape, jnp.float32).astype(x.dtype)
+    return jnp.zeros(x.shape, x.dtype)
+
+
+def _autotune(
+    *, space: dict[str, Sequence[Any]]
+) -> Callable[[Callable[..., Any]], AutotunedKernel]:
+    """``@ts.kernel.autotune(space=dict(BM=[128, 256], stages=[2, 3]))`` (see AutotunedKernel)."""
+
+    def wrap(fn: Callable[..., Any]) -> AutotunedKernel:
+        return AutotunedKernel(fn, space)
+
+    return wrap
+
+
+kernel.autotune = _autotune

@@ -336,6 +336,11 @@ def _run_loop(rng: ops.TileRange, body: Callable, init: tuple, names, line: int)
                 )
         fixed.append(c)
 
+    carried = sum(c.size * c.dtype.itemsize for c in fixed) + sum(
+        t.size * t.dtype.itemsize for t in tiles0
+    )
+    ctx.carried_bytes = max(ctx.carried_bytes, carried)
+
     def typed(i, state):
         vals, tiles = step_fn(i, state)
         vals = tuple(v.astype(c.dtype) for v, c in zip(vals, fixed))
@@ -385,15 +390,7 @@ def call(
     dyn: Sequence[jax.Array],
 ) -> tuple[list[jax.Array], ops.Context]:
     """Runs the kernel over ``grid``; returns the new values of the mut arguments."""
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in dyn]
-
-    def make_ctx(pads):
-        return ops.Context(name, filename, lines, grid, threads, interpret, pads)
-
-    probe = make_ctx({})
-    jax.eval_shape(
-        lambda *d: _pallas(body, probe, params, kwargs, d, {}, True, None, None), *shapes
-    )
+    probe = trace(body, name, filename, lines, params, kwargs, grid, threads, dyn)
     arrays = [i for i, p in enumerate(params) if p.kind == "array"]
     for i in arrays:
         p = params[i]
@@ -411,9 +408,19 @@ def call(
     stages = num_stages
     if stages is None and probe.prefetch:
         stages = probe.prefetch + 1
-    ctx = make_ctx(pads)
+    ctx = ops.Context(name, filename, lines, grid, threads, interpret, pads)
     outs = _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, stages)
     return outs, probe
+
+
+def trace(body, name, filename, lines, params, kwargs, grid, threads, dyn) -> ops.Context:
+    """An abstract trace of the body: what it reads, stores, allocates and carries."""
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in dyn]
+    probe = ops.Context(name, filename, lines, grid, threads, True, {})
+    jax.eval_shape(
+        lambda *d: _pallas(body, probe, params, kwargs, d, {}, True, None, None), *shapes
+    )
+    return probe
 
 
 def params_shape(dyn, params, i) -> tuple[int, ...]:

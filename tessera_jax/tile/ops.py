@@ -113,6 +113,10 @@ class Context:
     prefetch: int = 0
     shared: list[SharedTile] = dataclasses.field(default_factory=list)
     shared_bytes: int = 0
+    # For autotuning's fit check: bytes of dot operand tiles (staged in shared memory, once
+    # per pipeline stage) and of the largest set of loop-carried tiles (held in registers).
+    dot_bytes: int = 0
+    carried_bytes: int = 0
 
 
 _STATE = threading.local()
@@ -267,15 +271,26 @@ class Idx:
 
     __rmul__ = __mul__
 
+    def _positive_int(self, other) -> bool:
+        return isinstance(other, (int, np.integer)) and not isinstance(other, bool) and other > 0
+
     def __floordiv__(self, other):
         if self.static and isinstance(other, int):
             return Idx.of(self.off // other)
-        return jnp.floor_divide(self.value(), other)
+        v = jnp.floor_divide(self.value(), other)
+        if self._positive_int(other) and self.lo is not None and self.lo >= 0:
+            # A new traced integer, with bounds: program-id swizzles keep provable windows.
+            return Idx(((v, 1),), 0, self.lo // other, self.hi // other)
+        return v
 
     def __mod__(self, other):
         if self.static and isinstance(other, int):
             return Idx.of(self.off % other)
-        return jnp.remainder(self.value(), other)
+        v = jnp.remainder(self.value(), other)
+        if self._positive_int(other) and self.lo is not None and self.lo >= 0:
+            hi = self.hi if self.hi < other else other - 1
+            return Idx(((v, 1),), 0, 0 if self.hi >= other else self.lo, hi)
+        return v
 
     def __lt__(self, o):
         return jnp.asarray(self.value()) < o
@@ -1058,6 +1073,10 @@ def dot(a: Any, b: Any, acc: Any = None) -> jax.Array:
             f"tensor-core dots take tiles of at least {MIN_DOT} in every dimension; use a "
             "larger tile, or multiply and ts.tile.reduce_sum",
         )
+    ctx = current()
+    ctx.dot_bytes = _builtin_max(
+        ctx.dot_bytes, a.size * a.dtype.itemsize + b.size * b.dtype.itemsize
+    )
     out = jnp.int32 if jnp.issubdtype(a.dtype, jnp.integer) else jnp.float32
     if a.dtype != b.dtype:
         common = jnp.promote_types(a.dtype, b.dtype)
