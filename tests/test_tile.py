@@ -312,3 +312,13 @@ def test_autotune_space_must_name_keyword_only_parameters():
         @ts.kernel.autotune(space=dict(BM=[64]))
         def k(X, Out: ts.mut):
             Out[0] = X[0]
+
+
+def test_fresh_output_from_a_shape():
+    """A ``ts.mut`` given as a ShapeDtypeStruct is an output with no input to alias."""
+    m = _example("saxpy")
+    x, y = rand((300,)), rand((300,))
+    out = m.saxpy[3, 128](2.0, x, y, jax.ShapeDtypeStruct((300,), jnp.float32))
+    _check(out, m.reference(2.0, x, y))
+    with pytest.raises(TypeError, match=r"argument 'X' is a ShapeDtypeStruct"):
+        m.saxpy[3, 128](2.0, jax.ShapeDtypeStruct((300,), jnp.float32), y, x)

@@ -8,6 +8,7 @@ Key columns past ``S`` get ``-inf`` scores. ``D`` is a power of two.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +41,7 @@ def flash_attention(Q, K, V, O: ts.mut, *, BQ: int, BKV: int, scale: float):
 
 def run(Q, K, V, *, BQ=128, BKV=64, num_warps=8, num_stages=2):
     BH, S, D = Q.shape
-    O = jnp.zeros_like(Q)
+    O = jax.ShapeDtypeStruct(Q.shape, Q.dtype)  # every element is stored
     g = ts.launch.grid(
         blocks=(ts.ceil_div(S, BQ), BH), threads=(BQ,), num_warps=num_warps, num_stages=num_stages
     )

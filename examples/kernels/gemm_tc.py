@@ -8,6 +8,7 @@ share a column band of ``B`` and a row band of ``A`` (tiles in L2 while they are
 Ragged edges are masked; tiles whose index bounds prove them inside the arrays are not.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,7 +35,7 @@ def group_m(grid_m: int, want: int = 8) -> int:
 
 def run(A, B, *, BM=128, BN=128, BK=64, num_warps=8, num_stages=3, out_dtype=None, GROUP_M=8):
     M, N = A.shape[0], B.shape[1]
-    C = jnp.zeros((M, N), out_dtype or A.dtype)
+    C = jax.ShapeDtypeStruct((M, N), out_dtype or A.dtype)  # every element is stored
     grid_m, grid_n = ts.ceil_div(M, BM), ts.ceil_div(N, BN)
     g = ts.launch.grid(
         blocks=(grid_m * grid_n,), threads=(BM, BN), num_warps=num_warps, num_stages=num_stages

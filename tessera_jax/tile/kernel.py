@@ -3,7 +3,10 @@
 A kernel is a Python function written against ``ts.tile``; parameters annotated
 ``ts.mut`` are its outputs. A launch returns their new values (one array, or a tuple in
 parameter order): JAX arrays are immutable, so the caller's arrays are never changed, and
-elements the kernel does not store keep the values they had. Array arguments are passed
+elements the kernel does not store keep the values they had. A ``mut`` argument may also
+be a ``jax.ShapeDtypeStruct``: an output with no initial values (its unstored elements are
+undefined), for kernels that store every element, which saves writing the initial array.
+Array arguments are passed
 whole; 0-d arrays are traced scalars; Python numbers (and keyword-only arguments) are
 compile-time constants, each distinct value compiling its own kernel.
 
@@ -271,11 +274,7 @@ def _fits(launch: Launch, args: Sequence[Any], config: dict[str, Any]) -> str | 
         params, kw = _bind(k, args, dict(config))
         g = launch.grid.resolve(kw)
         body, filename, lines = k.body()
-        dyn = [
-            jnp.asarray(x) if not _is_array(x) else x
-            for p, x in zip(params, args)
-            if p.kind != "static"
-        ]
+        dyn = [jnp.asarray(x) if not _is_array(x) else x for p, x in zip(params, args) if p.dynamic]
         ctx = lowering.trace(body, k.name, filename, lines, params, kw, g.blocks, g.threads, dyn)
     except (TypeError, ValueError) as e:
         return str(e)
@@ -298,6 +297,13 @@ def _is_array(x: Any) -> bool:
 
 
 def _classify(k: Kernel, name: str, is_mut: bool, x: Any) -> lowering.Param:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if not is_mut or len(x.shape) == 0:
+            raise TypeError(
+                f"kernel {k.name!r}: argument {name!r} is a ShapeDtypeStruct; only a ts.mut "
+                "output of rank >= 1 may be given by shape and dtype alone"
+            )
+        return lowering.Param(name, "array", True, x, fresh=True)
     if _is_array(x):
         if is_mut and len(x.shape) == 0:
             raise TypeError(
@@ -386,7 +392,7 @@ def _launch(k: Kernel, g: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> 
             return tuple(outs)
 
         fn = k._jitted[key] = jax.jit(run)
-    dyn = [jnp.asarray(x) for p, x in zip(params, args) if p.kind != "static"]
+    dyn = [jnp.asarray(x) for p, x in zip(params, args) if p.dynamic]
     outs = fn(*dyn)
     return outs[0] if len(outs) == 1 else outs
 

@@ -363,16 +363,26 @@ def _weak(v: Any) -> bool:
 
 
 class Param:
-    """How one kernel parameter is passed: ``kind`` is array, scalar (traced) or static."""
+    """How one kernel parameter is passed: ``kind`` is array, scalar (traced) or static.
 
-    __slots__ = ("kind", "mut", "name", "value")
+    ``fresh``: a mut array given as a ``jax.ShapeDtypeStruct`` (``value``): an output with
+    no input to alias, whose unstored elements are undefined.
+    """
 
-    def __init__(self, name: str, kind: str, mut: bool, value: Any = None):
-        self.name, self.kind, self.mut, self.value = name, kind, mut, value
+    __slots__ = ("fresh", "kind", "mut", "name", "value")
+
+    def __init__(self, name: str, kind: str, mut: bool, value: Any = None, fresh: bool = False):
+        self.name, self.kind, self.mut, self.value, self.fresh = name, kind, mut, value, fresh
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the launch passes this argument as an array."""
+        return self.kind != "static" and not self.fresh
 
     def key(self) -> tuple:
         v = self.value
-        return (self.name, self.kind, self.mut, v if self.kind == "static" else None)
+        v = v if self.kind == "static" else ((v.shape, str(v.dtype)) if self.fresh else None)
+        return (self.name, self.kind, self.mut, v)
 
 
 def call(
@@ -424,18 +434,27 @@ def trace(body, name, filename, lines, params, kwargs, grid, threads, dyn) -> op
 
 
 def params_shape(dyn, params, i) -> tuple[int, ...]:
+    if params[i].fresh:
+        return tuple(params[i].value.shape)
     return tuple(dyn[_dyn_index(params, i)].shape)
 
 
 def _dyn_index(params, i) -> int:
-    return sum(1 for p in params[:i] if p.kind != "static")
+    return sum(1 for p in params[:i] if p.dynamic)
 
 
 def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stages):
-    operands, out_shapes, aliases, slots = [], [], {}, []
+    operands, out_shapes, aliases, slots, out_of = [], [], {}, [], {}
     for i, p in enumerate(params):
         if p.kind == "static":
             slots.append(None)
+            continue
+        if p.fresh:
+            shape = tuple(n + 2 * q for n, q in zip(p.value.shape, pads.get(i, ())))
+            shape += tuple(p.value.shape[len(shape) :])
+            slots.append(None)
+            out_of[i] = len(out_shapes)
+            out_shapes.append(jax.ShapeDtypeStruct(shape, p.value.dtype))
             continue
         x = dyn[_dyn_index(params, i)]
         if p.kind == "scalar":
@@ -444,7 +463,7 @@ def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stag
             x = jnp.pad(x, [(n, n) for n in pads[i]])
         slots.append(len(operands))
         if p.mut:
-            aliases[len(operands)] = len(out_shapes)
+            aliases[len(operands)] = out_of[i] = len(out_shapes)
             out_shapes.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
         operands.append(x)
     n_in = len(operands)
@@ -458,7 +477,7 @@ def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stag
             elif p.kind == "scalar":
                 args.append(ins[slots[i]][0])
             else:
-                ref = outs[aliases[slots[i]]] if p.mut else ins[slots[i]]
+                ref = outs[out_of[i]] if p.mut else ins[slots[i]]
                 shape = params_shape(dyn, params, i)
                 args.append(ops.TileRef(ref, p.name, i, shape, ref.dtype))
         with ops.enter(ctx):
@@ -479,8 +498,7 @@ def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stag
         **extra,
     )(*operands)
     outs = []
-    mut = [i for i, p in enumerate(params) if p.kind == "array" and p.mut]
-    for r, i in zip(res, mut):
+    for i, r in zip(sorted(out_of, key=out_of.get), res):
         if pads.get(i) and any(pads[i]):
             r = r[tuple(slice(n, n + s) for n, s in zip(pads[i], params_shape(dyn, params, i)))]
         outs.append(r)
