@@ -439,3 +439,12 @@ def concrete_value(x: Any) -> Any:
         return jax.device_get(x)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None  # a value known only when the traced function runs
+
+
+@contextlib.contextmanager
+def vma_checks_off():
+    """Traces inside without typing values by the mesh axes they vary over (an abstract
+    trace of a kernel body, whose avals carry no mesh axes)."""
+    state = _check_vma_state()
+    with state(False) if state is not None else contextlib.nullcontext():
+        yield

@@ -322,3 +322,19 @@ def test_fresh_output_from_a_shape():
     _check(out, m.reference(2.0, x, y))
     with pytest.raises(TypeError, match=r"argument 'X' is a ShapeDtypeStruct"):
         m.saxpy[3, 128](2.0, jax.ShapeDtypeStruct((300,), jnp.float32), y, x)
+
+
+def test_launch_inside_index_launch():
+    """Seed 002 §4.4: a kernel launched once per partition of a mesh axis (shard_map)."""
+    m = _example("saxpy")
+    mesh = ts.dist.mesh(axes=("dp",))
+    x, y = rand((8 * 40,)), rand((8 * 40,))
+    spec = ts.ShardSpec((0,), ("dp",))
+    X = ts.dist.tensor(x.shape, spec, mesh, "f32", x)
+    Y = ts.dist.tensor(y.shape, spec, mesh, "f32", y)
+
+    @ts.index_launch(axis="dp", mesh=mesh)
+    def part(xp, yp):  # each part: 40 elements, one ragged group of 64 lanes
+        return m.saxpy[1, 64](2.0, xp, yp, jnp.zeros_like(xp))
+
+    _check(part(X.parts("dp"), Y.parts("dp")), m.reference(2.0, x, y))

@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tessera_jax import _compat
 from tessera_jax.tile import ops
 
 RUNTIME = "__tessera_tile__"
@@ -419,17 +420,62 @@ def call(
     if stages is None and probe.prefetch:
         stages = probe.prefetch + 1
     ctx = ops.Context(name, filename, lines, grid, threads, interpret, pads)
-    outs = _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, stages)
-    return outs, probe
+
+    def run(*d):
+        return _pallas(body, ctx, params, kwargs, d, pads, interpret, num_warps, stages)
+
+    if not _compat.vma_checking():
+        return run(*dyn), probe
+    # Inside shard_map (ts.index_launch): one primitive whose lowering traces the kernel
+    # vma-free, as the ts operators' lowerings do; pallas_call and its interpreter would
+    # otherwise need every intermediate typed by the mesh axes it varies over.
+    vma = frozenset().union(*(_compat.varying_axes(x) for x in dyn))
+    like = jax.typeof(dyn[0]) if dyn else None
+    out_avals = tuple(
+        _compat.with_varying(
+            jax.core.ShapedArray(params_shape(dyn, params, i), _dtype(dyn, params, i)), vma, like
+        )
+        for i, p in enumerate(params)
+        if p.mut
+    )
+    dyn = _compat.match_vma(dyn)
+    return list(_launch_p.bind(*dyn, fn=_Opaque(run), out_avals=out_avals)), probe
+
+
+def _dtype(dyn, params, i) -> Any:
+    p = params[i]
+    return p.value.dtype if p.fresh else dyn[_dyn_index(params, i)].dtype
+
+
+class _Opaque:
+    """A primitive parameter holding a function, hashed by identity."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+
+_launch_p = _compat.Primitive("ts_tile_launch")
+_launch_p.multiple_results = True
+_launch_p.def_impl(lambda *args, fn, out_avals: fn.fn(*args))
+_launch_p.def_abstract_eval(lambda *avals, fn, out_avals: list(out_avals))
+
+
+def _launch_lowering(ctx, *args, fn, out_avals):
+    with _compat.lowering_without_vma(ctx) as ctx:
+        return _compat.mlir.lower_fun(fn.fn, multiple_results=True)(ctx, *args)
+
+
+_compat.mlir.register_lowering(_launch_p, _launch_lowering)
 
 
 def trace(body, name, filename, lines, params, kwargs, grid, threads, dyn) -> ops.Context:
     """An abstract trace of the body: what it reads, stores, allocates and carries."""
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in dyn]
     probe = ops.Context(name, filename, lines, grid, threads, True, {})
-    jax.eval_shape(
-        lambda *d: _pallas(body, probe, params, kwargs, d, {}, True, None, None), *shapes
-    )
+    with _compat.vma_checks_off():
+        jax.eval_shape(
+            lambda *d: _pallas(body, probe, params, kwargs, d, {}, True, None, None), *shapes
+        )
     return probe
 
 
