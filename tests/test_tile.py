@@ -307,6 +307,8 @@ def test_autotuned_kernel_tunes_once_per_key(monkeypatch):
 
 
 def test_autotune_space_must_name_keyword_only_parameters():
+    with pytest.raises(TypeError, match=r"tuned through a launch"):
+        ts.autotune.search(kernel=_every_other, args=(rand((8,)),), params=dict(BM=[1]))
     with pytest.raises(ValueError, match=r"no keyword-only parameters \['BM'\]"):
 
         @ts.kernel.autotune(space=dict(BM=[64]))
@@ -338,3 +340,26 @@ def test_launch_inside_index_launch():
         return m.saxpy[1, 64](2.0, xp, yp, jnp.zeros_like(xp))
 
     _check(part(X.parts("dp"), Y.parts("dp")), m.reference(2.0, x, y))
+
+
+test_launch_inside_index_launch_gpu = _gpu_twin(test_launch_inside_index_launch)
+test_tile_range_is_one_loop_gpu = _gpu_twin(test_tile_range_is_one_loop)
+
+
+@ts.kernel
+def _prefix_sum(X, n, Out: ts.mut):
+    acc = ts.tile.zeros((16,), jnp.float32)
+    for k in ts.tile.range(0, n, 16):  # a traced trip count
+        j = ts.tile.lanes(k, 16)
+        acc += ts.tile.load(X, j, mask=j < n)
+    Out[0] = ts.tile.reduce_sum(acc)
+
+
+def test_tile_range_with_a_traced_bound():
+    x = rand((100,))
+    for n in (37, 100):
+        out = _prefix_sum[1, 16](x, jnp.int32(n), jnp.zeros((1,), jnp.float32))
+        _check(out, np.asarray(x, np.float64)[:n].sum(keepdims=True))
+
+
+test_tile_range_with_a_traced_bound_gpu = _gpu_twin(test_tile_range_with_a_traced_bound)

@@ -114,6 +114,13 @@ class Kernel:
             f"threads=(…))({self.name})(…) or {self.name}[grid, block](…)"
         )
 
+    def __tessera_tunable__(self) -> Any:
+        raise TypeError(
+            f"kernel {self.name!r} is tuned through a launch, which fixes its grid: "
+            f"ts.autotune.search(kernel=ts.launch.grid(blocks=…, threads=…)({self.name}), "
+            "args=(…), params={…}) (grid sizes may be functions of the tuned parameters)"
+        )
+
     def __getitem__(self, key: Any) -> Callable[..., Any]:
         if not isinstance(key, tuple) or len(key) != 2:
             raise TypeError(f"kernel {self.name!r}: launch as {self.name}[grid, block](…)")

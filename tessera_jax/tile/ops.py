@@ -191,6 +191,8 @@ class Idx:
         self.off = int(off)
         if not self.terms:
             lo = hi = self.off
+        if lo is None or hi is None:  # bounds are known on both sides or not at all
+            lo = hi = None
         self.lo, self.hi = lo, hi
 
     @staticmethod
