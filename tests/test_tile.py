@@ -336,8 +336,8 @@ def test_launch_inside_index_launch():
     Y = ts.dist.tensor(y.shape, spec, mesh, "f32", y)
 
     @ts.index_launch(axis="dp", mesh=mesh)
-    def part(xp, yp):  # each part: 40 elements, one ragged group of 64 lanes
-        return m.saxpy[1, 64](2.0, xp, yp, jnp.zeros_like(xp))
+    def part(xp, yp):  # each part (40 elements on 8 devices) in ragged groups of 64 lanes
+        return m.saxpy[ts.ceil_div(xp.shape[0], 64), 64](2.0, xp, yp, jnp.zeros_like(xp))
 
     _check(part(X.parts("dp"), Y.parts("dp")), m.reference(2.0, x, y))
 

@@ -1,5 +1,11 @@
 """How a kernel body becomes one ``pl.pallas_call``.
 
+The target is Pallas' Triton backend, whose lane-vector model (masked per-lane loads and
+stores, ``tl.dot`` on the tensor cores, ``num_warps``/``num_stages``, a software pipeliner
+for ``scf.for``) is the tile language's own; Mosaic GPU is warpgroup/TMA-level and is what
+the operators' kernels (``pallas_kernels/*_mgpu.py``) use. On the CPU the same call runs
+in Pallas' interpreter (``interpret=True``).
+
 **Source transform.** As Triton does, the kernel function's AST is rewritten before it is
 traced: ``for k in ts.tile.range(...)`` becomes one ``lax.fori_loop`` (an ``scf.for``,
 which Triton's software pipeliner needs; a Python loop would be unrolled and never
