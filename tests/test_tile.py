@@ -363,3 +363,27 @@ def test_tile_range_with_a_traced_bound():
 
 
 test_tile_range_with_a_traced_bound_gpu = _gpu_twin(test_tile_range_with_a_traced_bound)
+
+
+@ts.kernel
+def _geometry(Out: ts.mut):
+    tid = ts.launch.thread_id()
+    g = ts.tile.cooperative_group(16)
+    g.sync()
+    Out[0, tid] = tid
+    Out[1, tid] = ts.tile.lane_id()
+    Out[2, tid] = g.thread_rank()
+    Out[3, tid] = ts.tile.where(ts.tile.local_id() < 1, ts.tile.linear_id(), -1)
+    w = ts.tile.warp_id()
+    Out[4, w] = ts.tile.warp_lane(ts.tile.local_id() * 10, 1)  # lane 1 of each warp
+
+
+def test_lane_geometry():
+    out = np.asarray(_geometry[2, 64](jnp.full((5, 128), -7, jnp.int32)))
+    lane = np.arange(128)
+    np.testing.assert_array_equal(out[0], lane)
+    np.testing.assert_array_equal(out[1], lane % 32)
+    np.testing.assert_array_equal(out[2], lane % 16)
+    np.testing.assert_array_equal(out[3], np.where(lane % 64 == 0, lane // 64, -1))
+    np.testing.assert_array_equal(out[4, :4], [10, 330, 10, 330])  # local ids 1, 33 per group
+    np.testing.assert_array_equal(out[4, 4:], -7)  # never stored: the input's values
