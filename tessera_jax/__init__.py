@@ -8,9 +8,11 @@ import math as _math
 from tessera_jax import autotune as autotune
 from tessera_jax import checkpoint_policies as checkpoint_policies
 from tessera_jax import graph as graph
+from tessera_jax import launch as launch
 from tessera_jax import op as op
 from tessera_jax import profiling as profiling
 from tessera_jax import stream as stream
+from tessera_jax import tile as tile
 from tessera_jax._config import get_kernel_mode as get_kernel_mode
 from tessera_jax._config import kernel_mode as kernel_mode
 from tessera_jax._config import set_kernel_mode as set_kernel_mode
@@ -79,6 +81,9 @@ from tessera_jax.sharding.regions import read as read
 from tessera_jax.sharding.regions import reduce_sum as reduce_sum
 from tessera_jax.sharding.regions import write as write
 from tessera_jax.sharding.spec import ShardSpec as ShardSpec
+from tessera_jax.tile.kernel import ceil_div as ceil_div
+from tessera_jax.tile.kernel import kernel as kernel
+from tessera_jax.tile.kernel import mut as mut
 
 fp6 = fp6_e3m2
 pi = _math.pi

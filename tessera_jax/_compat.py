@@ -476,3 +476,12 @@ def inlinable_call(eqn: Any) -> tuple[Any, list[Any]] | None:
     if isinstance(inner, jax.extend.core.Jaxpr) and not inner.constvars:
         return inner, []
     return None
+
+
+@contextlib.contextmanager
+def vma_checks_off():
+    """Traces inside without typing values by the mesh axes they vary over (an abstract
+    trace of a kernel body, whose avals carry no mesh axes)."""
+    state = _check_vma_state()
+    with state(False) if state is not None else contextlib.nullcontext():
+        yield

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from tessera_jax import launch
+from tessera_jax.launch import process as launch
 from tests._util import assert_close, f64, np_tree, rand
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,7 +281,8 @@ def test_console_script():
     """``tessera-launch`` is installed as a console script calling ``launch.main``."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
-    assert re.search(r'^tessera-launch = "tessera_jax\.launch:main"$', scripts, re.M), scripts
+    entry = r'^tessera-launch = "tessera_jax\.launch\.process:main"$'
+    assert re.search(entry, scripts, re.M), scripts
     assert callable(launch.main)
 
 

@@ -9,7 +9,7 @@ multi-process runs work on a machine without GPUs.
 Where the run's shape comes from, first match wins per argument:
 
 1. the explicit arguments;
-2. the variables ``tessera-launch`` (``tessera_jax/launch.py``) gives its children:
+2. the variables ``tessera-launch`` (``tessera_jax/launch/process.py``) gives its children:
    ``TESSERA_COORDINATOR``, ``TESSERA_NUM_PROCESSES``, ``TESSERA_PROCESS_ID`` and
    ``TESSERA_DEVICES_PER_PROC``;
 3. JAX's cluster detection (SLURM, Open MPI, Cloud TPU), which

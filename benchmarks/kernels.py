@@ -1,0 +1,288 @@
+"""Kernel-language benchmark: the seed examples (examples/kernels/) on the GPU.
+
+Runs on the GPU machine, one process::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py [--only SUBSTR ...] [--json PATH]
+
+First every example runs at a small ragged size against its float64 reference (the
+table's ``check`` rows); then the timed cases, each checked again at its own size:
+
+* ``gemm_tc`` and ``double_buffered_gemm`` (bf16 in, f32 accumulation, bf16 out) at
+  4096³ against cuBLAS (``jnp.dot`` with bf16 output): ``ratio = cublas_ms / ms``, target
+  ≥ 0.8;
+* ``saxpy`` (f32, 2^28 elements: 12 bytes per element) against the copy bandwidth
+  measured here (``x + 1`` in XLA: 8 bytes per element): ``ratio`` is the bandwidth
+  fraction, target ≥ 0.85. Each launch's ``Out`` is the previous launch's result, donated,
+  so the aliased output is written in place (no copy of ``Out`` is timed);
+* ``flash_attention`` (bf16, non-causal, batch·heads 64, S 4096, D 128) against
+  ``ts.flash_attention``'s Hopper kernel (``TESSERA_KERNELS=pallas``): target ratio ≥ 0.5.
+
+Records ``{suite: "kernels", case, device, jax, impl, baseline, ms, baseline_ms, ratio,
+tflops | gbps, rel_err}`` go to ``benchmarks/results/kernels-<device>.json`` (``$OUT`` on
+the GPU machines). Timing: ``benchmarks/_common.time_interleaved``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples" / "kernels"))
+
+import axpy_tiled  # noqa: E402
+import cooperative_reduction  # noqa: E402
+import flash_attention  # noqa: E402
+import fused_mlp  # noqa: E402
+import gemm_tc  # noqa: E402
+import group_sum  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import memory_hierarchy  # noqa: E402
+import numpy as np  # noqa: E402
+import pipelined_gemm  # noqa: E402
+import saxpy  # noqa: E402
+import scale  # noqa: E402
+import warp_reduce_sum  # noqa: E402
+
+import tessera_jax as ts  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_name,
+    results_path,
+    time_interleaved,
+    write_records,
+)
+from benchmarks._common import normal as rand  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, F32), np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def checks() -> list[tuple[str, float, float]]:
+    """``(example, rel_err, tolerance)`` of every example at a small ragged size."""
+    x, y = rand(1, (1000,)), rand(2, (1000,))
+    a, b = rand(3, (200, 136)), rand(4, (136, 72))
+    q, k, v = (rand(5 + i, (2, 200, 64)) for i in range(3))
+    mlp = (
+        rand(8, (100, 32)),
+        rand(9, (32, 64)),
+        rand(10, (64,)),
+        rand(11, (64, 32)),
+        rand(12, (32,)),
+    )
+    m2 = rand(13, (100, 140))
+    xh, yh = rand(14, (3000,), jnp.float16), rand(15, (3000,), jnp.float16)
+    cases = [
+        (
+            "axpy_tiled (autotuned)",
+            lambda: axpy_tiled.run(xh, yh, 0.5),
+            lambda: axpy_tiled.reference(xh, yh, 0.5),
+        ),
+        ("saxpy", lambda: saxpy.run(2.0, x, y), lambda: saxpy.reference(2.0, x, y)),
+        ("scale", lambda: scale.run(x, 3.0), lambda: scale.reference(x, 3.0)),
+        ("group_sum", lambda: group_sum.run(x), lambda: group_sum.reference(x)),
+        ("warp_reduce_sum", lambda: warp_reduce_sum.run(x), lambda: warp_reduce_sum.reference(x)),
+        (
+            "cooperative_reduction",
+            lambda: cooperative_reduction.run(x),
+            lambda: cooperative_reduction.reference(x),
+        ),
+        (
+            "gemm_tc",
+            lambda: gemm_tc.run(a, b, BM=64, BN=64, BK=32),
+            lambda: gemm_tc.reference(a, b),
+        ),
+        (
+            "double_buffered_gemm",
+            lambda: pipelined_gemm.run(a, b, BM=64, BN=64, BK=32),
+            lambda: pipelined_gemm.reference(a, b),
+        ),
+        (
+            "flash_attention",
+            lambda: flash_attention.run(q, k, v, BQ=64, BKV=32),
+            lambda: flash_attention.reference(q, k, v),
+        ),
+        ("fused_mlp", lambda: fused_mlp.run(*mlp, BM=32), lambda: fused_mlp.reference(*mlp)),
+        (
+            "memory_hierarchy",
+            lambda: memory_hierarchy.run_memory_hierarchy(m2, T=32),
+            lambda: memory_hierarchy.reference_memory_hierarchy(m2, T=32),
+        ),
+        (
+            "optimized_memory_access",
+            lambda: memory_hierarchy.run_optimized_memory_access(m2, TILE_M=32, TILE_N=64, ROWS=8),
+            lambda: np.asarray(m2, np.float64),
+        ),
+    ]
+    out = []
+    for name, run, ref in cases:
+        try:
+            with jax.default_matmul_precision("highest"):  # f32 dots in IEEE f32, not TF32
+                err = rel_err(run(), ref())
+        except Exception:
+            traceback.print_exc()
+            err = float("nan")
+        out.append((name, err, 1e-3 if name.startswith("axpy") else 1e-5))
+        print(f"check {name:26s} rel_err {err:.2e}", flush=True)
+    return out
+
+
+def _record(case, impl, baseline, ms, baseline_ms, err, **extra):
+    return dict(
+        suite="kernels",
+        case=case,
+        device=device_name(family=True),
+        jax=jax.__version__,
+        impl=impl,
+        baseline=baseline,
+        ms=ms,
+        baseline_ms=baseline_ms,
+        ratio=baseline_ms / ms,
+        rel_err=err,
+        **extra,
+    )
+
+
+GEMM_CONFIGS = [
+    dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
+    dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
+    dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
+    dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, GROUP_M=1),
+]
+
+
+def bench_gemm(n: int = 4096) -> list[dict]:
+    a, b = rand(20, (n, n), BF16), rand(21, (n, n), BF16)
+    ref = np.asarray(jnp.dot(a, b, preferred_element_type=F32), np.float64)
+    flops = 2.0 * n**3
+    fns = {"cublas": jax.jit(lambda a, b: jnp.dot(a, b))}
+    for i, c in enumerate(GEMM_CONFIGS):
+        fns[f"gemm_tc{i}"] = jax.jit(lambda a, b, c=c: gemm_tc.run(a, b, **c))
+    fns["double_buffered_gemm"] = jax.jit(
+        lambda a, b: pipelined_gemm.run(a, b, BM=128, BN=128, BK=64, num_warps=8, num_stages=2)
+    )
+    errs = {}
+    for name, f in list(fns.items()):
+        try:
+            errs[name] = rel_err(f(a, b), ref)
+        except Exception:
+            traceback.print_exc()
+            del fns[name]
+    t = time_interleaved(fns, (a, b))
+    recs = []
+    for name, ms in t.items():
+        if name == "cublas":
+            continue
+        cfg = GEMM_CONFIGS[int(name[-1])] if name.startswith("gemm_tc") else None
+        impl = f"ts.kernel:gemm_tc{cfg}" if cfg else f"ts.kernel:{name}"
+        recs.append(
+            _record(
+                f"bf16-{n}x{n}x{n}",
+                impl,
+                "xla:jnp.dot",
+                ms,
+                t["cublas"],
+                errs[name],
+                tflops=flops / ms / 1e9,
+            )
+        )
+    return recs
+
+
+def bench_saxpy(n: int = 1 << 28) -> list[dict]:
+    x, y = rand(30, (n,)), rand(31, (n,))
+    a = 1.5
+    ref = saxpy.reference(a, x[: 1 << 20], y[: 1 << 20])
+    g = ts.launch.grid(blocks=(ts.ceil_div(n, 1024),), threads=(1024,), num_warps=4)
+    step = jax.jit(lambda x, y, out: g(saxpy.saxpy)(a, x, y, out), donate_argnums=2)
+    copy = jax.jit(lambda x: x + 1)
+
+    def timed(k):
+        out = jnp.zeros_like(x)
+        out = step(x, y, out)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            out = step(x, y, out)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / k * 1e3, out
+
+    _, out = timed(3)
+    err = rel_err(out[: 1 << 20], ref)
+    ms = sorted(timed(20)[0] for _ in range(5))[2]
+    copy_ms = time_interleaved({"copy": copy}, (x,))["copy"]
+    gbps = 12.0 * n / ms / 1e6
+    copy_gbps = 8.0 * n / copy_ms / 1e6
+    rec = _record(f"f32-{n}", "ts.kernel:saxpy", "xla:x+1 copy bandwidth", ms, copy_ms, err)
+    rec.update(gbps=gbps, baseline_gbps=copy_gbps, ratio=gbps / copy_gbps)
+    return [rec]
+
+
+def bench_flash(bh: int = 64, s: int = 4096, d: int = 128) -> list[dict]:
+    heads = 16
+    q, k, v = (rand(40 + i, (bh, s, d), BF16) for i in range(3))
+    to_op = lambda t: t.reshape(bh // heads, heads, s, d).transpose(0, 2, 1, 3)
+    qo, ko, vo = to_op(q), to_op(k), to_op(v)
+    with ts.kernel_mode("pallas"):
+        op = jax.jit(lambda q, k, v: ts.flash_attention(q, k, v))
+        ref_op = op(qo, ko, vo)
+    ours = jax.jit(lambda q, k, v: flash_attention.run(q, k, v, BQ=128, BKV=64, num_warps=8))
+    out = ours(q, k, v)
+    err = rel_err(to_op(out), np.asarray(jnp.asarray(ref_op, F32), np.float64))
+    with ts.kernel_mode("pallas"):
+        t_op = time_interleaved({"op": op}, (qo, ko, vo))["op"]
+    t = time_interleaved({"ours": ours}, (q, k, v))["ours"]
+    flops = 4.0 * bh * s * s * d
+    return [
+        _record(
+            f"bf16-bh{bh}-s{s}-d{d}",
+            "ts.kernel:flash_attention",
+            "ts.flash_attention[pallas]",
+            t,
+            t_op,
+            err,
+            tflops=flops / t / 1e9,
+        )
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    records: list[dict] = []
+    bad = [(n, e) for n, e, tol in checks() if not e <= tol]
+    if bad:
+        print(f"FAILED checks: {bad}", flush=True)
+    for name, fn in (("gemm", bench_gemm), ("saxpy", bench_saxpy), ("flash", bench_flash)):
+        if args.only and not any(o in name for o in args.only):
+            continue
+        try:
+            records += fn()
+        except Exception:
+            traceback.print_exc()
+        print(f"done {name}", flush=True)
+    print(f"{'case':24s} {'impl':60s} {'ms':>9s} {'base ms':>9s} {'ratio':>6s} {'err':>8s}")
+    for r in records:
+        print(
+            f"{r['case']:24s} {r['impl'][:60]:60s} {r['ms']:9.4f} {r['baseline_ms']:9.4f} "
+            f"{r['ratio']:6.3f} {r['rel_err']:8.1e}"
+        )
+    path = args.json or results_path(f"kernels-{device_name(family=True)}.json")
+    print("wrote", write_records(path, records))
+
+
+if __name__ == "__main__":
+    main()
