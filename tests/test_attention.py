@@ -86,7 +86,7 @@ def attend(case, q, k, v, **kw):
     )
 
 
-@pytest.mark.parametrize("case,dtype", sample([(c, d) for c in CASES for d in DTYPES], 7))
+@pytest.mark.parametrize("case,dtype", sample([(c, d) for c in CASES for d in DTYPES], 4))
 def test_forward_matches_float64(case, dtype):
     q, k, v = inputs(case, dtype)
     out = attend(case, q, k, v)
