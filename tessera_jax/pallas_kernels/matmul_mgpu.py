@@ -12,7 +12,9 @@ Structure of one CTA (see :mod:`.matmul_configs` for the tile parameters):
   (optionally in 2-CTA clusters that TMA-multicast their shared operand tile);
 * the epilogue runs on the registers of the accumulator: ``scale · acc + bias``,
   the activation, ``+ residual`` (staged into shared memory with TMA), the cast to
-  ``out_dtype``, and a double-buffered TMA store — one pass over C.
+  ``out_dtype``, and a double-buffered TMA store — one pass over C. Outside the
+  ``ts_matmul`` contract, an ``(M,)`` row scale may multiply the accumulator's rows first
+  (``ts.rmsnorm_matmul``'s ``1/rms(x)``, see :func:`matmul`).
 
 Transposed operands cost no copy: a ``(K, M)`` A or an ``(N, K)`` B is loaded as
 stored and handed to wgmma through a transposed view of its shared-memory tile

@@ -18,7 +18,9 @@ epilogue (``matmul_mgpu.matmul(..., row_scale=r)``). x̂ is never rounded: the k
 few bf16 ulps of the output, the tests' tolerance). A row whose squares overflow f32
 (elements above ~1.8e19) would overflow the accumulator too: the kernel takes the unfused
 path whenever any row's ``mean(x²)`` is infinite (a ``lax.cond`` on the statistics); a row
-holding NaN gives NaN as in ``ts.rmsnorm``.
+holding NaN gives NaN as in ``ts.rmsnorm``. ``auto`` mode takes the kernel where it measured
+faster than XLA's norm-then-dot (see :func:`prefer`); training steps differentiate ``b`` and
+run the unfused graph (below).
 
 Operands: ``x (..., K)`` and ``b (K, N)`` of one float dtype, ``weight (K,)`` of any float
 dtype; static ``spec`` (:class:`RMSNormMatmulSpec`: eps, output and accumulate dtypes).
@@ -273,14 +275,15 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
     return _mgpu.supports(product, (rows, b), row_scaled=True)
 
 
-# The fused kernel saves the write and re-read of x̂ (4·M·K bytes in 16 bits) and runs the
-# product on the Mosaic GPU matmul, at parity with cuBLAS for whole tiles: preferred where
-# that saving is a measurable part of the GEMM (benchmarks/results/norms-h100.json, the
-# rmsnorm_matmul cases): at least PREFER_MIN_ROWS rows, K >= PREFER_MIN_K, N <= PREFER_MAX_N
-# (beyond it the GEMM's O(N) time hides the saving) and whole tiles.
+# The fused kernel saves the write and re-read of x̂ (4·M·K bytes in 16 bits) at the cost of
+# one more read of x (2·M·K bytes, the statistics) and runs the product on the Mosaic GPU
+# matmul. Measured on the H100 (benchmarks/results/norms-h100.json, the rmsnorm_matmul
+# cases, M=16384, K=4096) it beats XLA's norm-then-dot at N=1024 and falls behind it at
+# N=4096 (the Mosaic GEMM trails cuBLAS there by more than the saving), so ``auto`` takes it
+# up to PREFER_MAX_N columns, from PREFER_MIN_ROWS rows and K >= PREFER_MIN_K, whole tiles.
 PREFER_MIN_ROWS = 4096
 PREFER_MIN_K = 1024
-PREFER_MAX_N = 4096
+PREFER_MAX_N = 1024
 
 
 def prefer(spec: RMSNormMatmulSpec, avals) -> bool:
