@@ -250,12 +250,10 @@ def rmsnorm_matmul(
 # --- the Hopper kernel --------------------------------------------------------------------
 
 
-def _rows_and_product(spec: RMSNormMatmulSpec, avals) -> tuple[tuple[int, int, int], MatmulSpec]:
+def _problem(avals) -> tuple[int, int, int]:
+    """``(M, N, K)`` of the product, x's leading dimensions flattened into M."""
     x, _, b = avals
-    m = math.prod(x.shape[:-1])
-    return (m, b.shape[-1], x.shape[-1]), MatmulSpec(
-        out_dtype=spec.out_dtype, accumulate_dtype=spec.accumulate_dtype
-    )
+    return math.prod(x.shape[:-1]), b.shape[-1], x.shape[-1]
 
 
 def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
@@ -268,11 +266,11 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
         return f"x, b dtypes {dt} x {np.dtype(b.dtype)} (the kernel takes one 16-bit dtype)"
     if w.shape != x.shape[-1:] or b.ndim != 2:
         return f"weight {w.shape} and b {b.shape} (the kernel takes (K,) and (K, N))"
-    (m, n, k), product = _rows_and_product(spec, avals)
+    m, n, k = _problem(avals)
     if 0 in (m, n, k):
         return f"an empty product (M, N, K) = {(m, n, k)}"
     rows = jax.ShapeDtypeStruct((m, k), dt)
-    return _mgpu.supports(product, (rows, b), row_scaled=True)
+    return _mgpu.supports(spec.product, (rows, b), row_scaled=True)
 
 
 # The fused kernel saves the write and re-read of x̂ (4·M·K bytes in 16 bits) at the cost of
@@ -288,10 +286,10 @@ PREFER_MAX_N = 1024
 
 def prefer(spec: RMSNormMatmulSpec, avals) -> bool:
     """Whether the fused kernel is expected to beat XLA's norm-then-dot (``auto`` mode)."""
-    (m, n, k), product = _rows_and_product(spec, avals)
+    del spec  # the rule is a function of the shapes
+    m, n, k = _problem(avals)
     if m < PREFER_MIN_ROWS or k < PREFER_MIN_K or n > PREFER_MAX_N or n < _mc.TILE_ROWS:
         return False
-    del product
     dt = np.dtype(avals[0].dtype)
     cfg = _mc.default_config(m, n, k, dt, dt, num_sms=device.sm_counts(interpret=False).tuned)
     cm, cn = cfg.cluster_tile
@@ -299,7 +297,7 @@ def prefer(spec: RMSNormMatmulSpec, avals) -> bool:
 
 
 def fused_kernel(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool = False):
-    """``diag(r) · (x @ bf16(weight·b))`` with r in f32 and the row scale in the Mosaic GPU
+    """``diag(r) · (x @ round(weight·b))`` with r in f32 and the row scale in the Mosaic GPU
     matmul's epilogue; the unfused reference where a row's mean square overflows f32."""
     k, n = x.shape[-1], b.shape[-1]
     lead = x.shape[:-1]
