@@ -16,6 +16,14 @@ kernels' row configs at the large shape. Records ``{suite, case, device, jax, im
 baseline, ms, baseline_ms, ratio = baseline_ms / ms, gbps, rel_err}``; ``gbps`` counts the
 bytes a single pass over each array moves (the bandwidth bound), ``rel_err`` is the worst
 ``||out − ref|| / ||ref||`` over the outputs against the f32 reference.
+
+``norm-rmsnorm_matmul-{fwd,fwdbwd}`` (``--only rmsnorm_matmul``): ``ts.rmsnorm_matmul`` vs
+XLA's norm-then-dot (the jnp rmsnorm above, then ``jnp.dot``) at ``M×K @ K×N`` transformer
+shapes, bf16: ``ts[auto]``, ``ts[pallas]`` (the fused Mosaic GPU kernel wherever it
+supports the case) and ``xla:dot-only`` (``jnp.dot`` of the same x and b without the norm:
+the floor any fusion can reach, so ``ratio`` of that row is the most a fused prologue can
+gain). ``gbps`` there is TFLOP/s of the product (``2·M·N·K``, plus twice that for the
+backward).
 """
 
 from __future__ import annotations
@@ -259,6 +267,86 @@ def _time_sweep(case, fns, args, nbytes):
     return out
 
 
+# --- rmsnorm fused into the following matmul ---------------------------------------------
+
+MM_SHAPES = ((16384, 4096, 1024), (16384, 4096, 4096), (16384, 4096, 12288))
+
+
+def xla_rmsnorm_matmul(x, w, b):
+    """XLA's norm-then-dot: the rmsnorm as users write it, then ``jnp.dot``."""
+    return jnp.dot(xla_op("rmsnorm", x, w), b)
+
+
+def ts_rmsnorm_matmul(x, w, b):
+    return ts.rmsnorm_matmul(x, w, b, eps=EPS)
+
+
+def dot_only(x, w, b):
+    del w
+    return jnp.dot(x, b)
+
+
+def run_rmsnorm_matmul(selected):
+    recs = []
+    for m, k, n in MM_SHAPES:
+        x = rand(1, (m, k), BF16, scale=2.0)
+        w = rand(3, (k,), F32) + 1.0
+        b = rand(5, (k, n), BF16, scale=k**-0.5)
+        ct = rand(2, (m, n), BF16)
+        args = (x, w, b, ct)
+        f32_args = tuple(a.astype(F32) for a in args)
+        for mode in ("fwd", "fwdbwd"):
+            case = f"norm-rmsnorm_matmul-{mode}"
+            if selected and not any(sel in f"{case}-{(m, k, n)}" for sel in selected):
+                continue
+            try:
+                wrap = MODES[mode]
+                base = functools.partial(wrap, xla_rmsnorm_matmul)
+                ours = functools.partial(wrap, ts_rmsnorm_matmul)
+                bname = "xla:jnp"
+                fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
+                fns["ts[pallas]"] = in_mode("pallas", ours)
+                fns["xla:dot-only"] = jax.jit(functools.partial(wrap, dot_only))
+                picked = {
+                    "ts[auto]": chosen(ours, args),
+                    "ts[pallas]": _chosen_in("pallas", ours, args),
+                }
+                ref = jax.jit(base)(*f32_args)
+                errs = {
+                    name: rel_err(f(*args), ref)
+                    for name, f in fns.items()
+                    if name != "xla:dot-only"
+                }
+                ms = time_interleaved(fns, args, repeats=5, target_ms=40, warmup_ms=100)
+                flops = 2 * m * n * k * (3 if mode == "fwdbwd" else 1)
+                label = f"{case} {m}x{k}x{n}"
+                print(f"== {label}  runs {picked}", flush=True)
+                for name in fns:
+                    r = record(
+                        case, name, bname, ms[name], ms[bname], 0, errs.get(name, float("nan"))
+                    )
+                    r["gbps"] = flops / (ms[name] * 1e-3) / 1e12  # TFLOP/s here
+                    r["shape"] = [m, k, n]
+                    r["dtype"] = "bfloat16"
+                    if name in picked:
+                        r["kernels"] = picked[name]
+                    recs.append(r)
+                    print(
+                        f"   {name:12s} {ms[name]:.4f} ms {r['gbps']:6.1f} TFLOP/s "
+                        f"x{r['ratio']:.3f} err {r['rel_err']:.1e}",
+                        flush=True,
+                    )
+            except Exception as e:
+                traceback.print_exc()
+                print(f"!! {case} {(m, k, n)}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return recs
+
+
+def _chosen_in(mode, f, args):
+    with ts.kernel_mode(mode):
+        return chosen(f, args)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="time the kernels' row configs first")
@@ -273,7 +361,11 @@ def main():
             sweep = run_sweep()
         except Exception:
             traceback.print_exc()
-    recs = run_cases(args.only)
+    norm_sel = [s for s in args.only if "rmsnorm_matmul" not in s]
+    mm_sel = [s for s in args.only if "rmsnorm_matmul" in s]
+    recs = run_cases(norm_sel) if norm_sel or not args.only else []
+    if mm_sel or not args.only:
+        recs += run_rmsnorm_matmul([s for s in mm_sel if s != "rmsnorm_matmul"])
     path = Path(args.json or results_path(f"norms-{device_name(family=True)}.json"))
     write_records(path, recs)
     if sweep:

@@ -64,6 +64,7 @@ from tessera_jax.op import mse as mse
 from tessera_jax.op import reduce_scatter as reduce_scatter
 from tessera_jax.op import relu as relu
 from tessera_jax.op import rmsnorm as rmsnorm
+from tessera_jax.op import rmsnorm_matmul as rmsnorm_matmul
 from tessera_jax.op import rmsnorm_safe as rmsnorm_safe
 from tessera_jax.op import round as round
 from tessera_jax.op import scatter as scatter

@@ -28,5 +28,6 @@ from tessera_jax.primitives.norms import rmsnorm_safe as rmsnorm_safe
 from tessera_jax.primitives.reductions import max as max
 from tessera_jax.primitives.reductions import mse as mse
 from tessera_jax.primitives.reductions import sum as sum
+from tessera_jax.primitives.rmsnorm_matmul import rmsnorm_matmul as rmsnorm_matmul
 from tessera_jax.primitives.softmax import log_softmax as log_softmax
 from tessera_jax.primitives.softmax import softmax as softmax

@@ -71,6 +71,11 @@ CASES = {
         [((8, 16), P("dp", None)), ((16, 16), P()), ((16, 4), P())],
     ),
     "layernorm": (ts.layernorm, _ln, [X2, W16, W16]),
+    "rmsnorm_matmul": (
+        ts.rmsnorm_matmul,
+        lambda x, w, b: _rms(x, w) @ b,
+        [((8, 16), P("dp", None)), W16, ((16, 4), P(None, "tp"))],
+    ),
     "matmul": (ts.matmul, jnp.matmul, [((8, 16), P("dp", None)), ((16, 4), P(None, "tp"))]),
     "matmul_batched": (
         ts.matmul,

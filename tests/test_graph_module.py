@@ -297,6 +297,55 @@ def test_matmul_epilogue_near_misses():
     _unchanged(column_bias.lower(x, w, rand((4,))))
 
 
+# --- rmsnorm fused into the following matmul -----------------------------------------------
+
+
+def test_rmsnorm_matmul_rewrite(x64):
+    # ts.linear flattens the rows (a reshape between the norm and the product); ts.matmul
+    # shares a 2-D b across x's batch: both rewritten, results and gradients as written.
+    @ts.graph.module("block")
+    def block(x, g, w1, w2):
+        h = ts.op.linear(ts.rmsnorm(x, g), w1)
+        return ts.matmul(ts.rmsnorm(h, g[:4]), w2)
+
+    args = [rand((2, 3, 8)), rand((8,)), rand((8, 4)), rand((4, 5))]
+    graph = block.lower(*args)
+    assert graph.ts_ops == ("ts_rmsnorm_matmul", "ts_rmsnorm_matmul")
+    assert "rmsnorm_matmul: 2 rewrites" in str(graph)
+    assert_close(block(*args), f64(_f64(block, *args)), jnp.float32, factor=4)
+    w = rand((2, 3, 5))
+    got = _grads(block, args, w)
+    refs = _grads(block.with_passes(()), [jnp.asarray(f64(a)) for a in args], jnp.asarray(f64(w)))
+    for g, r in zip(got, refs):
+        assert_close(g, f64(r), jnp.float32, factor=8)
+
+
+def test_rmsnorm_matmul_near_misses():
+    @ts.graph.module("used_twice")
+    def used_twice(x, g, w):
+        y = ts.rmsnorm(x, g)
+        return ts.matmul(y, w), y
+
+    @ts.graph.module("right_operand")
+    def right_operand(x, g, w):  # the normalised value is b: no row statistic of a
+        return ts.matmul(w.T, ts.rmsnorm(x, g))
+
+    @ts.graph.module("with_bias")
+    def with_bias(x, g, w, c):  # a fused epilogue: the epilogue pass's product
+        return ts.op.linear(ts.rmsnorm(x, g), w, c)
+
+    @ts.graph.module("no_weight")
+    def no_weight(x, w):
+        return ts.matmul(ts.rmsnorm_safe(x), w)
+
+    x, g, w = rand((8, 8)), rand((8,)), rand((8, 8))
+    _unchanged(used_twice.lower(x, g, w))
+    _unchanged(right_operand.lower(x, g, w))
+    _unchanged(no_weight.lower(x, w))
+    graph = with_bias.lower(x, g, w, rand((8,)))
+    assert graph.ts_ops == ("ts_rmsnorm", "ts_matmul")
+
+
 # --- transformations, caching, user passes, errors ----------------------------------------
 
 

@@ -280,3 +280,18 @@ def test_shipped_norm_backward_keeps_rows_local(mesh, name):
     assert got[0].sharding.spec == spec
     for g, e in zip(got, expect):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-4)
+
+
+def test_rmsnorm_matmul_kernel_keeps_rows_and_columns_local(mesh):
+    """The fused kernel (interpret mode, compiled only: the Mosaic GPU interpreter cannot
+    run from eight CPU devices at once) on batch-sharded x and column-sharded b: rows and
+    N pass through, nothing is gathered."""
+    x = put(mesh, rand((8, 16, 64)).astype(jnp.bfloat16), "dp")
+    w = put(mesh, rand((64,)))
+    b = put(mesh, rand((64, 32)).astype(jnp.bfloat16), None, "tp")
+    with ts.kernel_mode("interpret"):
+        compiled = jax.jit(ts.rmsnorm_matmul).lower(x, w, b).compile()
+    assert "callback" in compiled.as_text()  # the interpreted kernel, on local shards
+    pat = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+    assert Counter(re.findall(pat, compiled.as_text())) == Counter()
+    assert compiled.output_shardings.spec == P("dp", None, "tp")

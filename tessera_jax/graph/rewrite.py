@@ -15,15 +15,15 @@ Built-in passes (:data:`DEFAULT_PASSES`, in this order):
   (seed 004's attention) ⇒ one ``ts_flash_attention_fwd``;
 * :class:`MatmulEpilogueFusion`: ``ts_matmul → add bias → relu/gelu → add residual``
   (each step optional, at least one) ⇒ one fused-epilogue ``ts_matmul``;
+* :class:`RMSNormMatmulFusion`: ``ts_rmsnorm → [reshape] → ts_matmul`` (a plain product of
+  the normalised activation by a 2-D weight) ⇒ one ``ts_rmsnorm_matmul`` (the fused prologue:
+  no normalised activation in memory); it runs after the epilogue fusion, which it leaves be;
 * :class:`TransposeFolding`: ``transpose ∘ transpose`` ⇒ one transpose, or none (what
   the attention fusion leaves where the graph moved heads in and out of its layout).
 
 User passes: :class:`PatternPass` matches a chain of ts operators and calls a function
 that returns the replacement (docs/GRAPHS.md shows one).
 
-Pending: ``rmsnorm → matmul`` ⇒ a fused-prologue matmul. The operator does not exist yet
-(the norms issue provides it); once it does, the pass is a :class:`PatternPass` over
-``("rmsnorm", "matmul")`` whose replacement binds it. Nothing here pretends to fuse it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.primitives._core import OPERATORS, compute_dtype, explicit_sharding
 from tessera_jax.primitives.attention import flash_attention
 from tessera_jax.primitives.matmul import matmul_op
+from tessera_jax.primitives.rmsnorm_matmul import RMSNormMatmulSpec, rmsnorm_matmul_op
 
 # Constants larger than this (elements) are not folded at rewrite time: a mask is
 # checked on its un-broadcast source, which is at most (Sq, Skv).
@@ -822,6 +823,83 @@ def _bias_source(view: GraphView, v: Any, n: int) -> Any:
     return None
 
 
+# --- rmsnorm fused into the following matmul ---------------------------------------------
+
+_WIDE_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+class RMSNormMatmulFusion(Pass):
+    """``ts_rmsnorm → [reshape] → ts_matmul`` ⇒ one ``ts_rmsnorm_matmul`` (``ts.rmsnorm_matmul``).
+
+    Matched exactly: an rmsnorm with a ``(K,)`` weight and ``eps > 0`` of a wide float x;
+    its result read only by the matmul (or by a reshape that keeps the last dimension,
+    ``ts.linear``'s row flattening, read only by the matmul) as its untransposed left
+    operand; a matmul without epilogue, transposes or requested tile against a 2-D ``b`` of
+    x's dtype. A matmul whose epilogue :class:`MatmulEpilogueFusion` fused is left alone.
+    The fused kernel rounds ``weight·b`` where the unfused graph rounds x̂ (see
+    ``primitives/rmsnorm_matmul.py``).
+    """
+
+    name = "rmsnorm_matmul"
+
+    def find(self, view: GraphView) -> list[Replacement]:
+        out = []
+        for i, eqn in enumerate(view.eqns):
+            if eqn.primitive.name == "ts_rmsnorm":
+                r = self._match(view, i)
+                if r is not None:
+                    out.append(r)
+        return out
+
+    def _match(self, view: GraphView, i_norm: int) -> Replacement | None:
+        norm = view.eqns[i_norm]
+        if not norm.params["has_weight"] or not norm.params["eps"] > 0:
+            return None
+        x, w = norm.invars
+        k = x.aval.shape[-1]
+        if np.dtype(x.aval.dtype) not in _WIDE_FLOATS or tuple(w.aval.shape) != (k,):
+            return None
+        eqns, y = [i_norm], norm.outvars[0]
+        j = view.only_use(y)
+        if j is not None and view.eqns[j].primitive.name == "reshape":
+            e = view.eqns[j]
+            shape = tuple(e.outvars[0].aval.shape)
+            if e.params.get("dimensions") is not None or e.params.get("sharding") is not None:
+                return None
+            if len(shape) < 1 or shape[-1] != k:
+                return None
+            eqns.append(j)
+            y = e.outvars[0]
+            j = view.only_use(y)
+        if j is None or view.eqns[j].primitive.name != "ts_matmul":
+            return None
+        mm = view.eqns[j]
+        spec: MatmulSpec = mm.params["spec"]
+        a, b = mm.invars[0], mm.invars[1]
+        if a is not y or b is y or spec.has_epilogue or spec.transpose_a or spec.transpose_b:
+            return None
+        if spec.tile_shape is not None or spec.out_sharding is not None:
+            return None
+        if b.aval.ndim != 2 or np.dtype(b.aval.dtype) != np.dtype(x.aval.dtype):
+            return None
+        if not jnp.issubdtype(spec.out_dtype, jnp.floating):
+            return None
+        eqns.append(j)
+        fused = RMSNormMatmulSpec(
+            eps=norm.params["eps"],
+            out_dtype=spec.out_dtype,
+            accumulate_dtype=spec.accumulate_dtype,
+        )
+        out_shape = tuple(mm.outvars[0].aval.shape)
+
+        def fn(x, w, b):
+            out = rmsnorm_matmul_op.bind(x, w, b, spec=fused)
+            return (out.reshape(out_shape) if out.shape != out_shape else out,)
+
+        note = f"{np.dtype(x.aval.dtype).name} x{list(x.aval.shape)} @ b{list(b.aval.shape)}"
+        return Replacement(tuple(eqns), (x, w, b), (mm.outvars[0],), fn, note)
+
+
 # --- transpose folding --------------------------------------------------------------------
 
 
@@ -856,4 +934,9 @@ class TransposeFolding(Pass):
         return out
 
 
-DEFAULT_PASSES: tuple[Pass, ...] = (AttentionFusion(), MatmulEpilogueFusion(), TransposeFolding())
+DEFAULT_PASSES: tuple[Pass, ...] = (
+    AttentionFusion(),
+    MatmulEpilogueFusion(),
+    RMSNormMatmulFusion(),
+    TransposeFolding(),
+)

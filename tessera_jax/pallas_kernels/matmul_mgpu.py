@@ -12,7 +12,9 @@ Structure of one CTA (see :mod:`.matmul_configs` for the tile parameters):
   (optionally in 2-CTA clusters that TMA-multicast their shared operand tile);
 * the epilogue runs on the registers of the accumulator: ``scale · acc + bias``,
   the activation, ``+ residual`` (staged into shared memory with TMA), the cast to
-  ``out_dtype``, and a double-buffered TMA store — one pass over C.
+  ``out_dtype``, and a double-buffered TMA store — one pass over C. Outside the
+  ``ts_matmul`` contract, an ``(M,)`` row scale may multiply the accumulator's rows first
+  (``ts.rmsnorm_matmul``'s ``1/rms(x)``, see :func:`matmul`).
 
 Transposed operands cost no copy: a ``(K, M)`` A or an ``(N, K)`` B is loaded as
 stored and handed to wgmma through a transposed view of its shared-memory tile
@@ -120,6 +122,8 @@ class Problem:
       res_dtype: the residual's dtype, or None without a residual.
       transpose_a, transpose_b: A is stored ``(K, M)``, B ``(N, K)``.
       has_scale, has_bias: rows 0 / 1 of the ``(2, N)`` f32 epilogue operand apply.
+      has_row_scale: an ``(M,)`` f32 operand scales the accumulator's rows before the
+        epilogue (the fused rmsnorm prologue's ``1/rms(x)``; not part of ``ts_matmul``).
       activation: the epilogue activation.
       num_sms: SMs the persistent grid may span (``device.sm_counts(...).grid``).
     """
@@ -141,6 +145,7 @@ class Problem:
     has_bias: bool
     activation: str | None
     num_sms: int
+    has_row_scale: bool = False
 
     @property
     def has_vec(self) -> bool:
@@ -200,11 +205,14 @@ class _Refs(NamedTuple):
     b: Any
     vec: Any  # (2, N) f32 scale/bias rows, or None
     res: Any  # residual, or None
+    rows: Any  # (M,) f32 row scale, or None
     out: Any
     out_smem: Any  # (wgs, slots, epi_m, epi_n) output staging
     res_smem: Any  # residual staging like out_smem, or None
     vec_smem: Any  # (wgs, 2, wn) a warpgroup's scale/bias columns, or None
     epi_barrier: Any  # per warpgroup: [scale/bias, residual slot 0, slot 1], or None
+    rows_smem: Any = None  # (wgs, wm) a warpgroup's row scales, or None
+    rows_barrier: Any = None  # one per warpgroup for the row-scale copy, or None
 
 
 def _unpack_refs(p: Problem, refs: Sequence[Any]) -> _Refs:
@@ -213,11 +221,26 @@ def _unpack_refs(p: Problem, refs: Sequence[Any]) -> _Refs:
     a, b = refs.pop(0), refs.pop(0)
     vec = refs.pop(0) if p.has_vec else None
     res = refs.pop(0) if p.has_res else None
+    rows = refs.pop(0) if p.has_row_scale else None
     out, out_smem = refs.pop(0), refs.pop(0)
     res_smem = refs.pop(0) if p.has_res else None
     vec_smem = refs.pop(0) if p.has_vec else None
     epi_barrier = refs.pop(0) if (p.has_res or p.has_vec) else None
-    return _Refs(a, b, vec, res, out, out_smem, res_smem, vec_smem, epi_barrier)
+    rows_smem, rows_barrier = (refs.pop(0), refs.pop(0)) if p.has_row_scale else (None, None)
+    return _Refs(
+        a,
+        b,
+        vec,
+        res,
+        rows,
+        out,
+        out_smem,
+        res_smem,
+        vec_smem,
+        epi_barrier,
+        rows_smem,
+        rows_barrier,
+    )
 
 
 class _Tile(NamedTuple):
@@ -365,10 +388,17 @@ def _accumulate_and_store(acc_ref, *, eval_pipeline, p: Problem, r: _Refs, t: _T
         plgpu.copy_gmem_to_smem(
             r.vec.at[:, t.n].at[:, t.wg_n], r.vec_smem.at[t.wg], r.epi_barrier.at[t.wg * bars]
         )
+    if p.has_row_scale:
+        # This warpgroup's rows of the row scale, likewise hidden behind the main loop.
+        plgpu.copy_gmem_to_smem(
+            r.rows.at[t.m].at[t.wg_m], r.rows_smem.at[t.wg], r.rows_barrier.at[t.wg]
+        )
     eval_pipeline(acc_ref)
     acc = acc_ref[...]
     if p.has_vec:
         plgpu.barrier_wait(r.epi_barrier.at[t.wg * bars])
+    if p.has_row_scale:
+        plgpu.barrier_wait(r.rows_barrier.at[t.wg])
     out_wg = r.out.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n]
     res_wg = r.res.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n] if p.has_res else None
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
@@ -381,6 +411,9 @@ def _accumulate_and_store(acc_ref, *, eval_pipeline, p: Problem, r: _Refs, t: _T
             if p.has_res:
                 plgpu.copy_gmem_to_smem(res_wg.at[esl_m, esl_n], r.res_smem.at[t.wg, slot], bar)
             v = acc[esl_m, esl_n]
+            if p.has_row_scale:
+                rcol = r.rows_smem[t.wg, esl_m]
+                v = v * lax.broadcast_in_dim(rcol, (epi_m, epi_n), (0,))
             if p.has_scale:
                 srow = r.vec_smem[t.wg, 0, esl_n]
                 v = v * lax.broadcast_in_dim(srow, (epi_m, epi_n), (1,))
@@ -413,11 +446,14 @@ def _scratch_types(p: Problem) -> list[Any]:
         scratch.append(plgpu.SMEM((mc.NUM_COMPUTE_WGS, 2, cfg.wg_tile[1]), jnp.float32))
     if p.has_res or p.has_vec:
         scratch.append(plgpu.Barrier(num_barriers=mc.NUM_COMPUTE_WGS * (1 + p.num_out_slots)))
+    if p.has_row_scale:
+        scratch.append(plgpu.SMEM((mc.NUM_COMPUTE_WGS, cfg.wg_tile[0]), jnp.float32))
+        scratch.append(plgpu.Barrier(num_barriers=mc.NUM_COMPUTE_WGS))
     return scratch
 
 
 def _build(p: Problem) -> Any:
-    """The ``plgpu.kernel`` computing ``p``: ``a, b[, vec][, res]`` -> ``(batch, m, n)``."""
+    """The ``plgpu.kernel`` computing ``p``: ``a, b[, vec][, res][, rows]`` -> ``(batch, m, n)``."""
     return plgpu.kernel(
         functools.partial(_kernel, p=p),
         out_type=jax.ShapeDtypeStruct((p.batch, p.m, p.n), p.out_dtype),
@@ -480,16 +516,26 @@ def _config(
     *,
     tuned_sms: int,
     config: MatmulConfig | None = None,
+    row_scaled: bool = False,
 ) -> MatmulConfig:
     """The tile config of a product of ``(m, n, k)`` (M with a folded batch): ``config`` if
     given, else ``spec.tile_shape``'s, else the heuristic's; its pipeline shortened until it
-    fits shared memory with this epilogue. ValueError, naming the sm_90 limit, if it can't."""
+    fits shared memory with this epilogue. ValueError, naming the sm_90 limit, if it can't.
+    A row scale's ``(wgs, wm)`` f32 block is budgeted as the ``(wgs, 2, wn)`` scale/bias
+    block, which it must not exceed (so it runs without a scale or bias)."""
     if config is None:
         if spec.tile_shape is not None:
             config = mc.config_for_tile_shape(spec.tile_shape, dtype_a, dtype_b)
         else:
             config = mc.default_config(m, n, k, dtype_a, dtype_b, num_sms=tuned_sms)
-    has_vec = spec.has_bias or spec.has_scale
+    if row_scaled:
+        wm, wn = config.wg_tile
+        if spec.has_bias or spec.has_scale or wm > 2 * wn:
+            raise ValueError(
+                f"a row scale with has_bias={spec.has_bias}, has_scale={spec.has_scale} and a "
+                f"warpgroup tile {config.wg_tile} (the kernel takes it alone, rows <= 2 * cols)"
+            )
+    has_vec = spec.has_bias or spec.has_scale or row_scaled
     return mc.fit_stages(config, dtype_a, dtype_b, spec.out_dtype, res_dtype, has_vec)
 
 
@@ -558,6 +604,7 @@ def matmul(
     interpret: bool = False,
     config: MatmulConfig | None = None,
     num_sms: int | None = None,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
     """``cast(act(scale · op(a) @ op(b) + bias) + residual, spec.out_dtype)`` on Hopper.
 
@@ -568,12 +615,16 @@ def matmul(
     for this problem (:func:`tuned_config`), else the heuristic's. Keyword-only overrides
     for benchmarks and tests: ``config`` replaces all of those; ``num_sms`` the SM count
     (see ``device.sm_counts``).
+    ``row_scale``, outside the ``ts_matmul`` contract, is an f32 array of ``op(a)``'s rows
+    ``a.shape[:-1]`` (untransposed ``a``, shared ``b``, no scale or bias) multiplying the
+    accumulator's rows before the epilogue: ``diag(row_scale) · (a @ b)``, the fused
+    rmsnorm prologue of ``primitives/rmsnorm_matmul.py``.
     A case :func:`supports` declines is a ValueError naming the reason.
     """
-    reason = supports(spec, (a, b, *extras))
+    reason = supports(spec, (a, b, *extras), row_scaled=row_scale is not None)
     if reason is not None:
         raise ValueError(f"matmul_mgpu.matmul: this kernel cannot run the case: {reason}")
-    if config is None:
+    if config is None and row_scale is None:  # tuned for the plain product: not this one
         config = tuned_config(spec, (a, b, *extras))
     sms = device.sm_counts(interpret=interpret, override=num_sms)
     bias, residual, scale = spec.split(extras)
@@ -595,7 +646,18 @@ def matmul(
     mm = a3.shape[1] if fold else m
 
     res_dtype = np.dtype(residual.dtype) if residual is not None else None
-    cfg = _config(spec, dtype_a, dtype_b, mm, n, k, res_dtype, tuned_sms=sms.tuned, config=config)
+    cfg = _config(
+        spec,
+        dtype_a,
+        dtype_b,
+        mm,
+        n,
+        k,
+        res_dtype,
+        tuned_sms=sms.tuned,
+        config=config,
+        row_scaled=row_scale is not None,
+    )
     if interpret and cfg.cluster_dimension is not None:
         # The interpreter has no cluster-collective (multicast) allocations: same tiles, no pair.
         cfg = cfg.replace(cluster_dimension=None)
@@ -617,6 +679,7 @@ def matmul(
         has_bias=spec.has_bias,
         activation=spec.activation,
         num_sms=sms.grid,
+        has_row_scale=row_scale is not None,
     )
     a3, b3, mp, np_, kp = _pad_for_kernel(p, a3, b3, mm, n, k, interpret=interpret)
     p = dataclasses.replace(p, m=mp, n=np_, k=kp)
@@ -627,6 +690,10 @@ def matmul(
     if residual is not None:
         r3 = residual.reshape((batch, mm, n))
         operands.append(mc.pad_to_extent(mc.pad_to_extent(r3, 1, mp), 2, np_))
+    if row_scale is not None:
+        # Whole cluster tiles of rows (>= mp): every tile's copy stays inside the array.
+        rows = row_scale.astype(jnp.float32).reshape(mm)
+        operands.append(mc.pad_to(rows, 0, cfg.cluster_tile[0]))
 
     call = _build(p)
     out = _run_interpret(call, operands) if interpret else call(*operands)
@@ -649,11 +716,18 @@ def hardware(platform: str) -> str | None:
     return None
 
 
-def supports(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
+def supports(spec: MatmulSpec, avals: Sequence[Any], *, row_scaled: bool = False) -> str | None:
     """None if this kernel can run the case, else why not (never raises): the operand
     dtypes, the parts of the contract it does not cover, and a tile (``spec.tile_shape``, or
-    the heuristic's) that sm_90 cannot run with this epilogue."""
+    the heuristic's) that sm_90 cannot run with this epilogue (and a row scale, with
+    ``row_scaled``: see :func:`matmul`)."""
     a, b = avals[0], avals[1]
+    if row_scaled and (spec.transpose_a or b.ndim != 2 or spec.has_bias or spec.has_scale):
+        return (
+            f"a row scale with transpose_a={spec.transpose_a}, b of rank {b.ndim}, "
+            f"has_bias={spec.has_bias}, has_scale={spec.has_scale} (it takes an untransposed a "
+            "against a 2-D b, without scale or bias)"
+        )
     da, db = np.dtype(a.dtype), np.dtype(b.dtype)
     dts = mc.kernel_operand_dtypes(da, db)
     if dts is None:
@@ -674,7 +748,8 @@ def supports(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
             k,
             res_dtype,
             tuned_sms=device.sm_counts(interpret=False).tuned,
-            config=tuned_config(spec, avals),
+            config=None if row_scaled else tuned_config(spec, avals),
+            row_scaled=row_scaled,
         )
     except ValueError as e:
         return str(e)

@@ -558,3 +558,20 @@ RULES.update(
         "layernorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local),
     }
 )
+
+
+# --- rmsnorm fused into the following matmul ---------------------------------------------
+
+
+def rmsnorm_matmul_factors(avals_in, params) -> Factors:
+    """``ts_rmsnorm_matmul``: x (…, k), weight (k), b (k, n) -> (…, n). Rows and N pass
+    through; K, normalised and contracted, is replicated (gathered if sharded), as the
+    rmsnorm that the fused operator replaces gathers it."""
+    x, _, b = avals_in
+    rows = _names("d", x.ndim - 1)
+    dims = (*rows, "k")
+    sizes = {**_sizes(dims, x.shape), "n": b.shape[-1]}
+    return Factors((dims, ("k",), ("k", "n")), ((*rows, "n"),), sizes, replicated=("k",))
+
+
+RULES["rmsnorm_matmul"] = Rule(rmsnorm_matmul_factors)
