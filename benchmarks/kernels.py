@@ -15,9 +15,10 @@ table's ``check`` rows); then the timed cases, each checked again at its own siz
   elements, f16 for axpy_tiled) against the copy bandwidth of their input measured in the
   same process (``x + 1`` in XLA, timed interleaved with the kernel): ``gbps`` counts the
   bytes the kernel must read and write, ``ratio`` is the fraction of the copy's bandwidth,
-  target ≥ 0.85. Each runs in its example's launch geometry and in wider ones. Outputs
-  are given by shape (``jax.ShapeDtypeStruct``), so no input copy is timed; axpy_tiled's
-  ``Y`` is updated in place, each launch donating the previous one's result;
+  target ≥ 0.85. Each runs in its example's default launch geometry and in others (the
+  seed-sized ones show why the defaults are what they are). Outputs are given by shape
+  (``jax.ShapeDtypeStruct``), so no input copy is timed; axpy_tiled's ``Y`` is updated in
+  place, each launch donating the previous one's result;
 * ``flash_attention`` (bf16, non-causal, batch·heads 64, S 4096, D 128) against
   ``ts.flash_attention``'s Hopper kernel (``TESSERA_KERNELS=pallas``): target ratio ≥ 0.5.
 
@@ -241,16 +242,19 @@ def _donated(step, *args):
     return run
 
 
-def bench_memory(n: int = 1 << 26) -> list[dict]:
+def bench_memory(n: int = 1 << 26, only: list[str] | None = None) -> list[dict]:
     """Every memory-bound example at ``n`` f32 elements (f16 for axpy_tiled), in its
     example's launch geometry and in wider ones; bytes moved are the reads and writes the
-    kernel must do (a reduction's output is counted, its re-reads of shared tiles are not)."""
+    kernel must do (a reduction's output is counted, its re-reads of shared tiles are not).
+    ``only``: the examples to run (substrings of their names; all by default)."""
     x, y = rand(30, (n,)), rand(31, (n,))
     x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
     f32 = 4 * n
     recs: list[dict] = []
 
     def case(name, cfg, f, args, ref, moved, src, tol, kernel=None):
+        if only and not any(o in name for o in only):
+            return
         try:
             kernel = kernel or (lambda: f(*args))
             rec = _bandwidth_case(name, cfg, kernel, f(*args), ref, moved, src, tol)
@@ -355,6 +359,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--elements", type=int, default=1 << 26, help="memory-bound cases' size")
+    p.add_argument("--cases", nargs="*", default=None, help="memory-bound examples to run")
     args = p.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     records: list[dict] = []
@@ -363,7 +368,7 @@ def main() -> None:
         print(f"FAILED checks: {bad}", flush=True)
     benches = (
         ("gemm", bench_gemm),
-        ("memory", lambda: bench_memory(args.elements)),
+        ("memory", lambda: bench_memory(args.elements, args.cases)),
         ("flash", bench_flash),
     )
     for name, fn in benches:

@@ -60,7 +60,8 @@ def test_scale_and_group_sum():
     s = _example("scale")
     _check(s.run(x, 3.0), s.reference(x, 3.0))
     g = _example("group_sum")
-    _check(g.run(x), g.reference(x))
+    _check(g.run(x), g.reference(x))  # the GPU-sized default grid (one group here)
+    _check(g.run(x, groups=3, threads=128), g.reference(x, groups=3, threads=128))
 
 
 def test_warp_and_cooperative_reductions():
