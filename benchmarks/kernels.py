@@ -18,7 +18,8 @@ table's ``check`` rows); then the timed cases, each checked again at its own siz
   target ≥ 0.85. Each runs in its example's default launch geometry and in others (the
   seed-sized ones show why the defaults are what they are). Outputs are given by shape
   (``jax.ShapeDtypeStruct``), so no input copy is timed; axpy_tiled's ``Y`` is updated in
-  place, each launch donating the previous one's result;
+  place, each launch donating the previous one's result. cooperative_reduction runs one group
+  by design, so it measures what one multiprocessor can stream, not the GPU;
 * ``flash_attention`` (bf16, non-causal, batch·heads 64, S 4096, D 128) against
   ``ts.flash_attention``'s Hopper kernel (``TESSERA_KERNELS=pallas``): target ratio ≥ 0.5.
 
