@@ -10,23 +10,29 @@ table's ``check`` rows); then the timed cases, each checked again at its own siz
 * ``gemm_tc`` and ``double_buffered_gemm`` (bf16 in, f32 accumulation, bf16 out) at
   4096³ against cuBLAS (``jnp.dot`` with bf16 output): ``ratio = cublas_ms / ms``, target
   ≥ 0.8;
-* ``saxpy`` (f32, 2^28 elements: 12 bytes per element) against the copy bandwidth
-  measured here (``x + 1`` in XLA: 8 bytes per element): ``ratio`` is the bandwidth
-  fraction, target ≥ 0.85. Each launch's ``Out`` is the previous launch's result, donated,
-  so the aliased output is written in place (no copy of ``Out`` is timed);
+* the memory-bound examples (saxpy, scale, group_sum, warp_reduce_sum,
+  cooperative_reduction, axpy_tiled, memory_hierarchy, optimized_memory_access; 2^26 f32
+  elements, f16 for axpy_tiled) against the copy bandwidth of their input measured in the
+  same process (``x + 1`` in XLA, timed interleaved with the kernel): ``gbps`` counts the
+  bytes the kernel must read and write, ``ratio`` is the fraction of the copy's bandwidth,
+  target ≥ 0.85. Each runs in its example's default launch geometry and in others (the
+  seed-sized ones show why the defaults are what they are). Outputs are given by shape
+  (``jax.ShapeDtypeStruct``), so no input copy is timed; axpy_tiled's ``Y`` is updated in
+  place, each launch donating the previous one's result. cooperative_reduction runs one group
+  by design, so it measures what one multiprocessor can stream, not the GPU;
 * ``flash_attention`` (bf16, non-causal, batch·heads 64, S 4096, D 128) against
   ``ts.flash_attention``'s Hopper kernel (``TESSERA_KERNELS=pallas``): target ratio ≥ 0.5.
 
 Records ``{suite: "kernels", case, device, jax, impl, baseline, ms, baseline_ms, ratio,
-tflops | gbps, rel_err}`` go to ``benchmarks/results/kernels-<device>.json`` (``$OUT`` on
-the GPU machines). Timing: ``benchmarks/_common.time_interleaved``.
+tflops | gbps, rel_err}`` (memory cases add ``baseline_gbps`` and ``bytes_moved``) go to
+``benchmarks/results/kernels-<device>.json`` (``$OUT`` on the GPU machines). Timing:
+``benchmarks/_common.time_interleaved``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -199,33 +205,126 @@ def bench_gemm(n: int = 4096) -> list[dict]:
     return recs
 
 
-def bench_saxpy(n: int = 1 << 28) -> list[dict]:
-    x, y = rand(30, (n,)), rand(31, (n,))
-    a = 1.5
-    ref = saxpy.reference(a, x[: 1 << 20], y[: 1 << 20])
-    g = ts.launch.grid(blocks=(ts.ceil_div(n, 1024),), threads=(1024,), num_warps=4)
-    step = jax.jit(lambda x, y, out: g(saxpy.saxpy)(a, x, y, out), donate_argnums=2)
+def _bandwidth_case(
+    name: str, config: dict, kernel, out, ref, moved: int, src: jax.Array, tol: float
+) -> dict:
+    """One memory-bound case: ``out`` (a launch's result) checked against its float64
+    reference ``ref``, then ``kernel()`` (one launch) timed interleaved with the copy
+    bandwidth of ``src`` (``src + 1`` in XLA: one read and one write of it). ``moved``: the
+    bytes the kernel must read and write; ``ratio`` is its bandwidth over the copy's."""
+    err = rel_err(out, ref)
+    if not err <= tol:
+        raise AssertionError(f"{name} {config}: rel_err {err:.2e} > {tol:.0e}")
     copy = jax.jit(lambda x: x + 1)
+    t = time_interleaved({"kernel": kernel, "copy": lambda: copy(src)}, ())
+    gbps = moved / t["kernel"] / 1e6
+    copy_gbps = 2 * src.size * src.dtype.itemsize / t["copy"] / 1e6
+    case = f"{src.dtype}-{'x'.join(map(str, src.shape))}"
+    impl = f"ts.kernel:{name}{config}"
+    rec = _record(case, impl, "xla:x+1 copy bandwidth", t["kernel"], t["copy"], err)
+    rec.update(gbps=gbps, baseline_gbps=copy_gbps, ratio=gbps / copy_gbps, bytes_moved=moved)
+    return rec
 
-    def timed(k):
-        out = jnp.zeros_like(x)
-        out = step(x, y, out)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            out = step(x, y, out)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / k * 1e3, out
 
-    _, out = timed(3)
-    err = rel_err(out[: 1 << 20], ref)
-    ms = sorted(timed(20)[0] for _ in range(5))[2]
-    copy_ms = time_interleaved({"copy": copy}, (x,))["copy"]
-    gbps = 12.0 * n / ms / 1e6
-    copy_gbps = 8.0 * n / copy_ms / 1e6
-    rec = _record(f"f32-{n}", "ts.kernel:saxpy", "xla:x+1 copy bandwidth", ms, copy_ms, err)
-    rec.update(gbps=gbps, baseline_gbps=copy_gbps, ratio=gbps / copy_gbps)
-    return [rec]
+def _fresh(x) -> jax.ShapeDtypeStruct:
+    """An output given by shape alone: the launch writes a new array (no copy of an input)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _donated(step, *args):
+    """``step(*args, out)`` over and over, each launch's ``out`` the previous one's result,
+    donated, so an output aliased to its input is written in place (no copy is timed)."""
+    state = [jnp.zeros_like(args[-1])]
+
+    def run():
+        state[0] = step(*args[:-1], state[0])
+        return state[0]
+
+    return run
+
+
+def bench_memory(n: int = 1 << 26, only: list[str] | None = None) -> list[dict]:
+    """Every memory-bound example at ``n`` f32 elements (f16 for axpy_tiled), in its
+    example's launch geometry and in wider ones; bytes moved are the reads and writes the
+    kernel must do (a reduction's output is counted, its re-reads of shared tiles are not).
+    ``only``: the examples to run (substrings of their names; all by default)."""
+    x, y = rand(30, (n,)), rand(31, (n,))
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    f32 = 4 * n
+    recs: list[dict] = []
+
+    def case(name, cfg, f, args, ref, moved, src, tol, kernel=None):
+        if only and not any(o in name for o in only):
+            return
+        try:
+            kernel = kernel or (lambda: f(*args))
+            rec = _bandwidth_case(name, cfg, kernel, f(*args), ref, moved, src, tol)
+        except Exception:
+            traceback.print_exc()
+            return
+        recs.append(rec)
+        print(f"{rec['impl'][:72]:72s} {rec['gbps']:6.0f} GB/s {rec['ratio']:6.3f}", flush=True)
+
+    for t, nw in ((256, None), (1024, 4)):
+        g = ts.launch.grid(blocks=(ts.ceil_div(n, t),), threads=(t,), num_warps=nw)
+        f = jax.jit(lambda x, y, g=g: g(saxpy.saxpy)(1.5, x, y, _fresh(x)))
+        ref = 1.5 * x64 + y64
+        case("saxpy", dict(threads=t, num_warps=nw), f, (x, y), ref, 3 * f32, x, 1e-6)
+    for t, nw in ((128, None), (1024, 4)):
+        g = ts.launch.grid(blocks=(ts.ceil_div(n, t),), threads=(t,), num_warps=nw)
+        f = jax.jit(lambda x, g=g: g(scale.scale)(x, _fresh(x), 3.0))
+        case("scale", dict(threads=t, num_warps=nw), f, (x,), 3.0 * x64, 2 * f32, x, 1e-6)
+    for groups, t, nw in ((4, 128, None), (528, 1024, 4), (1056, 1024, 8), (1056, 512, 4)):
+        g = ts.launch.grid(blocks=(groups,), threads=(t,), num_warps=nw)
+        f = jax.jit(
+            lambda x, g=g, k=groups: g(group_sum.group_sum)(x, jax.ShapeDtypeStruct((k,), F32))
+        )
+        ref = group_sum.reference(x64, groups=groups, threads=t)
+        cfg = dict(groups=groups, threads=t, num_warps=nw)
+        case("group_sum", cfg, f, (x,), ref, f32 + 4 * groups, x, 1e-4)
+    for t, nw in ((128, None), (1024, 4), (1024, 8)):
+        g = ts.launch.grid(blocks=(ts.ceil_div(n, t),), threads=(t,), num_warps=nw)
+        out = jax.ShapeDtypeStruct((ts.ceil_div(n, 32),), x.dtype)
+        f = jax.jit(lambda x, g=g, out=out: g(warp_reduce_sum.warp_reduce_sum)(x, out))
+        ref = warp_reduce_sum.reference(x64)
+        cfg = dict(threads=t, num_warps=nw)
+        case("warp_reduce_sum", cfg, f, (x,), ref, f32 + f32 // 32, x, 1e-5)
+    for t, nw in ((128, None), (1024, 8)):
+        g = ts.launch.grid(blocks=(1,), threads=(t,), num_warps=nw)
+        kern = cooperative_reduction.cooperative_reduction
+        f = jax.jit(lambda x, g=g, kern=kern: g(kern)(x, jax.ShapeDtypeStruct((1,), F32)))
+        ref = np.asarray([x64.sum()])
+        case("cooperative_reduction", dict(threads=t, num_warps=nw), f, (x,), ref, f32 + 4, x, 1e-3)
+
+    xh, yh = rand(32, (n,), jnp.float16), rand(33, (n,), jnp.float16)
+    refh = 0.5 * np.asarray(xh, np.float64) + np.asarray(yh, np.float64)
+    for cfg in ({}, dict(BM=256, stages=3), dict(BM=128, stages=2)):
+        f = jax.jit(lambda X, Y, cfg=cfg: axpy_tiled.run(X, Y, 0.5, **cfg))
+        step = jax.jit(lambda X, Y, cfg=cfg: axpy_tiled.run(X, Y, 0.5, **cfg), donate_argnums=1)
+        if not cfg:  # the autotuned launch: its record names the configuration it chose
+            jax.block_until_ready(f(xh, yh))
+            cfg = dict(next(iter(axpy_tiled.axpy_tiled.tuned.values())), tuned=True)
+        kernel = _donated(step, xh, yh)
+        case("axpy_tiled", cfg, f, (xh, yh), refh, 3 * 2 * n, xh, 1e-3, kernel=kernel)
+
+    side = 1 << (n.bit_length() // 2)
+    a = x.reshape(side, n // side)
+    a64 = np.asarray(a, np.float64)
+    for T, nw in ((32, None), (64, 4), (64, 8)):
+        blocks = (ts.ceil_div(a.shape[0], T), ts.ceil_div(a.shape[1], T))
+        g = ts.launch.grid(blocks=blocks, threads=(T, T), num_warps=nw)
+        kern = memory_hierarchy.memory_hierarchy
+        f = jax.jit(lambda a, g=g, T=T, kern=kern: g(kern)(a, _fresh(a), T=T))
+        ref = memory_hierarchy.reference_memory_hierarchy(a64, T=T)
+        case("memory_hierarchy", dict(T=T, num_warps=nw), f, (a,), ref, 2 * f32, a, 1e-5)
+    for tm, tn, rows in ((64, 64, 4), (64, 256, 8), (128, 256, 16)):
+        blocks = (ts.ceil_div(a.shape[0], tm), ts.ceil_div(a.shape[1], tn))
+        g = ts.launch.grid(blocks=blocks, threads=(rows, tn))
+        kw = dict(TILE_M=tm, TILE_N=tn, ROWS=rows)
+        kern = memory_hierarchy.optimized_memory_access
+        f = jax.jit(lambda a, g=g, kw=kw, kern=kern: g(kern)(a, _fresh(a), **kw))
+        case("optimized_memory_access", kw, f, (a,), a64, 2 * f32, a, 0.0)
+    return recs
 
 
 def bench_flash(bh: int = 64, s: int = 4096, d: int = 128) -> list[dict]:
@@ -260,13 +359,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--elements", type=int, default=1 << 26, help="memory-bound cases' size")
+    p.add_argument("--cases", nargs="*", default=None, help="memory-bound examples to run")
     args = p.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     records: list[dict] = []
     bad = [(n, e) for n, e, tol in checks() if not e <= tol]
     if bad:
         print(f"FAILED checks: {bad}", flush=True)
-    for name, fn in (("gemm", bench_gemm), ("saxpy", bench_saxpy), ("flash", bench_flash)):
+    benches = (
+        ("gemm", bench_gemm),
+        ("memory", lambda: bench_memory(args.elements, args.cases)),
+        ("flash", bench_flash),
+    )
+    for name, fn in benches:
         if args.only and not any(o in name for o in args.only):
             continue
         try:

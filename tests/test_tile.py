@@ -60,7 +60,8 @@ def test_scale_and_group_sum():
     s = _example("scale")
     _check(s.run(x, 3.0), s.reference(x, 3.0))
     g = _example("group_sum")
-    _check(g.run(x), g.reference(x))
+    _check(g.run(x), g.reference(x))  # the GPU-sized default grid (one group here)
+    _check(g.run(x, groups=3, threads=128), g.reference(x, groups=3, threads=128))
 
 
 def test_warp_and_cooperative_reductions():
@@ -298,11 +299,11 @@ def test_autotuned_kernel_tunes_once_per_key(monkeypatch):
         assert_close(out, ax.reference(x, y, 0.5), jnp.float16, factor=2.0)
     assert len(calls) == 1 and calls[0]["params"] == {"BM": [128, 256]}
     space = dict(BM=[128, 1 << 20], stages=[2])
-    first = real(kernel=ax.launch, args=(x, y, 0.5), params=space, progress=False)
+    first = real(kernel=ax.launch(x.shape[0]), args=(x, y, 0.5), params=space, progress=False)
     assert first == {"BM": 128, "stages": 2} and not first.report.cached
     ((config, reason),) = first.report.pruned
     assert config["BM"] == 1 << 20 and "shared memory" in reason
-    again = real(kernel=ax.launch, args=(x, y, 0.5), params=space, progress=False)
+    again = real(kernel=ax.launch(x.shape[0]), args=(x, y, 0.5), params=space, progress=False)
     assert again == first and again.report.cached
 
 
@@ -387,3 +388,27 @@ def test_lane_geometry():
     np.testing.assert_array_equal(out[3], np.where(lane % 64 == 0, lane // 64, -1))
     np.testing.assert_array_equal(out[4, :4], [10, 330, 10, 330])  # local ids 1, 33 per group
     np.testing.assert_array_equal(out[4, 4:], -7)  # never stored: the input's values
+
+
+SHUFFLE_OFFSETS = (0, 1, 3, 8, 16, 31)
+
+
+@ts.kernel
+def _shuffles(X, Out: ts.mut):
+    tid = ts.launch.thread_id()
+    v = ts.tile.load(X, tid)
+    for row, offset in enumerate(SHUFFLE_OFFSETS):
+        Out[row, tid] = ts.tile.warp_shuffle_down(v, offset)
+
+
+def test_warp_shuffle_down_every_offset_kind():
+    """Power-of-two offsets (a shift along the warp's rows), others and 0 (the identity):
+    lane l reads lane l + offset of its warp, or keeps its own value past the warp's end."""
+    x = rand((128,))
+    out = np.asarray(
+        _shuffles[2, 64](x, jax.ShapeDtypeStruct((len(SHUFFLE_OFFSETS), 128), x.dtype))
+    )
+    lane = np.arange(128)
+    for row, offset in enumerate(SHUFFLE_OFFSETS):
+        src = np.where(lane % 32 + offset < 32, lane + offset, lane)
+        np.testing.assert_array_equal(out[row], np.asarray(x)[src])

@@ -3,12 +3,19 @@
 Each of the ``G`` groups of ``T`` lanes accumulates every ``G·T``-th element from its own
 offset, parks the lane sums in a shared tile, synchronises and reduces them; ``out[g]``
 is group ``g``'s sum, and ``sum(out)`` the array's.
+
+By default the grid has 8 groups of 1024 lanes per multiprocessor (fewer when the array is
+smaller): a grid-stride loop reads memory only as fast as enough groups keep loads in
+flight, and a handful of groups leave most of the GPU idle.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import tessera_jax as ts
+
+GROUPS_PER_SM = 8
 
 
 @ts.kernel
@@ -25,12 +32,21 @@ def group_sum(x, out: ts.mut):
     ts.tile.store(out, ts.tile.group_id(), ts.tile.reduce_sum(smem))
 
 
-def run(x, *, groups: int = 4, threads: int = 128):
+def default_groups(n: int, threads: int) -> int:
+    """Enough groups to fill the GPU, no more than the array has tiles of ``threads``."""
+    sms = getattr(jax.devices()[0], "core_count", None) or 1  # one "SM" on the CPU
+    return min(ts.ceil_div(n, threads), GROUPS_PER_SM * sms)
+
+
+def run(x, *, groups: int | None = None, threads: int = 1024, num_warps: int = 8):
+    groups = groups or default_groups(x.shape[0], threads)
     out = jnp.zeros((groups,), jnp.float32)
-    return ts.launch.grid(blocks=(groups,), threads=(threads,))(group_sum)(x, out)
+    g = ts.launch.grid(blocks=(groups,), threads=(threads,), num_warps=num_warps)
+    return g(group_sum)(x, out)
 
 
-def reference(x, *, groups: int = 4, threads: int = 128):
+def reference(x, *, groups: int | None = None, threads: int = 1024):
+    groups = groups or default_groups(len(x), threads)
     x = np.asarray(x, np.float64)
     stride = groups * threads
     pad = np.zeros(-(-x.size // stride) * stride)

@@ -879,6 +879,19 @@ def warp_shuffle_down(val: Any, offset: int) -> jax.Array:
         raise error(f"ts.tile.warp_shuffle_down: val has shape {val.shape}, not ({w * WARP},)")
     if not isinstance(offset, int) or not 0 <= offset < WARP:
         raise error(f"ts.tile.warp_shuffle_down: {offset=} must be an int in [0, {WARP})")
+    if offset == 0:
+        return val
+    if WARP % offset == 0:
+        # A power-of-two offset moves lane j·offset + c to lane (j-1)·offset + c: a shift by
+        # one along the warp's 32/offset rows, so each lane selects among 32/offset sources,
+        # not 32.
+        s = WARP // offset
+        v = val.reshape(w, s, offset)
+        src = jnp.arange(s)[:, None]
+        dst = jnp.arange(s)[None, :]
+        pick = (src == dst + 1) | ((dst == s - 1) & (src == dst))  # the last row keeps its own
+        moved = jnp.where(pick[None, :, :, None], v[:, :, None, :], jnp.zeros((), v.dtype))
+        return jnp.sum(moved, axis=1).astype(v.dtype).reshape(val.shape)
     v = val.reshape(w, WARP)
     src = jnp.arange(WARP)[:, None]
     dst = jnp.arange(WARP)[None, :]
