@@ -11,7 +11,11 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
   ``P = exp2(S − lse)`` and accumulates ``dQ += dS·K``;
 * dK/dV: a CTA owns 128 key rows of one kv head; its loop streams the query blocks of every
   query head of the GQA group, in a fixed order, and accumulates ``dV += Pᵀ·dO`` and
-  ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator.
+  ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator. At head_dim 256
+  two (64, 256) f32 accumulators would not fit a thread's registers, so the CTA owns 64
+  key rows and each warpgroup accumulates one 128-column half of dK and dV; both
+  recompute the same ``Pᵀ`` and ``dSᵀ`` (the redundant half of the work buys a kernel
+  that fits, with no exchange between the warpgroups).
 
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
@@ -59,10 +63,15 @@ WG_ROWS = 64  # rows of one warpgroup's wgmma tile
 NUM_COMPUTE_WGS = 2
 TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-FWD_HEAD_DIMS = (64, 128, 256)
-# Two f32 (64, D) accumulators (dK and dV) per thread: 2·D/2 registers; at D=256 that is
-# the whole register file, so the backward stops at 128.
-BWD_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# The widest head_dim chunk one dK/dV warpgroup accumulates: two f32 (64, D) accumulators
+# cost D registers per thread, and 2·256 would be more than the register file; at D=256
+# the two warpgroups share 64 key rows and each accumulates one 128-wide half.
+DKV_CHUNK = 128
+# The dK/dV kernel's Q/dO ring slots, by head_dim: a slot holds 64 query rows of Q and dO
+# (64 KiB at D=256, where two fit beside K and V).
+DKV_STAGES = {64: 2, 128: 2, 256: 2}
+DKV_STAGES_CHOICES = (2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,7 @@ class Problem:
       scale: the score scale.
       block_kv: keys per loop step of the forward and dQ kernels.
       stages: shared-memory ring slots of the streamed operand.
+      dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
     """
 
     batch: int
@@ -90,6 +100,7 @@ class Problem:
     scale: float
     block_kv: int
     stages: int
+    dkv_stages: int = 2
 
     @property
     def group(self) -> int:
@@ -108,6 +119,17 @@ class Problem:
     def offset(self) -> int:
         """Causal alignment: query ``i`` sees keys ``j <= i + offset``."""
         return self.seq_kv - self.seq_q
+
+    @property
+    def dkv_chunks(self) -> int:
+        """The dK/dV kernel's head_dim chunks of :data:`DKV_CHUNK` columns (1 or 2)."""
+        return -(-self.head_dim // DKV_CHUNK)
+
+    @property
+    def dkv_groups(self) -> int:
+        """64-row key groups of a dK/dV CTA: one per warpgroup, or one shared by both
+        when each warpgroup owns a chunk of head_dim."""
+        return 1 if self.dkv_chunks > 1 else NUM_COMPUTE_WGS
 
     @property
     def c(self) -> float:
@@ -139,25 +161,49 @@ def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) 
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
-# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json).
-DQ_BLOCK_KV = {64: 128, 128: 128}
-DQ_BLOCK_KV_CHOICES = (64, 128)
+# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json). At
+# D=256 the (64, 256) Q and dO tiles of both warpgroups take 128 KiB of shared memory, so
+# two K/V slots fit only at 32 keys (64 keys leave room for one slot: no overlap).
+DQ_BLOCK_KV = {64: 128, 128: 128, 256: 32}
+DQ_BLOCK_KV_CHOICES = (32, 64, 128)
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
-def _bwd_problem(q, k, causal: bool, scale: float, dq_block_kv: int | None = None) -> Problem:
+def _dq_stages(d: int, block_kv: int) -> int:
+    """K/V ring slots of the dQ kernel that fit beside its Q and dO tiles (at most 2)."""
+    fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 4096
+    return min(2, (SMEM_BYTES - fixed) // (2 * block_kv * d * 2))
+
+
+def _dkv_smem(d: int, stages: int) -> int:
+    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring."""
+    rows = WG_ROWS if d > DKV_CHUNK else NUM_COMPUTE_WGS * WG_ROWS
+    return 2 * rows * d * 2 + stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4) + 4096
+
+
+def _bwd_problem(
+    q, k, causal: bool, scale: float, dq_block_kv: int | None = None, dkv_stages: int | None = None
+) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
-    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, bkv, 2)
+    stages = _dq_stages(d, bkv)
+    dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
+    dt = np.dtype(q.dtype)
+    return Problem(b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages)
 
 
 def _smem(shape, dtype) -> Any:
-    """A shared-memory block of 16-bit rows, tiled and swizzled as TMA and wgmma want them
-    (every row here is a multiple of 64 elements: the 128-byte swizzle)."""
+    """A shared-memory block of 16-bit rows, tiled and swizzled as TMA and wgmma want them:
+    the 128-byte swizzle, or the row's width where a row is narrower (32 keys)."""
+    swizzle = min(128, shape[-1] * np.dtype(dtype).itemsize)
     return plgpu.SMEM(
         shape,
         dtype,
-        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
+        transforms=(
+            plgpu.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle),
+        ),
     )
 
 
@@ -183,10 +229,13 @@ def _slot(step, stages: int):
 
 
 def _dot(shape, a, b) -> jax.Array:
-    """``a @ b`` of two shared-memory refs into a fresh f32 accumulator."""
+    """``a @ b`` of two shared-memory refs into a fresh f32 accumulator; ``a`` and ``b`` may
+    be equally long lists of refs whose products are summed (a contraction in chunks)."""
+    pairs = list(zip(a, b)) if isinstance(a, list) else [(a, b)]
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
+        for x, y in pairs:
+            plgpu.wgmma(acc_ref, x, y)
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
@@ -525,53 +574,63 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done = scratch[7:]
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, fin = scratch[7:]
+    nd, groups = p.dkv_chunks, p.dkv_groups
+    dc = p.head_dim // nd
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile0 = lax.axis_index("kv_seq") * TILE
+    tile0 = lax.axis_index("kv_seq") * (groups * WG_ROWS)
     nq = p.seq_q_pad // WG_ROWS
     cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
     per_head = nq - cta_start
-    bq, bkv, d = WG_ROWS, WG_ROWS, p.head_dim
+    bq, bkv = WG_ROWS, WG_ROWS
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
-        kv_base = tile0 + wg * bkv
+        # Each warpgroup owns 64 key rows (``r``) and a chunk of head_dim (``own``): its own
+        # rows and all of head_dim below DKV_CHUNK, the CTA's shared rows and one half above.
+        r, own = (0, wg) if nd > 1 else (wg, 0)
+        kv_base = tile0 + r * bkv
         start, full = _q_ranges(p, kv_base)
-        rows = pl.ds(kv_base, bkv)
-        ks, vs = k_smem.at[wg], v_smem.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], ks, kv_bar.at[2 * wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], vs, kv_bar.at[2 * wg + 1])
-        plgpu.barrier_wait(kv_bar.at[2 * wg])
-        plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
-        zeros = jnp.zeros((bkv, d), jnp.float32)
+        rows, cols = pl.ds(kv_base, bkv), pl.ds(own * dc, dc)
+        bar = 2 * (r * nd + own)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk, cols], k_smem.at[r, own], kv_bar.at[bar])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk, cols], v_smem.at[r, own], kv_bar.at[bar + 1])
+        for i in range(2 * nd):  # every chunk of the rows: the scores contract all of head_dim
+            plgpu.barrier_wait(kv_bar.at[2 * r * nd + i])
+        ks = [k_smem.at[r, c] for c in range(nd)]
+        vs = [v_smem.at[r, c] for c in range(nd)]
+        zeros = jnp.zeros((bkv, dc), jnp.float32)
 
         def wait(slot):
-            for bars in (q_bar, do_bar, lse_bar, delta_bar):
+            for bars in (*q_bar, *do_bar, lse_bar, delta_bar):
                 plgpu.barrier_wait(bars.at[slot])
 
         def step(qi, carry, g, masked: bool):
             dk, dv = carry
-            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
-            st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
+            qt = [q_smem.at[c, slot].transpose((1, 0)) for c in range(nd)]
+            st = _dot((bkv, bq), ks, qt)
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
                 pt = jnp.where(vis, pt, 0.0)
-            dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
-            dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
+            dot = [do_smem.at[c, slot].transpose((1, 0)) for c in range(nd)]
+            dpt = _dot((bkv, bq), vs, dot)
+            dos, qs = do_smem.at[own, slot], q_smem.at[own, slot]
+            dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
             delta = delta_smem[slot]
             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-            dk = _dot_acc(dk, dst.astype(p.dtype), q_smem.at[slot], stg, interpret=interpret)
+            dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
         def skip(qi, _, g):
-            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
             plgpu.barrier_arrive(done.at[slot])
 
@@ -584,11 +643,17 @@ def _dkv_kernel(
             return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
 
         dk, dv = lax.fori_loop(0, p.group, head, (zeros, zeros))
-        ks[...] = (dk * p.scale).astype(p.dtype)
-        vs[...] = dv.astype(p.dtype)
+        if fin is not None:
+            # Both warpgroups read every chunk of K and V until their last step: overwrite
+            # them with the results only when both are done.
+            plgpu.barrier_arrive(fin)
+            plgpu.barrier_wait(fin)
+        ko, vo = k_smem.at[r, own], v_smem.at[r, own]
+        ko[...] = (dk * p.scale).astype(p.dtype)
+        vo[...] = dv.astype(p.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ks, dk_ref.at[b, rows, hk])
-        plgpu.copy_smem_to_gmem(vs, dv_ref.at[b, rows, hk])
+        plgpu.copy_smem_to_gmem(ko, dk_ref.at[b, rows, hk, cols])
+        plgpu.copy_smem_to_gmem(vo, dv_ref.at[b, rows, hk, cols])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
@@ -598,10 +663,10 @@ def _dkv_kernel(
                 cta_start + lax.rem(step, per_head)
             ) * bq
 
-        def rows_of(ref):
+        def rows_of(ref, c):
             def src(step):
                 h, q0 = qh(step)
-                return ref.at[b, pl.ds(q0, bq), h]
+                return ref.at[b, pl.ds(q0, bq), h, pl.ds(c * dc, dc)]
 
             return src
 
@@ -612,39 +677,39 @@ def _dkv_kernel(
 
             return src
 
-        loads = [
-            (rows_of(q_ref), q_smem, q_bar),
-            (rows_of(do_ref), do_smem, do_bar),
-            (vec_of(lse_ref), lse_smem, lse_bar),
-            (vec_of(delta_ref), delta_smem, delta_bar),
-        ]
-        _producer(p.group * per_head, p.stages, [(done, loads)])
+        loads = [(rows_of(q_ref, c), q_smem.at[c], q_bar[c]) for c in range(nd)]
+        loads += [(rows_of(do_ref, c), do_smem.at[c], do_bar[c]) for c in range(nd)]
+        loads += [(vec_of(lse_ref), lse_smem, lse_bar), (vec_of(delta_ref), delta_smem, delta_bar)]
+        _producer(p.group * per_head, p.dkv_stages, [(done, loads)])
 
 
 def _build_dkv(p: Problem, interpret: bool) -> Any:
-    d, s, w = p.head_dim, p.stages, NUM_COMPUTE_WGS
+    d, s, w = p.head_dim, p.dkv_stages, NUM_COMPUTE_WGS
+    nd, groups = p.dkv_chunks, p.dkv_groups
+    dc = d // nd
     stage = _smem((w, WG_ROWS, WG_ROWS), p.dtype) if interpret else None
     scratch = [
-        _smem((w, WG_ROWS, d), p.dtype),
-        _smem((w, WG_ROWS, d), p.dtype),
-        _smem((s, WG_ROWS, d), p.dtype),
-        _smem((s, WG_ROWS, d), p.dtype),
+        _smem((groups, nd, WG_ROWS, dc), p.dtype),
+        _smem((groups, nd, WG_ROWS, dc), p.dtype),
+        _smem((nd, s, WG_ROWS, dc), p.dtype),
+        _smem((nd, s, WG_ROWS, dc), p.dtype),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         stage,
-        plgpu.Barrier(num_barriers=2 * w),  # per warpgroup: K, V
-        plgpu.Barrier(num_barriers=s),
-        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=2 * groups * nd),  # per key-row group and chunk: K, V
+        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # Q, per chunk
+        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # dO, per chunk
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_arrivals=w, num_barriers=s),
+        plgpu.Barrier(num_arrivals=w) if nd > 1 else None,  # both warpgroups done with K/V
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
         out_type=(kv, kv),
         scratch_types=scratch,
-        grid=(p.heads_kv, p.seq_kv_pad // TILE, p.batch),
+        grid=(p.heads_kv, p.seq_kv_pad // (groups * WG_ROWS), p.batch),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -721,22 +786,43 @@ def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = 
 
 
 def flash_bwd(
-    spec, q, k, v, out, lse, dout, *, interpret: bool = False, dq_block_kv: int | None = None
+    spec,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    *,
+    interpret: bool = False,
+    dq_block_kv: int | None = None,
+    dkv_stages: int | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
-    ``dq_block_kv`` (benchmarks, tests) replaces the dQ kernel's tuned keys per loop step
-    (:data:`DQ_BLOCK_KV`).
+    ``dq_block_kv`` and ``dkv_stages`` (benchmarks, tests) replace the dQ kernel's tuned keys
+    per loop step (:data:`DQ_BLOCK_KV`) and the dK/dV kernel's ring slots
+    (:data:`DKV_STAGES`); a choice that does not fit shared memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
-    if dq_block_kv is not None and dq_block_kv not in DQ_BLOCK_KV_CHOICES:
+    if dq_block_kv is not None and (
+        dq_block_kv not in DQ_BLOCK_KV_CHOICES or _dq_stages(q.shape[-1], dq_block_kv) < 1
+    ):
         raise ValueError(
-            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES}"
+            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES} "
+            f"with one K/V slot fitting shared memory at head_dim {q.shape[-1]}"
+        )
+    if dkv_stages is not None and (
+        dkv_stages not in DKV_STAGES_CHOICES or _dkv_smem(q.shape[-1], dkv_stages) > SMEM_BYTES
+    ):
+        raise ValueError(
+            f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
+            f"with the ring fitting shared memory at head_dim {q.shape[-1]}"
         )
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
@@ -780,15 +866,12 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
             "the blocked reference runs the rest)"
         )
     q, k = avals[0], avals[1]
-    backward = len(avals) == 6
     dt = np.dtype(q.dtype)
     if dt not in DTYPES:
         return f"dtype {dt} (the kernels take bfloat16 and float16)"
     d = q.shape[-1]
-    dims = BWD_HEAD_DIMS if backward else FWD_HEAD_DIMS
-    if d not in dims:
-        what = "backward" if backward else "forward"
-        return f"head_dim {d} (the {what} kernel takes {', '.join(map(str, dims))})"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if not _default_config(spec):
