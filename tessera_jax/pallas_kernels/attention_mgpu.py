@@ -85,8 +85,10 @@ class Problem:
       causal: bottom-right aligned causal mask.
       scale: the score scale.
       block_kv: keys per loop step of the forward and dQ kernels.
-      stages: shared-memory ring slots of the streamed operand.
+      stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
       dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
+      dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
+        released early in a step, K only at its end); None: as many as K.
     """
 
     batch: int
@@ -101,6 +103,11 @@ class Problem:
     block_kv: int
     stages: int
     dkv_stages: int = 2
+    dq_v_stages: int | None = None
+
+    @property
+    def v_stages(self) -> int:
+        return self.stages if self.dq_v_stages is None else self.dq_v_stages
 
     @property
     def group(self) -> int:
@@ -162,17 +169,21 @@ def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
 # 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json). At
-# D=256 the (64, 256) Q and dO tiles of both warpgroups take 128 KiB of shared memory, so
-# two K/V slots fit only at 32 keys (64 keys leave room for one slot: no overlap).
-DQ_BLOCK_KV = {64: 128, 128: 128, 256: 32}
-DQ_BLOCK_KV_CHOICES = (32, 64, 128)
+# D=256 the (64, 256) Q and dO tiles of both warpgroups take 128 KiB of shared memory:
+# beside them fit two 64-key K slots and one V slot (wgmma wants 64 keys or more).
+DQ_BLOCK_KV = {64: 128, 128: 128, 256: 64}
+DQ_BLOCK_KV_CHOICES = (64, 128)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
-def _dq_stages(d: int, block_kv: int) -> int:
-    """K/V ring slots of the dQ kernel that fit beside its Q and dO tiles (at most 2)."""
-    fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 4096
-    return min(2, (SMEM_BYTES - fixed) // (2 * block_kv * d * 2))
+def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
+    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles,
+    at most two each; K gets the second slot first (it is held to the end of a step)."""
+    fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
+    blocks = (SMEM_BYTES - fixed) // (block_kv * d * 2)
+    if blocks >= 4:
+        return 2, 2
+    return (2, 1) if blocks == 3 else (blocks // 2, blocks // 2)
 
 
 def _dkv_smem(d: int, stages: int) -> int:
@@ -187,23 +198,19 @@ def _bwd_problem(
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
-    stages = _dq_stages(d, bkv)
+    stages, v_stages = _dq_stages(d, bkv)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     dt = np.dtype(q.dtype)
-    return Problem(b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages)
+    return Problem(b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages)
 
 
 def _smem(shape, dtype) -> Any:
-    """A shared-memory block of 16-bit rows, tiled and swizzled as TMA and wgmma want them:
-    the 128-byte swizzle, or the row's width where a row is narrower (32 keys)."""
-    swizzle = min(128, shape[-1] * np.dtype(dtype).itemsize)
+    """A shared-memory block of 16-bit rows, tiled and swizzled as TMA and wgmma want them
+    (every row here is a multiple of 64 elements: the 128-byte swizzle)."""
     return plgpu.SMEM(
         shape,
         dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
+        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
     )
 
 
@@ -256,34 +263,39 @@ def _dot_acc(acc, a, b_ref, stage_ref, *, interpret: bool) -> jax.Array:
     return acc + _dot(acc.shape, stage_ref, b_ref)
 
 
-def _producer(n_steps, stages: int, groups) -> None:
+def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
     """The memory warpgroup: for each of ``n_steps`` (an int32 scalar) steps, into ring slot
     ``step % stages``, once the slot's previous contents were consumed, every load of every
     group.
 
-    ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, smem ring, barriers), ...])]``.
+    ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, ring, barriers), ...])]``;
+    a ring is a shared-memory ref indexed by the slot, or a function of the slot.
+    ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(40, action="decrease")
+    per_group = [stages] * len(groups) if isinstance(stages, int) else list(stages)
 
     @pl.loop(0, n_steps)
     def _step(step):
-        slot = _slot(step, stages)
-        for consumed, loads in groups:
+        for (consumed, loads), n in zip(groups, per_group):
+            slot = _slot(step, n)
 
-            @pl.when(step >= stages)
-            def _wait(consumed=consumed):
+            @pl.when(step >= n)
+            def _wait(consumed=consumed, slot=slot):
                 plgpu.barrier_wait(consumed.at[slot])
 
             for src, ring, bars in loads:
-                plgpu.copy_gmem_to_smem(src(step), ring.at[slot], bars.at[slot])
+                dst = ring(slot) if callable(ring) else ring.at[slot]
+                plgpu.copy_gmem_to_smem(src(step), dst, bars.at[slot])
 
     # Drain: wait for the last steps' releases too, so that every phase of the consumed
     # barriers is observed before the CTA ends (the interpreter checks it; free on the GPU,
     # where the compute warpgroups finish after their last release anyway).
-    @pl.loop(lax.max(n_steps - stages, jnp.int32(0)), n_steps)
-    def _drain(step):
-        for consumed, _ in groups:
-            plgpu.barrier_wait(consumed.at[_slot(step, stages)])
+    for (consumed, _), n in zip(groups, per_group):
+
+        @pl.loop(lax.max(n_steps - n, jnp.int32(0)), n_steps)
+        def _drain(step, consumed=consumed, n=n):
+            plgpu.barrier_wait(consumed.at[_slot(step, n)])
 
 
 def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_tail: bool):
@@ -483,12 +495,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         dq = jnp.zeros((bq, d), jnp.float32)
 
         def step(j, dq, masked: bool):
-            slot = _slot(j, p.stages)
+            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_wait(v_bar.at[slot])
-            dp = _dot((bq, bkv), dos, v_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_arrive(v_done.at[slot])
+            plgpu.barrier_wait(v_bar.at[vslot])
+            dp = _dot((bq, bkv), dos, v_smem.at[vslot].transpose((1, 0)))
+            plgpu.barrier_arrive(v_done.at[vslot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
                 vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
@@ -499,10 +511,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             return dq
 
         def flush(j, _):
-            slot = _slot(j, p.stages)
+            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_done.at[slot])
+            plgpu.barrier_wait(v_bar.at[vslot])
+            plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
         dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
@@ -520,7 +532,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
 
         _producer(
             cta_steps,
-            p.stages,
+            (p.stages, p.v_stages),
             [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
@@ -534,13 +546,13 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.SMEM((w, WG_ROWS), jnp.float32),
         plgpu.SMEM((w, WG_ROWS), jnp.float32),
         _smem((p.stages, bkv, d), p.dtype),
-        _smem((p.stages, bkv, d), p.dtype),
+        _smem((p.v_stages, bkv, d), p.dtype),
         stage,
         plgpu.Barrier(num_barriers=4 * w),  # per warpgroup: Q, dO, lse, delta
         plgpu.Barrier(num_barriers=p.stages),
-        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_barriers=p.v_stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
-        plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -570,6 +582,12 @@ def _q_ranges(p: Problem, kv_base):
     return start, lax.max(full, start)
 
 
+def _chunk(c, width: int, chunks: int):
+    """Columns ``[c·width, (c+1)·width)`` of head_dim; all of it (a plain slice, which the
+    lowering wants for a whole dimension) when there is one chunk."""
+    return slice(None) if chunks == 1 else pl.ds(c * width, width)
+
+
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
 ):
@@ -594,14 +612,18 @@ def _dkv_kernel(
         r, own = (0, wg) if nd > 1 else (wg, 0)
         kv_base = tile0 + r * bkv
         start, full = _q_ranges(p, kv_base)
-        rows, cols = pl.ds(kv_base, bkv), pl.ds(own * dc, dc)
+        rows, cols = pl.ds(kv_base, bkv), _chunk(own, dc, nd)
         bar = 2 * (r * nd + own)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk, cols], k_smem.at[r, own], kv_bar.at[bar])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk, cols], v_smem.at[r, own], kv_bar.at[bar + 1])
+        plgpu.copy_gmem_to_smem(
+            k_ref.at[b, rows, hk, cols], k_smem.at[r * nd + own], kv_bar.at[bar]
+        )
+        plgpu.copy_gmem_to_smem(
+            v_ref.at[b, rows, hk, cols], v_smem.at[r * nd + own], kv_bar.at[bar + 1]
+        )
         for i in range(2 * nd):  # every chunk of the rows: the scores contract all of head_dim
             plgpu.barrier_wait(kv_bar.at[2 * r * nd + i])
-        ks = [k_smem.at[r, c] for c in range(nd)]
-        vs = [v_smem.at[r, c] for c in range(nd)]
+        ks = [k_smem.at[r * nd + c] for c in range(nd)]
+        vs = [v_smem.at[r * nd + c] for c in range(nd)]
         zeros = jnp.zeros((bkv, dc), jnp.float32)
 
         def wait(slot):
@@ -612,16 +634,16 @@ def _dkv_kernel(
             dk, dv = carry
             slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
-            qt = [q_smem.at[c, slot].transpose((1, 0)) for c in range(nd)]
+            qt = [q_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
             st = _dot((bkv, bq), ks, qt)
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
                 pt = jnp.where(vis, pt, 0.0)
-            dot = [do_smem.at[c, slot].transpose((1, 0)) for c in range(nd)]
+            dot = [do_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
             dpt = _dot((bkv, bq), vs, dot)
-            dos, qs = do_smem.at[own, slot], q_smem.at[own, slot]
+            dos, qs = do_smem.at[slot * nd + own], q_smem.at[slot * nd + own]
             dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
             delta = delta_smem[slot]
             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
@@ -648,7 +670,7 @@ def _dkv_kernel(
             # them with the results only when both are done.
             plgpu.barrier_arrive(fin)
             plgpu.barrier_wait(fin)
-        ko, vo = k_smem.at[r, own], v_smem.at[r, own]
+        ko, vo = k_smem.at[r * nd + own], v_smem.at[r * nd + own]
         ko[...] = (dk * p.scale).astype(p.dtype)
         vo[...] = dv.astype(p.dtype)
         plgpu.commit_smem()
@@ -666,7 +688,7 @@ def _dkv_kernel(
         def rows_of(ref, c):
             def src(step):
                 h, q0 = qh(step)
-                return ref.at[b, pl.ds(q0, bq), h, pl.ds(c * dc, dc)]
+                return ref.at[b, pl.ds(q0, bq), h, _chunk(c, dc, nd)]
 
             return src
 
@@ -677,8 +699,11 @@ def _dkv_kernel(
 
             return src
 
-        loads = [(rows_of(q_ref, c), q_smem.at[c], q_bar[c]) for c in range(nd)]
-        loads += [(rows_of(do_ref, c), do_smem.at[c], do_bar[c]) for c in range(nd)]
+        def ring(ref, c):
+            return lambda slot: ref.at[slot * nd + c]
+
+        loads = [(rows_of(q_ref, c), ring(q_smem, c), q_bar[c]) for c in range(nd)]
+        loads += [(rows_of(do_ref, c), ring(do_smem, c), do_bar[c]) for c in range(nd)]
         loads += [(vec_of(lse_ref), lse_smem, lse_bar), (vec_of(delta_ref), delta_smem, delta_bar)]
         _producer(p.group * per_head, p.dkv_stages, [(done, loads)])
 
@@ -689,10 +714,13 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
     dc = d // nd
     stage = _smem((w, WG_ROWS, WG_ROWS), p.dtype) if interpret else None
     scratch = [
-        _smem((groups, nd, WG_ROWS, dc), p.dtype),
-        _smem((groups, nd, WG_ROWS, dc), p.dtype),
-        _smem((nd, s, WG_ROWS, dc), p.dtype),
-        _smem((nd, s, WG_ROWS, dc), p.dtype),
+        # K, V: (key-row group, chunk) flattened; Q, dO: (slot, chunk) flattened. (The
+        # kernel indexes them with one traced index: a literal chunk index beside a traced
+        # one fails to lower inside the loops.)
+        _smem((groups * nd, WG_ROWS, dc), p.dtype),
+        _smem((groups * nd, WG_ROWS, dc), p.dtype),
+        _smem((s * nd, WG_ROWS, dc), p.dtype),
+        _smem((s * nd, WG_ROWS, dc), p.dtype),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         stage,
@@ -808,7 +836,7 @@ def flash_bwd(
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
     if dq_block_kv is not None and (
-        dq_block_kv not in DQ_BLOCK_KV_CHOICES or _dq_stages(q.shape[-1], dq_block_kv) < 1
+        dq_block_kv not in DQ_BLOCK_KV_CHOICES or min(_dq_stages(q.shape[-1], dq_block_kv)) < 1
     ):
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES} "
