@@ -86,7 +86,8 @@ def _fwd_only(f):
 
 
 # impl -> (function, TESSERA_KERNELS mode it is compiled and called under)
-def _impls(causal: bool, backward: bool) -> dict:
+def _impls(causal: bool, backward: bool, only: tuple[str, ...] = ()) -> dict:
+    """Every implementation, or those named in ``only`` (the baseline always runs)."""
     fns = {
         "mosaic_gpu": (functools.partial(_ts, causal=causal), "pallas"),
         "ts_reference": (functools.partial(_ts, causal=causal), "xla"),
@@ -94,7 +95,8 @@ def _impls(causal: bool, backward: bool) -> dict:
         "xla": (functools.partial(_jax_nn, causal=causal, implementation="xla"), "auto"),
     }
     wrap = _fwdbwd if backward else _fwd_only
-    return {n: (wrap(f), mode) for n, (f, mode) in fns.items()}
+    keep = set(only) | {BASELINE} if only else set(fns)
+    return {n: (wrap(f), mode) for n, (f, mode) in fns.items() if n in keep}
 
 
 def _compiled(fn, mode: str, args):
@@ -123,7 +125,7 @@ def _same_bits(a, b) -> bool:
     )
 
 
-def run_case(shape, causal: bool, backward: bool) -> list[dict]:
+def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -> list[dict]:
     b, s, h, d = shape
     mode = "fwdbwd" if backward else "fwd"
     case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
@@ -133,7 +135,7 @@ def run_case(shape, causal: bool, backward: bool) -> list[dict]:
     ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
     ref = ref if backward else (ref,)
     fns, errs, temp, repeat = {}, {}, {}, {}
-    for name, (fn, mode) in _impls(causal, backward).items():
+    for name, (fn, mode) in _impls(causal, backward, impls).items():
         try:
             jitted, temp[name] = _compiled(fn, mode, args)
             runs = [jitted(*args) for _ in range(3)]
@@ -234,7 +236,7 @@ def _bwd_variants(d: int) -> dict:
     away from the tuned defaults: ``{name: flash_bwd keyword arguments}``."""
     out = {"mosaic_gpu": {}}
     for bkv in am.DQ_BLOCK_KV_CHOICES:
-        if bkv != am.DQ_BLOCK_KV[d] and am._dq_stages(d, bkv) >= 1:
+        if bkv != am.DQ_BLOCK_KV[d] and min(am._dq_stages(d, bkv)) >= 1:
             out[f"mosaic_gpu[dq_block_kv={bkv}]"] = dict(dq_block_kv=bkv)
     for n in am.DKV_STAGES_CHOICES:
         if n != am.DKV_STAGES[d] and am._dkv_smem(d, n) <= am.SMEM_BYTES:
@@ -289,6 +291,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    p.add_argument(
+        "--impls", nargs="*", default=[], help="only these implementations (and the cudnn baseline)"
+    )
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     args = p.parse_args()
@@ -299,7 +304,7 @@ def main():
         recs = _sweep_bwd(args.only) if args.sweep_bwd else run_sweep()
         write_records(Path(args.json or results_path(name)), recs)
         return
-    recs = []
+    cases = {}
     for shape in SHAPES:
         for backward in (False, True):
             for causal in (False, True):
@@ -308,15 +313,19 @@ def main():
                     f"{'fwdbwd' if backward else 'fwd'}-{'causal' if causal else 'noncausal'}"
                     f"-b{b}-s{s}-h{h}-d{d}-bf16"
                 )
-                if args.only and not any(x in name for x in args.only):
-                    continue
-                try:
-                    recs.extend(run_case(shape, causal, backward))
-                except Exception as e:
-                    traceback.print_exc()
-                    print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                cases[name] = (shape, causal, backward)
+    if args.only:  # in the order the patterns are given: the first ones run first
+        names = [n for x in args.only for n in cases if x in n]
+        cases = {n: cases[n] for n in dict.fromkeys(names)}
     path = Path(args.json or results_path(f"attention-{device_name(family=True)}.json"))
-    write_records(path, recs)
+    recs = []
+    for name, (shape, causal, backward) in cases.items():
+        try:
+            recs.extend(run_case(shape, causal, backward, tuple(args.impls)))
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        write_records(path, recs)  # after every case: a run cut short keeps what it measured
     print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} vs-cudnn  err     repeat")
     for r in recs:
         ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
