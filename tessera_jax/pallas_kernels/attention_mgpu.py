@@ -65,11 +65,12 @@ TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to mul
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
 # The widest head_dim chunk one dK/dV warpgroup accumulates: two f32 (64, D) accumulators
-# cost D registers per thread, and 2·256 would be more than the register file; at D=256
-# the two warpgroups share 64 key rows and each accumulates one 128-wide half.
+# cost D registers per thread, and at D=256 that is more than a thread's 255; there the
+# two warpgroups share 64 key rows and each accumulates one 128-wide half.
 DKV_CHUNK = 128
 # The dK/dV kernel's Q/dO ring slots, by head_dim: a slot holds 64 query rows of Q and dO
-# (64 KiB at D=256, where two fit beside K and V).
+# (64 KiB at D=256, where only two fit beside K and V). Deeper rings fit at D<=128;
+# ``benchmarks/attention.py --sweep-bwd`` measures them against these defaults.
 DKV_STAGES = {64: 2, 128: 2, 256: 2}
 DKV_STAGES_CHOICES = (2, 3, 4)
 
@@ -918,7 +919,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
-# operator's blocked XLA reference, which the kernels beat 10-20x at every measured shape
+# operator's blocked XLA reference, which the kernels beat 4-20x at every measured shape
 # (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
 # below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
 PREFER_MIN_SEQ = 512
