@@ -591,8 +591,8 @@ def _q_ranges(p: Problem, kv_base):
 
 
 def _chunk(c, width: int, chunks: int):
-    """Columns ``[c·width, (c+1)·width)`` of head_dim; all of it (a plain slice, which the
-    lowering wants for a whole dimension) when there is one chunk."""
+    """Columns ``[c·width, (c+1)·width)`` of head_dim; all of it when there is one chunk
+    (then the copies are those of an unchunked kernel)."""
     return slice(None) if chunks == 1 else pl.ds(c * width, width)
 
 
