@@ -44,6 +44,7 @@ from benchmarks._common import (  # noqa: E402
     write_records,
 )
 from benchmarks._common import normal as rand  # noqa: E402
+from tessera_jax.contracts.attention import AttentionSpec  # noqa: E402
 from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
 from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
 
@@ -85,17 +86,17 @@ def _fwd_only(f):
 
 
 # impl -> (function, TESSERA_KERNELS mode it is compiled and called under)
-def _impls(causal: bool, backward: bool, head_dim: int) -> dict:
+def _impls(causal: bool, backward: bool, only: tuple[str, ...] = ()) -> dict:
+    """Every implementation, or those named in ``only`` (the baseline always runs)."""
     fns = {
         "mosaic_gpu": (functools.partial(_ts, causal=causal), "pallas"),
         "ts_reference": (functools.partial(_ts, causal=causal), "xla"),
         "cudnn": (functools.partial(_jax_nn, causal=causal, implementation="cudnn"), "auto"),
         "xla": (functools.partial(_jax_nn, causal=causal, implementation="xla"), "auto"),
     }
-    if backward and head_dim not in am.BWD_HEAD_DIMS:  # the kernels decline: not ours to time
-        del fns["mosaic_gpu"]
     wrap = _fwdbwd if backward else _fwd_only
-    return {n: (wrap(f), mode) for n, (f, mode) in fns.items()}
+    keep = set(only) | {BASELINE} if only else set(fns)
+    return {n: (wrap(f), mode) for n, (f, mode) in fns.items() if n in keep}
 
 
 def _compiled(fn, mode: str, args):
@@ -124,17 +125,17 @@ def _same_bits(a, b) -> bool:
     )
 
 
-def run_case(shape, causal: bool, backward: bool) -> list[dict]:
+def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -> list[dict]:
     b, s, h, d = shape
     mode = "fwdbwd" if backward else "fwd"
     case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
     args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
     flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-    ref_fn = _impls(causal, backward, d)["xla"][0]
+    ref_fn = _impls(causal, backward)["xla"][0]
     ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
     ref = ref if backward else (ref,)
     fns, errs, temp, repeat = {}, {}, {}, {}
-    for name, (fn, mode) in _impls(causal, backward, d).items():
+    for name, (fn, mode) in _impls(causal, backward, impls).items():
         try:
             jitted, temp[name] = _compiled(fn, mode, args)
             runs = [jitted(*args) for _ in range(3)]
@@ -185,9 +186,7 @@ def run_sweep() -> list[dict]:
         b, s, h = 4, 4096, 16
         q, k, v = (rand(i, (b, s, h, d), BF16) for i in range(3))
         for causal in (False, True):
-            spec = tuple(
-                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
-            )
+            spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
             fns = {
                 "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
             }
@@ -232,30 +231,42 @@ def run_sweep() -> list[dict]:
     return recs + _sweep_bwd()
 
 
-def _sweep_bwd() -> list[dict]:
-    """The backward kernels with each dQ ``block_kv`` (baseline: 64 keys), B4 S4096 H16."""
+def _bwd_variants(d: int) -> dict:
+    """The backward's tuning knobs that fit shared memory at head_dim ``d``, one at a time
+    away from the tuned defaults: ``{name: flash_bwd keyword arguments}``."""
+    out = {"mosaic_gpu": {}}
+    for bkv in am.DQ_BLOCK_KV_CHOICES:
+        if bkv != am.DQ_BLOCK_KV[d] and min(am._dq_stages(d, bkv)) >= 1:
+            out[f"mosaic_gpu[dq_block_kv={bkv}]"] = dict(dq_block_kv=bkv)
+    for n in am.DKV_STAGES_CHOICES:
+        if n != am.DKV_STAGES[d] and am._dkv_smem(d, n) <= am.SMEM_BYTES:
+            out[f"mosaic_gpu[dkv_stages={n}]"] = dict(dkv_stages=n)
+    return out
+
+
+def _sweep_bwd(only: list[str] = ()) -> list[dict]:
+    """The backward kernels with each tuning knob that fits (baseline: the tuned defaults),
+    B4 S4096 H16."""
     recs = []
-    for d in (64, 128):
+    for d in (64, 128, 256):
         b, s, h = 4, 4096, 16
-        q, k, v, do = (rand(i, (b, s, h, d), BF16) for i in range(4))
         for causal in (False, True):
-            spec = tuple(
-                sorted(dict(causal=causal, scale=d**-0.5, config=FlashAttentionConfig()).items())
-            )
+            case = f"sweep-bwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            if only and not any(x in case for x in only):
+                continue
+            q, k, v, do = (rand(i, (b, s, h, d), BF16) for i in range(4))
+            spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
             out, lse = jax.jit(functools.partial(am.flash_fwd, spec))(q, k, v)
             args = (q, k, v, out, lse, do)
             fns = {
-                f"mosaic_gpu[dq_block_kv={bkv}]": jax.jit(
-                    functools.partial(am.flash_bwd, spec, dq_block_kv=bkv)
-                )
-                for bkv in am.DQ_BLOCK_KV_CHOICES
+                name: jax.jit(functools.partial(am.flash_bwd, spec, **kw))
+                for name, kw in _bwd_variants(d).items()
             }
-            base = "mosaic_gpu[dq_block_kv=64]"
+            base = "mosaic_gpu"
             ref = fns[base](*args)
             errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
             ms = time_interleaved(fns, args, repeats=5, target_ms=40)
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * 2.5
-            case = f"sweep-bwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
             for name in fns:
                 recs.append(
                     dict(
@@ -280,6 +291,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    p.add_argument(
+        "--impls", nargs="*", default=[], help="only these implementations (and the cudnn baseline)"
+    )
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     args = p.parse_args()
@@ -287,10 +301,10 @@ def main():
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
     if args.sweep or args.sweep_bwd:
         name = f"attention-{device_name(family=True)}-sweep.json"
-        recs = _sweep_bwd() if args.sweep_bwd else run_sweep()
+        recs = _sweep_bwd(args.only) if args.sweep_bwd else run_sweep()
         write_records(Path(args.json or results_path(name)), recs)
         return
-    recs = []
+    cases = {}
     for shape in SHAPES:
         for backward in (False, True):
             for causal in (False, True):
@@ -299,15 +313,19 @@ def main():
                     f"{'fwdbwd' if backward else 'fwd'}-{'causal' if causal else 'noncausal'}"
                     f"-b{b}-s{s}-h{h}-d{d}-bf16"
                 )
-                if args.only and not any(x in name for x in args.only):
-                    continue
-                try:
-                    recs.extend(run_case(shape, causal, backward))
-                except Exception as e:
-                    traceback.print_exc()
-                    print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                cases[name] = (shape, causal, backward)
+    if args.only:  # in the order the patterns are given: the first ones run first
+        names = [n for x in args.only for n in cases if x in n]
+        cases = {n: cases[n] for n in dict.fromkeys(names)}
     path = Path(args.json or results_path(f"attention-{device_name(family=True)}.json"))
-    write_records(path, recs)
+    recs = []
+    for name, (shape, causal, backward) in cases.items():
+        try:
+            recs.extend(run_case(shape, causal, backward, tuple(args.impls)))
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        write_records(path, recs)  # after every case: a run cut short keeps what it measured
     print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} vs-cudnn  err     repeat")
     for r in recs:
         ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"

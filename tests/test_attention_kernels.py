@@ -65,6 +65,9 @@ def _check(case, dtype, *, repeat: int = 1, factor: float = 2.0):
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
+# head_dim 256: the dK/dV kernel's warpgroups share key rows and split head_dim, the dQ
+# kernel's V ring is shorter than its K ring.
+RAGGED_D256 = (1, 72, 100, 1, 1, 256, True)
 
 
 class TestAttentionKernelsInterpret:
@@ -75,6 +78,9 @@ class TestAttentionKernelsInterpret:
 
     def test_ragged_causal_gqa(self):
         _check(RAGGED_GQA, jnp.bfloat16)
+
+    def test_ragged_causal_head_dim_256(self):
+        _check(RAGGED_D256, jnp.bfloat16)
 
     def test_non_causal_no_races_bitwise_repeatable(self):
         """Race detection on; two runs give the same bits (no atomics, a fixed order of
@@ -102,6 +108,9 @@ class TestAttentionKernelsGPU:
             (1, 333, 1100, 4, 2, 64, True),  # seq_q < seq_kv, both ragged
             (1, 700, 300, 2, 2, 128, True),  # seq_q > seq_kv: fully masked rows
             RAGGED_GQA,
+            (2, 1024, 1024, 8, 2, 256, True),
+            (1, 1000, 1000, 4, 4, 256, False),  # ragged
+            (1, 333, 1100, 4, 1, 256, True),  # seq_q < seq_kv, both ragged, MQA
         ],
     )
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -139,7 +148,7 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
         (_avals(1, 128, 128, 2, 2, 64, jnp.float32), _spec(), "dtype float32"),
         (_avals(1, 128, 128, 2, 2, 96, jnp.bfloat16), _spec(), "head_dim 96"),
         (_avals(0, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(), "an empty operand"),
-        (_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16, True), _spec(), "head_dim 256"),
+        (_avals(1, 128, 128, 2, 2, 192, jnp.bfloat16, True), _spec(), "head_dim 192"),
         (
             _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16),
             _spec(config=FlashAttentionConfig(64, 64)),
@@ -192,3 +201,21 @@ def test_forward_block_kv_override_is_checked(block_kv):
     q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=f"block_kv={block_kv} must be one of"):
         am.flash_fwd(_spec(config=FlashAttentionConfig()), q, q, q, block_kv=block_kv)
+
+
+@pytest.mark.parametrize(
+    "head_dim, override, match",
+    [
+        (256, dict(dq_block_kv=128), "dq_block_kv=128 must be one of"),
+        (64, dict(dq_block_kv=32), "dq_block_kv=32 must be one of"),
+        (256, dict(dkv_stages=3), "dkv_stages=3 must be one of"),
+        (128, dict(dkv_stages=1), "dkv_stages=1 must be one of"),
+    ],
+)
+def test_backward_overrides_are_checked(head_dim, override, match):
+    """A tuning override whose ring does not fit shared memory (or is not a choice) is a
+    ValueError before any kernel is built."""
+    q = jnp.zeros((1, 128, 1, head_dim), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 128), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        am.flash_bwd(_spec(), q, q, q, q, lse, q, **override)

@@ -11,7 +11,11 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
   ``P = exp2(S − lse)`` and accumulates ``dQ += dS·K``;
 * dK/dV: a CTA owns 128 key rows of one kv head; its loop streams the query blocks of every
   query head of the GQA group, in a fixed order, and accumulates ``dV += Pᵀ·dO`` and
-  ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator.
+  ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator. At head_dim 256
+  two (64, 256) f32 accumulators would not fit a thread's registers, so the CTA owns 64
+  key rows and each warpgroup accumulates one 128-column half of dK and dV; both
+  recompute the same ``Pᵀ`` and ``dSᵀ`` (the redundant half of the work buys a kernel
+  that fits, with no exchange between the warpgroups).
 
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
@@ -59,10 +63,16 @@ WG_ROWS = 64  # rows of one warpgroup's wgmma tile
 NUM_COMPUTE_WGS = 2
 TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-FWD_HEAD_DIMS = (64, 128, 256)
-# Two f32 (64, D) accumulators (dK and dV) per thread: 2·D/2 registers; at D=256 that is
-# the whole register file, so the backward stops at 128.
-BWD_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# The widest head_dim chunk one dK/dV warpgroup accumulates: two f32 (64, D) accumulators
+# cost D registers per thread, and at D=256 that is more than a thread's 255; there the
+# two warpgroups share 64 key rows and each accumulates one 128-wide half.
+DKV_CHUNK = 128
+# The dK/dV kernel's Q/dO ring slots, by head_dim: a slot holds 64 query rows of Q and dO
+# (64 KiB at D=256, where only two fit beside K and V). Deeper rings fit at D<=128;
+# ``benchmarks/attention.py --sweep-bwd`` measures them against these defaults.
+DKV_STAGES = {64: 2, 128: 2, 256: 2}
+DKV_STAGES_CHOICES = (2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +86,10 @@ class Problem:
       causal: bottom-right aligned causal mask.
       scale: the score scale.
       block_kv: keys per loop step of the forward and dQ kernels.
-      stages: shared-memory ring slots of the streamed operand.
+      stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
+      dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
+      dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
+        released early in a step, K only at its end); None: as many as K.
     """
 
     batch: int
@@ -90,6 +103,12 @@ class Problem:
     scale: float
     block_kv: int
     stages: int
+    dkv_stages: int = 2
+    dq_v_stages: int | None = None
+
+    @property
+    def v_stages(self) -> int:
+        return self.stages if self.dq_v_stages is None else self.dq_v_stages
 
     @property
     def group(self) -> int:
@@ -108,6 +127,17 @@ class Problem:
     def offset(self) -> int:
         """Causal alignment: query ``i`` sees keys ``j <= i + offset``."""
         return self.seq_kv - self.seq_q
+
+    @property
+    def dkv_chunks(self) -> int:
+        """The dK/dV kernel's head_dim chunks of :data:`DKV_CHUNK` columns (1 or 2)."""
+        return -(-self.head_dim // DKV_CHUNK)
+
+    @property
+    def dkv_groups(self) -> int:
+        """64-row key groups of a dK/dV CTA: one per warpgroup, or one shared by both
+        when each warpgroup owns a chunk of head_dim."""
+        return 1 if self.dkv_chunks > 1 else NUM_COMPUTE_WGS
 
     @property
     def c(self) -> float:
@@ -139,16 +169,40 @@ def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) 
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
-# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json).
-DQ_BLOCK_KV = {64: 128, 128: 128}
+# 128 measured 1-3% faster than 64 (benchmarks/results/attention-h100-sweep.json). At
+# D=256 the (64, 256) Q and dO tiles of both warpgroups take 128 KiB of shared memory:
+# beside them fit two 64-key K slots and one V slot (wgmma wants 64 keys or more).
+DQ_BLOCK_KV = {64: 128, 128: 128, 256: 64}
 DQ_BLOCK_KV_CHOICES = (64, 128)
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
-def _bwd_problem(q, k, causal: bool, scale: float, dq_block_kv: int | None = None) -> Problem:
+def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
+    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles,
+    at most two each; K gets the second slot first (it is held to the end of a step)."""
+    fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
+    blocks = (SMEM_BYTES - fixed) // (block_kv * d * 2)
+    if blocks >= 4:
+        return 2, 2
+    return (2, 1) if blocks == 3 else (blocks // 2, blocks // 2)
+
+
+def _dkv_smem(d: int, stages: int) -> int:
+    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring."""
+    rows = WG_ROWS if d > DKV_CHUNK else NUM_COMPUTE_WGS * WG_ROWS
+    return 2 * rows * d * 2 + stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4) + 4096
+
+
+def _bwd_problem(
+    q, k, causal: bool, scale: float, dq_block_kv: int | None = None, dkv_stages: int | None = None
+) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
-    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, bkv, 2)
+    stages, v_stages = _dq_stages(d, bkv)
+    dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
+    dt = np.dtype(q.dtype)
+    return Problem(b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages)
 
 
 def _smem(shape, dtype) -> Any:
@@ -183,10 +237,13 @@ def _slot(step, stages: int):
 
 
 def _dot(shape, a, b) -> jax.Array:
-    """``a @ b`` of two shared-memory refs into a fresh f32 accumulator."""
+    """``a @ b`` of two shared-memory refs into a fresh f32 accumulator; ``a`` and ``b`` may
+    be equally long lists of refs whose products are summed (a contraction in chunks)."""
+    pairs = list(zip(a, b)) if isinstance(a, list) else [(a, b)]
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
+        for x, y in pairs:
+            plgpu.wgmma(acc_ref, x, y)
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
@@ -207,34 +264,39 @@ def _dot_acc(acc, a, b_ref, stage_ref, *, interpret: bool) -> jax.Array:
     return acc + _dot(acc.shape, stage_ref, b_ref)
 
 
-def _producer(n_steps, stages: int, groups) -> None:
+def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
     """The memory warpgroup: for each of ``n_steps`` (an int32 scalar) steps, into ring slot
     ``step % stages``, once the slot's previous contents were consumed, every load of every
     group.
 
-    ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, smem ring, barriers), ...])]``.
+    ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, ring, barriers), ...])]``;
+    a ring is a shared-memory ref indexed by the slot, or a function of the slot.
+    ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(40, action="decrease")
+    per_group = [stages] * len(groups) if isinstance(stages, int) else list(stages)
 
     @pl.loop(0, n_steps)
     def _step(step):
-        slot = _slot(step, stages)
-        for consumed, loads in groups:
+        for (consumed, loads), n in zip(groups, per_group):
+            slot = _slot(step, n)
 
-            @pl.when(step >= stages)
-            def _wait(consumed=consumed):
+            @pl.when(step >= n)
+            def _wait(consumed=consumed, slot=slot):
                 plgpu.barrier_wait(consumed.at[slot])
 
             for src, ring, bars in loads:
-                plgpu.copy_gmem_to_smem(src(step), ring.at[slot], bars.at[slot])
+                dst = ring(slot) if callable(ring) else ring.at[slot]
+                plgpu.copy_gmem_to_smem(src(step), dst, bars.at[slot])
 
     # Drain: wait for the last steps' releases too, so that every phase of the consumed
     # barriers is observed before the CTA ends (the interpreter checks it; free on the GPU,
     # where the compute warpgroups finish after their last release anyway).
-    @pl.loop(lax.max(n_steps - stages, jnp.int32(0)), n_steps)
-    def _drain(step):
-        for consumed, _ in groups:
-            plgpu.barrier_wait(consumed.at[_slot(step, stages)])
+    for (consumed, _), n in zip(groups, per_group):
+
+        @pl.loop(lax.max(n_steps - n, jnp.int32(0)), n_steps)
+        def _drain(step, consumed=consumed, n=n):
+            plgpu.barrier_wait(consumed.at[_slot(step, n)])
 
 
 def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_tail: bool):
@@ -311,18 +373,25 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_done.at[slot])
-            s = s * p.c
             if masked:
                 vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
                 s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
+            # one fused multiply-add per score.
+            m_new = jnp.maximum(m, s.max(axis=1) * p.c)
             m_use = m_new
             if masked:  # a row with nothing visible yet: subtract 0, not -inf (NaN)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_use)
-            pr = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_ = l_ * alpha + pr.sum(axis=1)
+            if d <= 128:
+                # Finish the softmax, the cast included, before handing the tensor cores
+                # over: measured faster up to head_dim 128 (as in jax's FA3 kernel), slower
+                # at 256, where the registers are short and the cast waits for the V tile.
+                pr = pr.astype(p.dtype)
+                acc, l_, m_new, pr = lax.optimization_barrier((acc, l_, m_new, pr))
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
@@ -434,12 +503,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         dq = jnp.zeros((bq, d), jnp.float32)
 
         def step(j, dq, masked: bool):
-            slot = _slot(j, p.stages)
+            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_wait(v_bar.at[slot])
-            dp = _dot((bq, bkv), dos, v_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_arrive(v_done.at[slot])
+            plgpu.barrier_wait(v_bar.at[vslot])
+            dp = _dot((bq, bkv), dos, v_smem.at[vslot].transpose((1, 0)))
+            plgpu.barrier_arrive(v_done.at[vslot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
                 vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
@@ -450,10 +519,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             return dq
 
         def flush(j, _):
-            slot = _slot(j, p.stages)
+            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_done.at[slot])
+            plgpu.barrier_wait(v_bar.at[vslot])
+            plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
         dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
@@ -471,7 +540,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
 
         _producer(
             cta_steps,
-            p.stages,
+            (p.stages, p.v_stages),
             [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
@@ -485,13 +554,13 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.SMEM((w, WG_ROWS), jnp.float32),
         plgpu.SMEM((w, WG_ROWS), jnp.float32),
         _smem((p.stages, bkv, d), p.dtype),
-        _smem((p.stages, bkv, d), p.dtype),
+        _smem((p.v_stages, bkv, d), p.dtype),
         stage,
         plgpu.Barrier(num_barriers=4 * w),  # per warpgroup: Q, dO, lse, delta
         plgpu.Barrier(num_barriers=p.stages),
-        plgpu.Barrier(num_barriers=p.stages),
+        plgpu.Barrier(num_barriers=p.v_stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
-        plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
+        plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -521,57 +590,77 @@ def _q_ranges(p: Problem, kv_base):
     return start, lax.max(full, start)
 
 
+def _chunk(c, width: int, chunks: int):
+    """Columns ``[c·width, (c+1)·width)`` of head_dim; all of it when there is one chunk
+    (then the copies are those of an unchunked kernel)."""
+    return slice(None) if chunks == 1 else pl.ds(c * width, width)
+
+
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done = scratch[7:]
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, fin = scratch[7:]
+    nd, groups = p.dkv_chunks, p.dkv_groups
+    dc = p.head_dim // nd
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile0 = lax.axis_index("kv_seq") * TILE
+    tile0 = lax.axis_index("kv_seq") * (groups * WG_ROWS)
     nq = p.seq_q_pad // WG_ROWS
     cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
     per_head = nq - cta_start
-    bq, bkv, d = WG_ROWS, WG_ROWS, p.head_dim
+    bq, bkv = WG_ROWS, WG_ROWS
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
-        kv_base = tile0 + wg * bkv
+        # Each warpgroup owns 64 key rows (``r``) and a chunk of head_dim (``own``): its own
+        # rows and all of head_dim below DKV_CHUNK, the CTA's shared rows and one half above.
+        r, own = (0, wg) if nd > 1 else (wg, 0)
+        kv_base = tile0 + r * bkv
         start, full = _q_ranges(p, kv_base)
-        rows = pl.ds(kv_base, bkv)
-        ks, vs = k_smem.at[wg], v_smem.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], ks, kv_bar.at[2 * wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hk], vs, kv_bar.at[2 * wg + 1])
-        plgpu.barrier_wait(kv_bar.at[2 * wg])
-        plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
-        zeros = jnp.zeros((bkv, d), jnp.float32)
+        rows, cols = pl.ds(kv_base, bkv), _chunk(own, dc, nd)
+        bar = 2 * (r * nd + own)
+        plgpu.copy_gmem_to_smem(
+            k_ref.at[b, rows, hk, cols], k_smem.at[r * nd + own], kv_bar.at[bar]
+        )
+        plgpu.copy_gmem_to_smem(
+            v_ref.at[b, rows, hk, cols], v_smem.at[r * nd + own], kv_bar.at[bar + 1]
+        )
+        for i in range(2 * nd):  # every chunk of the rows: the scores contract all of head_dim
+            plgpu.barrier_wait(kv_bar.at[2 * r * nd + i])
+        ks = [k_smem.at[r * nd + c] for c in range(nd)]
+        vs = [v_smem.at[r * nd + c] for c in range(nd)]
+        zeros = jnp.zeros((bkv, dc), jnp.float32)
 
         def wait(slot):
-            for bars in (q_bar, do_bar, lse_bar, delta_bar):
+            for bars in (*q_bar, *do_bar, lse_bar, delta_bar):
                 plgpu.barrier_wait(bars.at[slot])
 
         def step(qi, carry, g, masked: bool):
             dk, dv = carry
-            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
-            st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
+            qt = [q_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
+            st = _dot((bkv, bq), ks, qt)
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
                 pt = jnp.where(vis, pt, 0.0)
-            dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
-            dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
+            dot = [do_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
+            dpt = _dot((bkv, bq), vs, dot)
+            dos, qs = do_smem.at[slot * nd + own], q_smem.at[slot * nd + own]
+            dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
             delta = delta_smem[slot]
             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-            dk = _dot_acc(dk, dst.astype(p.dtype), q_smem.at[slot], stg, interpret=interpret)
+            dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
         def skip(qi, _, g):
-            slot = _slot(g * per_head + qi - cta_start, p.stages)
+            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
             plgpu.barrier_arrive(done.at[slot])
 
@@ -584,11 +673,17 @@ def _dkv_kernel(
             return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
 
         dk, dv = lax.fori_loop(0, p.group, head, (zeros, zeros))
-        ks[...] = (dk * p.scale).astype(p.dtype)
-        vs[...] = dv.astype(p.dtype)
+        if fin is not None:
+            # Both warpgroups read every chunk of K and V until their last step: overwrite
+            # them with the results only when both are done.
+            plgpu.barrier_arrive(fin)
+            plgpu.barrier_wait(fin)
+        ko, vo = k_smem.at[r * nd + own], v_smem.at[r * nd + own]
+        ko[...] = (dk * p.scale).astype(p.dtype)
+        vo[...] = dv.astype(p.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ks, dk_ref.at[b, rows, hk])
-        plgpu.copy_smem_to_gmem(vs, dv_ref.at[b, rows, hk])
+        plgpu.copy_smem_to_gmem(ko, dk_ref.at[b, rows, hk, cols])
+        plgpu.copy_smem_to_gmem(vo, dv_ref.at[b, rows, hk, cols])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
@@ -598,10 +693,10 @@ def _dkv_kernel(
                 cta_start + lax.rem(step, per_head)
             ) * bq
 
-        def rows_of(ref):
+        def rows_of(ref, c):
             def src(step):
                 h, q0 = qh(step)
-                return ref.at[b, pl.ds(q0, bq), h]
+                return ref.at[b, pl.ds(q0, bq), h, _chunk(c, dc, nd)]
 
             return src
 
@@ -612,39 +707,45 @@ def _dkv_kernel(
 
             return src
 
-        loads = [
-            (rows_of(q_ref), q_smem, q_bar),
-            (rows_of(do_ref), do_smem, do_bar),
-            (vec_of(lse_ref), lse_smem, lse_bar),
-            (vec_of(delta_ref), delta_smem, delta_bar),
-        ]
-        _producer(p.group * per_head, p.stages, [(done, loads)])
+        def ring(ref, c):
+            return lambda slot: ref.at[slot * nd + c]
+
+        loads = [(rows_of(q_ref, c), ring(q_smem, c), q_bar[c]) for c in range(nd)]
+        loads += [(rows_of(do_ref, c), ring(do_smem, c), do_bar[c]) for c in range(nd)]
+        loads += [(vec_of(lse_ref), lse_smem, lse_bar), (vec_of(delta_ref), delta_smem, delta_bar)]
+        _producer(p.group * per_head, p.dkv_stages, [(done, loads)])
 
 
 def _build_dkv(p: Problem, interpret: bool) -> Any:
-    d, s, w = p.head_dim, p.stages, NUM_COMPUTE_WGS
+    d, s, w = p.head_dim, p.dkv_stages, NUM_COMPUTE_WGS
+    nd, groups = p.dkv_chunks, p.dkv_groups
+    dc = d // nd
     stage = _smem((w, WG_ROWS, WG_ROWS), p.dtype) if interpret else None
     scratch = [
-        _smem((w, WG_ROWS, d), p.dtype),
-        _smem((w, WG_ROWS, d), p.dtype),
-        _smem((s, WG_ROWS, d), p.dtype),
-        _smem((s, WG_ROWS, d), p.dtype),
+        # K, V: (key-row group, chunk) flattened; Q, dO: (slot, chunk) flattened. (The
+        # kernel indexes them with one traced index: a literal chunk index beside a traced
+        # one fails to lower inside the loops.)
+        _smem((groups * nd, WG_ROWS, dc), p.dtype),
+        _smem((groups * nd, WG_ROWS, dc), p.dtype),
+        _smem((s * nd, WG_ROWS, dc), p.dtype),
+        _smem((s * nd, WG_ROWS, dc), p.dtype),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         stage,
-        plgpu.Barrier(num_barriers=2 * w),  # per warpgroup: K, V
-        plgpu.Barrier(num_barriers=s),
-        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=2 * groups * nd),  # per key-row group and chunk: K, V
+        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # Q, per chunk
+        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # dO, per chunk
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_arrivals=w, num_barriers=s),
+        plgpu.Barrier(num_arrivals=w) if nd > 1 else None,  # both warpgroups done with K/V
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
         out_type=(kv, kv),
         scratch_types=scratch,
-        grid=(p.heads_kv, p.seq_kv_pad // TILE, p.batch),
+        grid=(p.heads_kv, p.seq_kv_pad // (groups * WG_ROWS), p.batch),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -721,22 +822,43 @@ def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = 
 
 
 def flash_bwd(
-    spec, q, k, v, out, lse, dout, *, interpret: bool = False, dq_block_kv: int | None = None
+    spec,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    *,
+    interpret: bool = False,
+    dq_block_kv: int | None = None,
+    dkv_stages: int | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
-    ``dq_block_kv`` (benchmarks, tests) replaces the dQ kernel's tuned keys per loop step
-    (:data:`DQ_BLOCK_KV`).
+    ``dq_block_kv`` and ``dkv_stages`` (benchmarks, tests) replace the dQ kernel's tuned keys
+    per loop step (:data:`DQ_BLOCK_KV`) and the dK/dV kernel's ring slots
+    (:data:`DKV_STAGES`); a choice that does not fit shared memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
-    if dq_block_kv is not None and dq_block_kv not in DQ_BLOCK_KV_CHOICES:
+    if dq_block_kv is not None and (
+        dq_block_kv not in DQ_BLOCK_KV_CHOICES or min(_dq_stages(q.shape[-1], dq_block_kv)) < 1
+    ):
         raise ValueError(
-            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES}"
+            f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES} "
+            f"with one K/V slot fitting shared memory at head_dim {q.shape[-1]}"
+        )
+    if dkv_stages is not None and (
+        dkv_stages not in DKV_STAGES_CHOICES or _dkv_smem(q.shape[-1], dkv_stages) > SMEM_BYTES
+    ):
+        raise ValueError(
+            f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
+            f"with the ring fitting shared memory at head_dim {q.shape[-1]}"
         )
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
@@ -780,15 +902,12 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
             "the blocked reference runs the rest)"
         )
     q, k = avals[0], avals[1]
-    backward = len(avals) == 6
     dt = np.dtype(q.dtype)
     if dt not in DTYPES:
         return f"dtype {dt} (the kernels take bfloat16 and float16)"
     d = q.shape[-1]
-    dims = BWD_HEAD_DIMS if backward else FWD_HEAD_DIMS
-    if d not in dims:
-        what = "backward" if backward else "forward"
-        return f"head_dim {d} (the {what} kernel takes {', '.join(map(str, dims))})"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if not _default_config(spec):
@@ -800,7 +919,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
-# operator's blocked XLA reference, which the kernels beat 10-20x at every measured shape
+# operator's blocked XLA reference, which the kernels beat 4-20x at every measured shape
 # (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
 # below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
 PREFER_MIN_SEQ = 512

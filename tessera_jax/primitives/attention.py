@@ -93,7 +93,7 @@ statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)``
 what it cannot run, e.g. ``spec.features`` not empty (masks, bias, lengths, window,
 segments, ``dlse``, ``bias_grad``); the reference then runs the case. Registered today:
 ``pallas_kernels/attention_mgpu.py`` (Hopper; plain causal or non-causal attention, bf16 and
-f16, head_dim 64 and 128, and 256 for the forward; in ``auto`` mode from 512 queries and
+f16, head_dim 64, 128 and 256, forward and backward; in ``auto`` mode from 512 queries and
 keys).
 """
 
