@@ -1,0 +1,67 @@
+"""``ts.profile`` of one training step: ours (the demo's deterministic step, at two gradient
+group counts) and the same model in plain JAX (``benchmarks/train.py``'s), on one device.
+
+Shows where a step's device time goes, per ts operator and per XLA kernel, and the idle
+time between kernels: what bounds ``benchmarks/train.py``'s ratio. On the GPU machine::
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/profile_train.py [--groups 8 2] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tessera_jax as ts
+from benchmarks.train import make_plain_step
+from tessera_jax.train import data, step
+from tessera_jax.train.model import ModelConfig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--groups", type=int, nargs="+", default=[8, 2])
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    args = p.parse_args(argv)
+
+    devices = jax.devices()[:1]
+    mesh = step.make_mesh(devices, 1, 1)
+    cfg = ModelConfig(
+        d_model=args.width,
+        n_layers=args.layers,
+        n_heads=args.width // 64,
+        d_ff=4 * args.width,
+        seq_len=args.seq,
+        chunks=1,
+        compute_dtype="bfloat16",
+    )
+    optim = step.OptimConfig()
+    tokens = data.encode(data.corpus())
+    host = data.batch(tokens, 0, batch_size=args.batch, seq_len=args.seq, seed=0)
+    for groups in args.groups:
+        f = step.make_train_step(cfg, optim, mesh, groups)
+        state = step.init_state(cfg, optim, mesh, 0)
+        windows = step.place_windows(mesh, host, groups)
+        print(f"=== ours, groups={groups}")
+        print(ts.profile(f, state, windows, steps=args.steps))
+    attn_impl = "cudnn" if devices[0].platform == "gpu" else None
+    plain = make_plain_step(cfg, optim, mesh, attn_impl)
+    state = step.init_state(cfg, optim, mesh, 0)
+    window = jax.device_put(host, NamedSharding(mesh, P(("dp", "tp"))))
+    print(f"=== plain jax (attention: {attn_impl or 'xla'})")
+    print(ts.profile(plain, state, window, steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
