@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tessera_jax.primitives._core import OPERATORS
 
@@ -187,3 +188,19 @@ def chosen_kernels(f, *args, ops=None) -> list[tuple[str, str]]:
 
     walk(jax.make_jaxpr(f)(*args).jaxpr)
     return found
+
+
+def skip_unsampled_twin(request, k: int) -> None:
+    """In an interpret-mode twin class: skips this case unless it is among ``k`` sampled
+    cases of its test function (all of them under TESSERA_TEST_FULL=1). The GPU twin
+    (``-m gpu``) runs every case; the interpreter's share of the CPU suite stays bounded."""
+    node = request.node
+    if not hasattr(node, "callspec"):
+        return
+    ids = [
+        it.callspec.id
+        for it in request.session.items
+        if it.parent is node.parent and it.originalname == node.originalname
+    ]
+    if node.callspec.id not in sample(ids, k):
+        pytest.skip(f"interpret twin not in this run's sample of {k} (TESSERA_TEST_FULL=1)")

@@ -34,7 +34,7 @@ from hypothesis import settings  # noqa: E402
 
 # Property tests, bounded here for the whole suite: few examples, the same ones every run
 # (CI must not depend on luck), no deadline (the first example of a shape compiles).
-settings.register_profile("tessera", max_examples=8, deadline=None, derandomize=True)
+settings.register_profile("tessera", max_examples=5, deadline=None, derandomize=True)
 settings.load_profile("tessera")
 
 

@@ -94,7 +94,7 @@ def test_forward_matches_float64(case, dtype):
     assert_close(out, np_attention(f64(q), f64(k), f64(v), case[6]))
 
 
-@pytest.mark.parametrize("case,dtype", sample([(c, d) for c in CASES[1:4] for d in DTYPES], 4))
+@pytest.mark.parametrize("case,dtype", sample([(c, d) for c in CASES[1:4] for d in DTYPES], 2))
 def test_gradients_match_float64(case, dtype):
     q, k, v = inputs(case, dtype)
     do = rand(q.shape, dtype)
@@ -124,7 +124,7 @@ def test_causal_square_is_the_lower_triangle():
         np.testing.assert_allclose(out[:, i : i + 1], want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", sample(DTYPES, 2))
+@pytest.mark.parametrize("dtype", sample(DTYPES, 1))
 def test_fully_masked_rows_give_zeros_and_zero_gradients(dtype):
     case = (1, 10, 4, 4, 2, 8, True, 2)  # queries 0..5 see no key (bottom-right alignment)
     q, k, v = inputs(case, dtype)
@@ -496,7 +496,7 @@ _OPTION_PARAMS = [pytest.param(*c, id=f"{c[0]}-{np.dtype(c[3]).name}") for c in 
 
 
 @pytest.mark.parametrize(
-    "name,dims,make,dtype", [*sample(_OPTION_PARAMS[:-2], 2), *_OPTION_PARAMS[-2:]]
+    "name,dims,make,dtype", [*sample(_OPTION_PARAMS[:-2], 1), *_OPTION_PARAMS[-2:]]
 )
 def test_options_forward_and_gradients_match_float64(name, dims, make, dtype):
     opts = make()

@@ -20,7 +20,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from tests._util import assert_close, chosen_kernels, f64, np_activation, np_tree, rand
+from tests._util import (
+    assert_close,
+    chosen_kernels,
+    f64,
+    np_activation,
+    np_tree,
+    rand,
+    skip_unsampled_twin,
+)
 
 # (M, K, N): whole tiles, and ragged edges in every dimension.
 SHAPES = [(128, 128, 128), (72, 48, 40)]
@@ -130,3 +138,7 @@ class TestKernelsGPU(_KernelCases):
 
 class TestKernelsInterpret(_KernelCases):
     MODE = "interpret"
+
+    @pytest.fixture(autouse=True)
+    def _sampled(self, request):
+        skip_unsampled_twin(request, 2)

@@ -20,7 +20,14 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives import norms as _norms
-from tests._util import assert_close, chosen_kernels, cuda_lowering, f64, rand
+from tests._util import (
+    assert_close,
+    chosen_kernels,
+    cuda_lowering,
+    f64,
+    rand,
+    skip_unsampled_twin,
+)
 
 # (shape, dtype), sampled rather than crossed: one whole block of power-of-two rows in
 # bf16, and ragged rows of a length that is not a power of two (masked columns, a partial
@@ -159,6 +166,10 @@ class TestNormKernelsGPU(_NormKernelCases):
 
 class TestNormKernelsInterpret(_NormKernelCases):
     MODE = "interpret"
+
+    @pytest.fixture(autouse=True)
+    def _sampled(self, request):
+        skip_unsampled_twin(request, 4)
 
 
 # --- the kernel functions themselves (CPU only) -------------------------------------------
