@@ -20,9 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from benchmarks.train import make_plain_step
+from benchmarks.train import bench_config, make_plain_step
 from tessera_jax.train import data, step
-from tessera_jax.train.model import ModelConfig
 
 
 def main(argv=None):
@@ -37,15 +36,7 @@ def main(argv=None):
 
     devices = jax.devices()[:1]
     mesh = step.make_mesh(devices, 1, 1)
-    cfg = ModelConfig(
-        d_model=args.width,
-        n_layers=args.layers,
-        n_heads=args.width // 64,
-        d_ff=4 * args.width,
-        seq_len=args.seq,
-        chunks=1,
-        compute_dtype="bfloat16",
-    )
+    cfg = bench_config(args.layers, args.width, args.seq)
     optim = step.OptimConfig()
     tokens = data.encode(data.corpus())
     host = data.batch(tokens, 0, batch_size=args.batch, seq_len=args.seq, seed=0)

@@ -60,6 +60,19 @@ def plain_loss(cfg: ModelConfig, params, window, attn_impl=None):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
+def bench_config(layers: int, width: int, seq: int) -> ModelConfig:
+    """The benchmarked model: 64-wide heads, a 4x MLP, bf16 compute, one tp chunk."""
+    return ModelConfig(
+        d_model=width,
+        n_layers=layers,
+        n_heads=width // 64,
+        d_ff=4 * width,
+        seq_len=seq,
+        chunks=1,
+        compute_dtype="bfloat16",
+    )
+
+
 def make_plain_step(cfg, optim, mesh, attn_impl):
     opt = optim.optimizer()
     batch_sharding = NamedSharding(mesh, P(("dp", "tp")))
@@ -98,15 +111,7 @@ def main(argv=None):
 
     devices = jax.devices()
     mesh = step.make_mesh(devices, len(devices), 1)
-    cfg = ModelConfig(
-        d_model=args.width,
-        n_layers=args.layers,
-        n_heads=args.width // 64,
-        d_ff=4 * args.width,
-        seq_len=args.seq,
-        chunks=1,
-        compute_dtype="bfloat16",
-    )
+    cfg = bench_config(args.layers, args.width, args.seq)
     groups = args.groups or max(2, 1 << (len(devices) - 1).bit_length())
     step.check_layout(cfg, mesh, args.batch, groups)
     optim = step.OptimConfig()
