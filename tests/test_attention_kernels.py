@@ -22,7 +22,7 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
-from tests._util import assert_close, chosen_kernels, f64, rand
+from tests._util import assert_close, chosen_kernels, f64, rand, sample
 from tests.test_attention import np_attention, np_attention_grads
 
 
@@ -76,11 +76,13 @@ class TestAttentionKernelsInterpret:
         with ts.kernel_mode("interpret"):
             yield
 
-    def test_ragged_causal_gqa(self):
-        _check(RAGGED_GQA, jnp.bfloat16)
-
-    def test_ragged_causal_head_dim_256(self):
-        _check(RAGGED_D256, jnp.bfloat16)
+    # The interpreter is slowest on these two: one of them per run (TESSERA_TEST_FULL=1: both).
+    @pytest.mark.parametrize(
+        "case",
+        sample([pytest.param(RAGGED_GQA, id="gqa"), pytest.param(RAGGED_D256, id="d256")], 1),
+    )
+    def test_ragged_causal(self, case):
+        _check(case, jnp.bfloat16)
 
     def test_non_causal_no_races_bitwise_repeatable(self):
         """Race detection on; two runs give the same bits (no atomics, a fixed order of

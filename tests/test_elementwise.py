@@ -8,7 +8,7 @@ import scipy.special
 from jax.test_util import check_grads
 
 import tessera_jax as ts
-from tests._util import assert_close, f64, rand
+from tests._util import assert_close, f64, rand, sample, sample_grid
 
 
 def _gelu_tanh(x):
@@ -28,9 +28,9 @@ CASES = {
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("shape", [(7,), (3, 5, 4)])
+@pytest.mark.parametrize(
+    *sample_grid(21, name=sorted(CASES), dtype=DTYPES, shape=[(7,), (3, 5, 4)])
+)
 def test_values_match_float64_reference(name, dtype, shape):
     fn, ref, prep = CASES[name]
     x = prep(rand(shape)).astype(dtype)
@@ -40,7 +40,7 @@ def test_values_match_float64_reference(name, dtype, shape):
     assert_close(jax.jit(fn)(x), ref(f64(x)))
 
 
-@pytest.mark.parametrize("name", sorted(set(CASES) - {"relu", "abs"}))
+@pytest.mark.parametrize("name", sample(sorted(set(CASES) - {"relu", "abs"}), 3))
 def test_second_order_gradients(name, x64):
     fn, _, prep = CASES[name]
     x = prep(rand((4, 3))).astype(jnp.float64)

@@ -117,7 +117,7 @@ _ONE_KIND = [(n, _KINDS[i % 2]) for i, n in enumerate(sorted(CASES))]
 _OTHER_KIND = [(n, _KINDS[(i + 1) % 2]) for i, n in enumerate(sorted(CASES))]
 
 
-@pytest.mark.parametrize("name,kind", _ONE_KIND + sample(_OTHER_KIND, 4))
+@pytest.mark.parametrize("name,kind", sample(_ONE_KIND, 16) + sample(_OTHER_KIND, 3))
 def test_values_and_types_match_jnp(name, kind):
     f, g, specs = CASES[name]
     mesh = _mesh(kind)

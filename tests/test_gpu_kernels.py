@@ -141,4 +141,4 @@ class TestKernelsInterpret(_KernelCases):
 
     @pytest.fixture(autouse=True)
     def _sampled(self, request):
-        skip_unsampled_twin(request, 2)
+        skip_unsampled_twin(request, 1)

@@ -12,7 +12,7 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax.numerics.policy import ScaledPolicy
-from tests._util import f64, rand, rel_err, sample, seed003_quantized_policy
+from tests._util import f64, rand, rel_err, sample, sample_grid, seed003_quantized_policy
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -62,9 +62,11 @@ BUILTIN = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN))
-@pytest.mark.parametrize("shape", [(257,), (16, 48)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    *sample_grid(
+        6, name=sorted(BUILTIN), shape=[(257,), (16, 48)], dtype=[jnp.float32, jnp.bfloat16]
+    )
+)
 def test_builtin_float_round_trip_bounds(name, shape, dtype):
     storage, fmax, rel, tiny = BUILTIN[name]
     x = rand(shape, dtype, scale=5.0)

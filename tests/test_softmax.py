@@ -81,7 +81,7 @@ def test_all_neg_inf_rows_give_zeros_and_zero_gradient(dtype):
     np.testing.assert_array_equal(f64(gl[1]), f64(ct[1]))  # δ − softmax, softmax = 0
 
 
-@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("axis", sample([0, 1, -1], 2))
 def test_gradients_order_2(x64, axis):
     x = rand((3, 4, 5)).astype(jnp.float64)
     check_grads(lambda x: ts.softmax(x, axis), (x,), order=2)
