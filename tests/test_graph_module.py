@@ -46,6 +46,15 @@ def _grads(fn, args, w):
     return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=nums))(*args)
 
 
+def _assert_grads_match_unrewritten(module, args, w, dtype):
+    """The rewritten module's gradients against the unrewritten one's in float64."""
+    got = _grads(module, args, w.astype(dtype))
+    ref_args = [a if a.dtype == bool else jnp.asarray(f64(a)) for a in args]
+    refs = _grads(module.with_passes(()), ref_args, jnp.asarray(f64(w)))
+    for g, r in zip(got, refs):
+        assert_close(g, f64(r), dtype, factor=8)
+
+
 # --- attention ----------------------------------------------------------------------------
 
 
@@ -149,11 +158,7 @@ def test_attention_rewrite_matches_unrewritten(name, module, shapes, dtype, grad
     assert_close(out, f64(_f64(module, *args)), dtype, factor=4)
     if not grads:
         return
-    w = rand(out.shape, jnp.float32)
-    got = _grads(module, args, w.astype(dtype))
-    refs = _grads(module.with_passes(()), [jnp.asarray(f64(a)) for a in args], jnp.asarray(f64(w)))
-    for g, r in zip(got, refs):
-        assert_close(g, f64(r), dtype, factor=8)
+    _assert_grads_match_unrewritten(module, args, rand(out.shape, jnp.float32), dtype)
 
 
 def test_attention_runtime_mask():
@@ -275,11 +280,7 @@ def test_matmul_epilogue_rewrite(bias, act, residual, x64):
     assert_close(layer(*args), f64(_f64(layer, *args)), jnp.float32, factor=4)
     if not grads:
         return
-    w = rand((2, 3, 4))
-    got = _grads(layer, args, w)
-    refs = _grads(layer.with_passes(()), [jnp.asarray(f64(a)) for a in args], jnp.asarray(f64(w)))
-    for g, r in zip(got, refs):
-        assert_close(g, f64(r), jnp.float32, factor=8)
+    _assert_grads_match_unrewritten(layer, args, rand((2, 3, 4)), jnp.float32)
 
 
 def test_matmul_epilogue_near_misses():
@@ -313,11 +314,7 @@ def test_rmsnorm_matmul_rewrite(x64):
     assert graph.ts_ops == ("ts_rmsnorm_matmul", "ts_rmsnorm_matmul")
     assert "rmsnorm_matmul: 2 rewrites" in str(graph)
     assert_close(block(*args), f64(_f64(block, *args)), jnp.float32, factor=4)
-    w = rand((2, 3, 5))
-    got = _grads(block, args, w)
-    refs = _grads(block.with_passes(()), [jnp.asarray(f64(a)) for a in args], jnp.asarray(f64(w)))
-    for g, r in zip(got, refs):
-        assert_close(g, f64(r), jnp.float32, factor=8)
+    _assert_grads_match_unrewritten(block, args, rand((2, 3, 5)), jnp.float32)
 
 
 def test_rmsnorm_matmul_near_misses():
