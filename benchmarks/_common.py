@@ -107,6 +107,25 @@ def results_path(filename: str) -> Path:
     return (Path(out) if out else RESULTS) / filename
 
 
+def record(
+    suite: str, case: str, impl: str, baseline: str, ms: float, baseline_ms: float, **fields: Any
+) -> dict[str, Any]:
+    """One record of the benchmarks' common schema: the device family, the jax version, both
+    times and ``ratio = baseline_ms / ms`` (above 1: ``impl`` is faster), then ``fields``."""
+    return dict(
+        suite=suite,
+        case=case,
+        device=device_name(family=True),
+        jax=jax.__version__,
+        impl=impl,
+        baseline=baseline,
+        ms=ms,
+        baseline_ms=baseline_ms,
+        ratio=baseline_ms / ms,
+        **fields,
+    )
+
+
 def write_records(path: str | os.PathLike, records: list[dict[str, Any]]) -> Path:
     """Writes ``records`` as a JSON list (one key per line) and returns the path."""
     path = Path(path)

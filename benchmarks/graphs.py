@@ -45,6 +45,7 @@ import tessera_jax as ts  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
     normal,
+    record,
     results_path,
     time_interleaved,
     write_records,
@@ -102,17 +103,14 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=jnp.bfloat16) -> list[dict]:
             )
             base = times["ts.flash_attention"]
             for name, ms in times.items():
-                rec = dict(
-                    suite="graphs",
+                rec = record(
+                    "graphs",
+                    case,
+                    name,
+                    "ts.flash_attention",
+                    ms,
+                    base,
                     section="attention",
-                    case=case,
-                    device=device_name(family=True),
-                    jax=jax.__version__,
-                    impl=name,
-                    baseline="ts.flash_attention",
-                    ms=ms,
-                    baseline_ms=base,
-                    ratio=base / ms,
                     tflops=flops / ms / 1e9,
                     rel_err=errs[name],
                 )
@@ -131,12 +129,9 @@ def _ops(x, w):
     return h
 
 
-def bench_capture(
-    *, size: int = 64, dtype=jnp.float32, repeats: int = 9, device: str | None = None
-) -> list[dict]:
+def bench_capture(*, size: int = 64, dtype=jnp.float32, repeats: int = 9) -> list[dict]:
     """The "capture" section's records: eager against replayed (command buffers on and
     off), and ``ts.jit(capture_graph=...)``, for :func:`_ops` on ``size``-square arrays."""
-    device = device or device_name(family=True)
     x = normal(0, (size, size), dtype)
     w = normal(1, (size, size), dtype, scale=size**-0.5)
     x2 = normal(2, (size, size), dtype)
@@ -184,18 +179,16 @@ def bench_capture(
     for impl, ms in t.items():
         if impl == "eager":
             continue
+        name = f"ts.graph.launch{impl[6:]}" if impl.startswith("replay") else impl
         records.append(
-            dict(
-                suite="graphs",
+            record(
+                "graphs",
+                case,
+                name,
+                "eager",
+                ms,
+                t["eager"],
                 section="capture",
-                case=case,
-                device=device,
-                jax=jax.__version__,
-                impl=f"ts.graph.launch{impl[6:]}" if impl.startswith("replay") else impl,
-                baseline="eager",
-                ms=ms,
-                baseline_ms=t["eager"],
-                ratio=t["eager"] / ms,
                 rel_err=errs[impl],
                 command_buffer=command_buffer[impl],
             )

@@ -58,6 +58,7 @@ import warp_reduce_sum  # noqa: E402
 import tessera_jax as ts  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
+    record,
     results_path,
     time_interleaved,
     write_records,
@@ -143,19 +144,7 @@ def checks() -> list[tuple[str, float, float]]:
 
 
 def _record(case, impl, baseline, ms, baseline_ms, err, **extra):
-    return dict(
-        suite="kernels",
-        case=case,
-        device=device_name(family=True),
-        jax=jax.__version__,
-        impl=impl,
-        baseline=baseline,
-        ms=ms,
-        baseline_ms=baseline_ms,
-        ratio=baseline_ms / ms,
-        rel_err=err,
-        **extra,
-    )
+    return record("kernels", case, impl, baseline, ms, baseline_ms, rel_err=err, **extra)
 
 
 GEMM_CONFIGS = [

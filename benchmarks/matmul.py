@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import tessera_jax as ts  # noqa: E402
+from benchmarks import _common  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
     results_path,
@@ -184,18 +185,9 @@ def make_case(kind, m, n, k):
 
 
 def record(case, impl, baseline, ms, baseline_ms, flops, err):
-    return dict(
-        suite="matmul",
-        case=case,
-        device=device_name(family=True),
-        jax=jax.__version__,
-        impl=impl,
-        baseline=baseline,
-        ms=ms,
-        baseline_ms=baseline_ms,
-        ratio=baseline_ms / ms,
-        tflops=flops / (ms * 1e-3) / 1e12,
-        rel_err=err,
+    tflops = flops / (ms * 1e-3) / 1e12
+    return _common.record(
+        "matmul", case, impl, baseline, ms, baseline_ms, tflops=tflops, rel_err=err
     )
 
 

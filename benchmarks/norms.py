@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import tessera_jax as ts  # noqa: E402
+from benchmarks import _common  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
     results_path,
@@ -142,19 +143,8 @@ def rel_err(out, ref) -> float:
 
 
 def record(case, impl, baseline, ms, baseline_ms, nbytes, err):
-    return dict(
-        suite="norms",
-        case=case,
-        device=device_name(family=True),
-        jax=jax.__version__,
-        impl=impl,
-        baseline=baseline,
-        ms=ms,
-        baseline_ms=baseline_ms,
-        ratio=baseline_ms / ms,
-        gbps=nbytes / (ms * 1e-3) / 1e9,
-        rel_err=err,
-    )
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return _common.record("norms", case, impl, baseline, ms, baseline_ms, gbps=gbps, rel_err=err)
 
 
 def operands(op, shape):
