@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--groups", type=int, nargs="+", default=[8, 2])
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 8])
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     args = p.parse_args(argv)
 
@@ -47,11 +47,13 @@ def main(argv=None):
         print(f"=== ours, groups={groups}")
         print(ts.profile(f, state, windows, steps=args.steps))
     attn_impl = "cudnn" if devices[0].platform == "gpu" else None
-    plain = make_plain_step(cfg, optim, mesh, attn_impl)
-    state = step.init_state(cfg, optim, mesh, 0)
     window = jax.device_put(host, NamedSharding(mesh, P(("dp", "tp"))))
-    print(f"=== plain jax (attention: {attn_impl or 'xla'})")
-    print(ts.profile(plain, state, window, steps=args.steps))
+    for unroll in (False, True):
+        plain = make_plain_step(cfg, optim, mesh, attn_impl, unroll)
+        state = step.init_state(cfg, optim, mesh, 0)
+        layers = "unrolled" if unroll else "in lax.scan"
+        print(f"=== plain jax (attention: {attn_impl or 'xla'}; layers {layers})")
+        print(ts.profile(plain, state, window, steps=args.steps))
 
 
 if __name__ == "__main__":

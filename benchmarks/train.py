@@ -30,9 +30,12 @@ from tessera_jax.train.checkpoint import fingerprint
 from tessera_jax.train.model import ModelConfig
 
 
-def plain_loss(cfg: ModelConfig, params, window, attn_impl=None):
+def plain_loss(cfg: ModelConfig, params, window, attn_impl=None, unroll=False, onehot=False):
     """The demo's model in plain JAX (``cfg.chunks == 1``); ``attn_impl`` is
-    ``jax.nn.dot_product_attention``'s ``implementation``."""
+    ``jax.nn.dot_product_attention``'s ``implementation``; ``unroll``: the layers as
+    straight-line code (a Python loop over layers, as in most flax models) instead of
+    ``lax.scan``; ``onehot``: the embedding as a one-hot matmul, as ours, instead of the
+    usual row gather (whose gradient is a scatter-add)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     tokens, targets = window[:, :-1], window[:, 1:]
     b, s = tokens.shape
@@ -43,7 +46,11 @@ def plain_loss(cfg: ModelConfig, params, window, attn_impl=None):
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
         return (y * g).astype(cdt)
 
-    x = params["embed"].astype(cdt)[tokens] + jnp.asarray(model._positions(s, cfg.d_model), cdt)
+    if onehot:
+        x = jax.nn.one_hot(tokens, cfg.vocab, dtype=cdt) @ params["embed"].astype(cdt)
+    else:
+        x = params["embed"].astype(cdt)[tokens]
+    x = x + jnp.asarray(model._positions(s, cfg.d_model), cdt)
 
     def body(x, lp):
         qkv = norm(x, lp["ln1"]) @ lp["wqkv"][0].astype(cdt)
@@ -54,7 +61,7 @@ def plain_loss(cfg: ModelConfig, params, window, attn_impl=None):
         up = jax.nn.gelu(norm(x, lp["ln2"]) @ lp["w1"][0].astype(cdt), approximate=True)
         return x + up @ lp["w2"][0].astype(cdt), None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, _ = jax.lax.scan(body, x, params["layers"], unroll=unroll)
     logits = (norm(x, params["ln_f"]) @ params["head"].astype(cdt)).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
@@ -73,16 +80,16 @@ def bench_config(layers: int, width: int, seq: int) -> ModelConfig:
     )
 
 
-def make_plain_step(cfg, optim, mesh, attn_impl):
+def make_plain_step(cfg, optim, mesh, attn_impl, unroll, onehot=False):
     opt = optim.optimizer()
     batch_sharding = NamedSharding(mesh, P(("dp", "tp")))
 
     @jax.jit
     def plain_step(state, window):
         window = jax.lax.with_sharding_constraint(window, batch_sharding)
-        loss, grads = jax.value_and_grad(lambda p: plain_loss(cfg, p, window, attn_impl))(
-            state["params"]
-        )
+        loss, grads = jax.value_and_grad(
+            lambda p: plain_loss(cfg, p, window, attn_impl, unroll, onehot)
+        )(state["params"])
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -104,6 +111,12 @@ def main(argv=None):
         help="gradient groups (default: the device count, at least 2: the 1- and 2-device "
         "runs give the same bits)",
     )
+    p.add_argument(
+        "--unroll",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="our step's layers and groups as straight-line code (auto: on GPUs)",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps per timing")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="the record file (default: results/train-<device>.json)")
@@ -120,17 +133,24 @@ def main(argv=None):
         data.batch(tokens, i, batch_size=args.batch, seq_len=args.seq, seed=0)
         for i in range(args.steps)
     ]
-    ours_step = step.make_train_step(cfg, optim, mesh, groups)
+    unroll = {"auto": None, "yes": True, "no": False}[args.unroll]
+    ours_step = step.make_train_step(cfg, optim, mesh, groups, unroll)
     # cuDNN's fused attention where there is one (XLA's materialises S×S per layer).
     attn_impl = "cudnn" if devices[0].platform == "gpu" else None
-    plain_step = make_plain_step(cfg, optim, mesh, attn_impl)
     ours_in = [step.place_windows(mesh, w, groups) for w in host]
     plain_in = [jax.device_put(w, NamedSharding(mesh, P(("dp", "tp")))) for w in host]
-    states = {
-        "ours": step.init_state(cfg, optim, mesh, 0),
-        "plain": step.init_state(cfg, optim, mesh, 0),
-    }
-    fns = {"ours": (ours_step, ours_in), "plain": (plain_step, plain_in)}
+    # The baseline is the faster of the two ways plain JAX models write their layers;
+    # plain-onehot is also timed: the usual gather's gradient is a scatter-add, slow on
+    # GPUs for a small vocabulary, and the one-hot form is what our model uses.
+    fns = {"ours": (ours_step, ours_in)}
+    for name, plain_unroll, onehot in (
+        ("plain-scan", False, False),
+        ("plain-unrolled", True, False),
+        ("plain-onehot", True, True),
+    ):
+        plain_step = make_plain_step(cfg, optim, mesh, attn_impl, plain_unroll, onehot)
+        fns[name] = (plain_step, plain_in)
+    states = {name: step.init_state(cfg, optim, mesh, 0) for name in fns}
 
     def run(name):
         f, inputs = fns[name]
@@ -140,12 +160,18 @@ def main(argv=None):
         jax.block_until_ready(states[name])
         return (time.perf_counter() - t0) / len(inputs) * 1e3, float(loss)
 
-    losses = {name: run(name)[1] for name in fns}  # compile and warm up
+    losses, compile_s = {}, {}
+    for name in fns:  # compile and warm up
+        t0 = time.perf_counter()
+        losses[name] = run(name)[1]
+        compile_s[name] = time.perf_counter() - t0
     times = {name: [] for name in fns}
     for _ in range(args.repeats):
         for name in fns:
             times[name].append(run(name)[0])
     ms = {name: statistics.median(t) for name, t in times.items()}
+    plain = min(("plain-scan", "plain-unrolled"), key=ms.get)
+    ms["plain"], losses["plain"] = ms[plain], losses[plain]
 
     # Bitwise repeatability of our step: two fresh runs of the same steps.
     fps = []
@@ -164,9 +190,16 @@ def main(argv=None):
         "devices": len(devices),
         "jax": jax.__version__,
         "impl": "tessera_jax.train (deterministic)",
-        "baseline": f"plain jax (jnp, jax.nn.dot_product_attention[{attn_impl}], XLA psum)",
+        "baseline": f"plain jax (jnp, jax.nn.dot_product_attention[{attn_impl}], XLA psum, "
+        f"layers {'unrolled' if plain == 'plain-unrolled' else 'in lax.scan'})",
+        "unrolled": bool(unroll if unroll is not None else devices[0].platform == "gpu"),
         "ms": ms["ours"],
         "baseline_ms": ms["plain"],
+        "plain_scan_ms": ms["plain-scan"],
+        "plain_unrolled_ms": ms["plain-unrolled"],
+        "plain_onehot_ms": ms["plain-onehot"],
+        "ratio_vs_plain_onehot": ms["plain-onehot"] / ms["ours"],
+        "first_step_s": {name: round(t, 1) for name, t in compile_s.items()},
         "ratio": ms["plain"] / ms["ours"],
         "tokens_per_s": tokens_per_step / ms["ours"] * 1e3,
         "baseline_tokens_per_s": tokens_per_step / ms["plain"] * 1e3,
@@ -178,10 +211,15 @@ def main(argv=None):
         "repeatable": fps[0] == fps[1],
         "fingerprint": fps[0],
     }
-    print(f"{'case':40s} {'ours ms':>9s} {'plain ms':>9s} {'ratio':>6s} {'tok/s':>10s} repeatable")
     print(
-        f"{case:40s} {ms['ours']:9.2f} {ms['plain']:9.2f} {record['ratio']:6.3f} "
-        f"{record['tokens_per_s']:10.0f} {record['repeatable']}"
+        f"{'case':40s} {'ours ms':>9s} {'scan ms':>9s} {'unrl ms':>9s} {'1hot ms':>9s} "
+        f"{'ratio':>6s} {'tok/s':>10s} repeatable  first steps (s)"
+    )
+    print(
+        f"{case:40s} {ms['ours']:9.2f} {ms['plain-scan']:9.2f} {ms['plain-unrolled']:9.2f} "
+        f"{ms['plain-onehot']:9.2f} "
+        f"{record['ratio']:6.3f} {record['tokens_per_s']:10.0f} {record['repeatable']!s:10s}  "
+        + " ".join(f"{k}={v:.0f}" for k, v in compile_s.items())
     )
     path = results_path(args.json or f"train-{device_name(count=True)}.json")
     write_records(path, [record])

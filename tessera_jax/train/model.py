@@ -153,13 +153,15 @@ def param_specs(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
+    """``x`` summed across ``axis_name`` on the canonical tree (None: ``x`` itself)."""
+    return x if axis_name is None else ts.all_reduce(x, "sum", axis=axis_name)
+
+
 def tree_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
     """``(n, …) → (…)``: the canonical tree over the local leading axis, then across
     ``axis_name`` (None: this device holds every part)."""
-    out = pairwise_tree_sum(x, axis=0)
-    if axis_name is not None:
-        out = ts.all_reduce(out, "sum", axis=axis_name)
-    return out
+    return all_sum(pairwise_tree_sum(x, axis=0), axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -235,9 +237,17 @@ def _block(cfg: ModelConfig, tp_axis: str | None, x: jax.Array, lp: dict[str, ja
     return x
 
 
-def logits(cfg: ModelConfig, params, tokens: jax.Array, tp_axis: str | None = None):
+def logits(
+    cfg: ModelConfig,
+    params,
+    tokens: jax.Array,
+    tp_axis: str | None = None,
+    unroll: bool = False,
+):
     """``tokens: (B, S) int → (B, S, vocab)`` f32 logits. ``tp_axis``: the bound mesh
-    axis holding the other chunks (None: ``params`` holds every chunk)."""
+    axis holding the other chunks (None: ``params`` holds every chunk). ``unroll``: the
+    layers as straight-line code rather than a loop (on GPUs a loop iteration costs a
+    host round trip and the stacked residuals' copies; the bits are the same)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = tokens.shape
     onehot = jax.nn.one_hot(tokens.reshape(b * s), cfg.vocab, dtype=cdt)
@@ -247,16 +257,22 @@ def logits(cfg: ModelConfig, params, tokens: jax.Array, tp_axis: str | None = No
     def body(x, lp):
         return _block(cfg, tp_axis, x, lp), None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, _ = jax.lax.scan(body, x, params["layers"], unroll=bool(unroll))
     x = ts.rmsnorm(x, params["ln_f"].astype(cdt)).reshape(b * s, cfg.d_model)
     out = ts.matmul(x, params["head"].astype(cdt), out_dtype=jnp.float32)
     return out.reshape(b, s, cfg.vocab)
 
 
-def loss(cfg: ModelConfig, params, window: jax.Array, tp_axis: str | None = None):
+def loss(
+    cfg: ModelConfig,
+    params,
+    window: jax.Array,
+    tp_axis: str | None = None,
+    unroll: bool = False,
+):
     """Mean next-token cross-entropy of ``window: (B, S + 1)`` (inputs ``[:, :-1]``,
     targets ``[:, 1:]``), summed on the canonical tree."""
     inputs, targets = window[:, :-1], window[:, 1:]
-    logp = ts.log_softmax(logits(cfg, params, inputs, tp_axis))
+    logp = ts.log_softmax(logits(cfg, params, inputs, tp_axis, unroll))
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
     return ts.sum(nll) / np.float32(nll.size)

@@ -120,20 +120,59 @@ def state_specs(opt: optax.GradientTransformation, state) -> dict[str, Any]:
     return {"params": specs, "opt_state": opt_specs}
 
 
+def _group_sums(vg, params, windows):
+    """Each local group's loss and gradients (``vg(params, window)``), one group after
+    another, added on the canonical tree as they come: a binary counter keeps at most
+    log2(groups) + 1 partial sums, and for a power-of-two count its adds are exactly
+    ``pairwise_tree_sum``'s."""
+    stack = []
+    for i in range(windows.shape[0]):
+        item = vg(params, windows[i])
+        # The barrier orders the groups (one group's activations live at a time) and
+        # keeps the adds below out of the gradients' own fusions, whose rounding would
+        # then depend on how many groups a device holds.
+        item, params = jax.lax.optimization_barrier((item, params))
+        level = 0
+        while stack and stack[-1][0] == level:
+            item = jax.tree.map(jnp.add, stack.pop()[1], item)
+            level += 1
+        stack.append((level, item))
+    ((_, sums),) = stack
+    return sums
+
+
 @functools.lru_cache(maxsize=16)
-def make_train_step(cfg: ModelConfig, optim: OptimConfig, mesh, groups: int = GROUPS):
+def make_train_step(
+    cfg: ModelConfig,
+    optim: OptimConfig,
+    mesh,
+    groups: int = GROUPS,
+    unroll: bool | None = None,
+):
     """``step(state, windows) -> (state, loss)``, jitted; ``windows: (groups, B/groups,
-    S + 1)`` int32 laid out over ``dp``."""
+    S + 1)`` int32 laid out over ``dp``.
+
+    ``unroll``: run the layers and the local groups as straight-line code instead of
+    loops (default: on GPUs, where each loop iteration costs a host round trip and the
+    loops' stacked buffers cost copies; on the CPU the loops compile faster). The bits
+    are the same either way on one platform.
+    """
     opt = optim.optimizer()
     abstract = jax.eval_shape(lambda key: _init_tree(cfg, opt, key), jax.random.key(0))
     specs = state_specs(opt, abstract)
+    if unroll is None:
+        unroll = mesh.devices.flat[0].platform == "gpu"
+    vg = jax.value_and_grad(functools.partial(model.loss, cfg, tp_axis=TP, unroll=unroll))
+    scale = np.float32(1.0 / groups)  # a power of two: exact
 
     def local(params, windows):
-        vg = jax.value_and_grad(functools.partial(model.loss, cfg), argnums=0)
-        losses, grads = jax.lax.map(lambda w: vg(params, w, TP), windows)
-        scale = np.float32(1.0 / groups)  # a power of two: exact
-        loss = model.tree_sum(losses, DP) * scale
-        return loss, jax.tree.map(lambda g: model.tree_sum(g, DP) * scale, grads)
+        if unroll:
+            loss, grads = _group_sums(vg, params, windows)
+            reduce = functools.partial(model.all_sum, axis_name=DP)
+        else:
+            loss, grads = jax.lax.map(lambda w: vg(params, w), windows)
+            reduce = functools.partial(model.tree_sum, axis_name=DP)
+        return reduce(loss) * scale, jax.tree.map(lambda g: reduce(g) * scale, grads)
 
     loss_and_grads = jax.jit(
         _compat.shard_map(
