@@ -10,7 +10,8 @@ devices, or a layer's columns over more devices, therefore changes the bits — 
 every per-device matmul keeps one shape whatever the mesh. So:
 
 * The global batch is cut into a fixed number of groups of sequences (8 by default). A
-  device runs its groups one after another (``lax.map``), each group's forward and
+  device runs its groups one after another (``lax.map``, or straight-line code on GPUs:
+  ``step.make_train_step``'s ``unroll``), each group's forward and
   backward with the same shapes on any mesh. The per-group gradients are added on the
   canonical pairwise tree: locally over the device's groups, then across the ``dp`` axis with
   ``ts.all_reduce(..., deterministic=True)`` — together the tree over all groups in

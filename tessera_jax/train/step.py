@@ -2,9 +2,9 @@
 canonical tree (``model.py`` says why), then AdamW.
 
 The loss and gradients are computed under ``jax.shard_map`` — each device runs its
-groups with ``lax.map`` and the tensor-parallel chunks it holds, and every sum across
-devices is ``ts.all_reduce(..., deterministic=True)``. The optimizer update is
-elementwise, so it runs in the global view on the sharded parameters.
+groups in turn (``lax.map``, or unrolled on GPUs) and the tensor-parallel chunks it
+holds, and every sum across devices is ``ts.all_reduce(..., deterministic=True)``. The
+optimizer update is elementwise, so it runs in the global view on the sharded parameters.
 """
 
 from __future__ import annotations
