@@ -4,7 +4,8 @@ Runs on the GPU machine, one process, every implementation checked against an f3
 reference before it is timed::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
-    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward block_kv sweep
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward, then backward knobs
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
 ``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``) and with ``xla`` (the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 import traceback
 from pathlib import Path
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.pallas.ops.gpu import attention_mgpu as jax_fa3  # noqa: E402
 
 import tessera_jax as ts  # noqa: E402
 from benchmarks._common import (  # noqa: E402
@@ -48,7 +51,7 @@ from tessera_jax.contracts.attention import AttentionSpec  # noqa: E402
 from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
 from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
 
-BF16, F32 = jnp.bfloat16, jnp.float32
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 # (batch, seq, heads, head_dim); every shape runs causal and not, fwd and fwd+bwd.
 SHAPES = [
@@ -178,13 +181,24 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
     return recs
 
 
+def _jax_fa3(causal: bool, d: int):
+    """jax's own Mosaic GPU FA3 forward (f16 only, no score scale) with our forward's key
+    block, or None where its tiles do not fit shared memory."""
+    bkv = am.FWD_BLOCK_KV[d]
+    if 2 * 64 * d * 2 + 2 * 2 * bkv * d * 2 > am.SMEM_BYTES:
+        return None
+    cfg = jax_fa3.TuningConfig(block_q=64, block_kv=bkv, max_concurrent_steps=2, causal=causal)
+    return jax.jit(lambda q, k, v: jax_fa3.attention(q, k, v, cfg))
+
+
 def run_sweep() -> list[dict]:
-    """The forward kernel with each ``block_kv`` that fits vs cuDNN, B4 S4096 H16 bf16; then
-    the backward's dQ block sweep."""
+    """The forward kernel with each ``block_kv`` that fits vs cuDNN, B4 S4096 H16, bf16; in
+    f16 also jax's own Mosaic GPU FA3 forward (its kernel applies no score scale: checked
+    against cuDNN at scale 1); then the backward's sweep."""
     recs = []
-    for d in (64, 128, 256):
+    for d, dtype in itertools.product((64, 128, 256), (BF16, F16)):
         b, s, h = 4, 4096, 16
-        q, k, v = (rand(i, (b, s, h, d), BF16) for i in range(3))
+        q, k, v = (rand(i, (b, s, h, d), dtype) for i in range(3))
         for causal in (False, True):
             spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
             fns = {
@@ -197,17 +211,25 @@ def run_sweep() -> list[dict]:
                             spec, q, k, v, block_kv=bkv
                         )[0]
                     )
-            ref = fns["cudnn"](q, k, v)
+            refs = {name: fns["cudnn"] for name in fns}
+            if dtype == F16 and (fa3 := _jax_fa3(causal, d)) is not None:
+                fns["jax_fa3"] = fa3
+                refs["jax_fa3"] = jax.jit(
+                    lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
+                        q, k, v, scale=1.0, is_causal=causal, implementation="cudnn"
+                    )
+                )
             errs = {}
             for name in list(fns):
                 try:
-                    errs[name] = _rel(fns[name](q, k, v), ref)
+                    errs[name] = _rel(fns[name](q, k, v), refs[name](q, k, v))
                 except Exception as e:
                     print(f"!! sweep d{d} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     del fns[name]
             ms = time_interleaved(fns, (q, k, v), repeats=5, target_ms=40)
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
-            case = f"sweep-fwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+            dt = np.dtype(dtype).name.replace("float", "f")  # bf16, f16
+            case = f"sweep-fwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-{dt}"
             for name in fns:
                 r = dict(
                     suite="attention-sweep",
@@ -241,6 +263,8 @@ def _bwd_variants(d: int) -> dict:
     for n in am.DKV_STAGES_CHOICES:
         if n != am.DKV_STAGES[d] and am._dkv_smem(d, n) <= am.SMEM_BYTES:
             out[f"mosaic_gpu[dkv_stages={n}]"] = dict(dkv_stages=n)
+    paired = not am.DKV_PAIRED[d]
+    out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
     return out
 
 

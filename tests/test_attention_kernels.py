@@ -221,3 +221,10 @@ def test_backward_overrides_are_checked(head_dim, override, match):
     lse = jnp.zeros((1, 1, 128), jnp.float32)
     with pytest.raises(ValueError, match=match):
         am.flash_bwd(_spec(), q, q, q, q, lse, q, **override)
+
+
+def test_backward_schedule_override_must_be_a_bool():
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 128), jnp.float32)
+    with pytest.raises(TypeError, match="dkv_paired=1 must be a bool"):
+        am.flash_bwd(_spec(), q, q, q, q, lse, q, dkv_paired=1)

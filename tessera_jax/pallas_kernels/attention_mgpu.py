@@ -69,10 +69,16 @@ HEAD_DIMS = (64, 128, 256)
 # two warpgroups share 64 key rows and each accumulates one 128-wide half.
 DKV_CHUNK = 128
 # The dK/dV kernel's Q/dO ring slots, by head_dim: a slot holds 64 query rows of Q and dO
-# (64 KiB at D=256, where only two fit beside K and V). Deeper rings fit at D<=128;
-# ``benchmarks/attention.py --sweep-bwd`` measures them against these defaults.
-DKV_STAGES = {64: 2, 128: 2, 256: 2}
+# (64 KiB at D=256, where only two fit beside K and V). ``benchmarks/attention.py
+# --sweep-bwd`` measures the other choices against these defaults.
+DKV_STAGES = {64: 3, 128: 3, 256: 2}
 DKV_STAGES_CHOICES = (2, 3, 4)
+# The dK/dV kernel's step schedule, by head_dim: *paired* issues Sᵀ with dPᵀ and dV with dK
+# (two waits for the tensor cores per step instead of four). It needs a third ring slot to
+# pay: with two, the paired schedule measured slower than the serial one on causal loops
+# (whose warpgroups run a step apart and hold their slots through longer bursts); with
+# three, as fast or faster. At D=256 only two slots fit, so the serial schedule stays.
+DKV_PAIRED = {64: True, 128: True, 256: False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Problem:
       block_kv: keys per loop step of the forward and dQ kernels.
       stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
       dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
+      dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
         released early in a step, K only at its end); None: as many as K.
     """
@@ -105,6 +112,7 @@ class Problem:
     stages: int
     dkv_stages: int = 2
     dq_v_stages: int | None = None
+    dkv_paired: bool = False
 
     @property
     def v_stages(self) -> int:
@@ -194,15 +202,24 @@ def _dkv_smem(d: int, stages: int) -> int:
 
 
 def _bwd_problem(
-    q, k, causal: bool, scale: float, dq_block_kv: int | None = None, dkv_stages: int | None = None
+    q,
+    k,
+    causal: bool,
+    scale: float,
+    dq_block_kv: int | None = None,
+    dkv_stages: int | None = None,
+    dkv_paired: bool | None = None,
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
     stages, v_stages = _dq_stages(d, bkv)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
+    paired = DKV_PAIRED[d] if dkv_paired is None else dkv_paired
     dt = np.dtype(q.dtype)
-    return Problem(b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages)
+    return Problem(
+        b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages, paired
+    )
 
 
 def _smem(shape, dtype) -> Any:
@@ -239,29 +256,71 @@ def _slot(step, stages: int):
 def _dot(shape, a, b) -> jax.Array:
     """``a @ b`` of two shared-memory refs into a fresh f32 accumulator; ``a`` and ``b`` may
     be equally long lists of refs whose products are summed (a contraction in chunks)."""
-    pairs = list(zip(a, b)) if isinstance(a, list) else [(a, b)]
-
-    def body(acc_ref):
-        for x, y in pairs:
-            plgpu.wgmma(acc_ref, x, y)
-        return acc_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+    return _dots(shape, (a, b))[0]
 
 
-def _dot_acc(acc, a, b_ref, stage_ref, *, interpret: bool) -> jax.Array:
+def _dots(shape, *products) -> tuple[jax.Array, ...]:
+    """``a @ b`` for each ``(a, b)`` of ``products`` (shared-memory refs, or equally long
+    lists of them whose products are summed), each into a fresh f32 accumulator. All of them
+    are issued before the first result is read: one wait for the tensor cores, not one per
+    product."""
+
+    def pairs(a, b):
+        return list(zip(a, b)) if isinstance(a, list) else [(a, b)]
+
+    def body(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, products):
+            for x, y in pairs(a, b):
+                plgpu.wgmma(acc_ref, x, y)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in products))
+
+
+def _dot_acc(acc, a, b_ref, stage_ref, *, interpret: bool, overlap=None) -> jax.Array:
     """``acc + a @ b_ref`` with ``a`` in registers: fed to wgmma from registers when
     compiled, staged through ``stage_ref`` in the interpreter (which reads A from shared
-    memory only)."""
+    memory only). ``overlap()`` runs between issuing the product and waiting for it: a
+    barrier wait for the next step's operands there hides behind the tensor cores."""
+    return _dots_acc([(acc, a, b_ref)], stage_ref, interpret=interpret, overlap=overlap)[0]
+
+
+def _dots_acc(terms, stage_ref, *, interpret: bool, overlap=None) -> tuple[jax.Array, ...]:
+    """``acc + a @ b_ref`` for each ``(acc, a, b_ref)`` of ``terms`` (``a`` in registers), all
+    issued before one wait; ``overlap`` as in :func:`_dot_acc`. The interpreter stages each
+    ``a`` through ``stage_ref`` in turn."""
     if not interpret:
 
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_ref)
+        def body(acc_refs):
+            for acc_ref, (_, a, b_ref) in zip(acc_refs, terms):
+                plgpu.wgmma(acc_ref, a, b_ref)
+            if overlap is not None:
+                overlap()
 
-        return pl.run_state(body)(plgpu.ACC.init(acc))
-    stage_ref[...] = a
-    plgpu.commit_smem()
-    return acc + _dot(acc.shape, stage_ref, b_ref)
+        return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(t[0]) for t in terms)))
+    out = []
+    for acc, a, b_ref in terms:
+        stage_ref[...] = a
+        plgpu.commit_smem()
+        out.append(acc + _dot(acc.shape, stage_ref, b_ref))
+    if overlap is not None:
+        overlap()
+    return tuple(out)
+
+
+def _wait_if(cond, barriers):
+    """A function that waits on each of ``barriers`` if ``cond``. The condition and the
+    barrier indices are computed here, outside the function: run inside a wgmma's
+    ``run_state`` body, it must close over traced values only (a captured constant becomes
+    an output of the ``run_state`` that the Mosaic GPU lowering cannot represent)."""
+
+    def wait():
+        @pl.when(cond)
+        def _():
+            for bar in barriers:
+                plgpu.barrier_wait(bar)
+
+    return wait
 
 
 def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
@@ -361,10 +420,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
         acc = jnp.zeros((bq, d), jnp.float32)
         pl.when(wg == 1)(schedule)
 
+        def wait_next_k(j):
+            # Each step waits for the next step's K block while its P·V product runs (the
+            # first block before the loop), so the barrier wait hides behind the tensor cores.
+            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1, p.stages)]])
+
+        wait_next_k(jnp.int32(-1))()
+
         def step(j, carry, masked: bool):
             acc, m, l_ = carry
             slot = _slot(j, p.stages)
-            plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
@@ -395,18 +460,25 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
-            acc = _dot_acc(acc, pr.astype(p.dtype), v_smem.at[slot], stg, interpret=interpret)
+            acc = _dot_acc(
+                acc,
+                pr.astype(p.dtype),
+                v_smem.at[slot],
+                stg,
+                interpret=interpret,
+                overlap=wait_next_k(j),
+            )
             plgpu.barrier_arrive(v_done.at[slot])
             return acc, m_new, l_
 
         def flush(j, _):
             # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
             slot = _slot(j, p.stages)
-            plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_arrive(k_done.at[slot])
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
             schedule()
+            wait_next_k(j)()
             plgpu.barrier_arrive(v_done.at[slot])
 
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l_))
@@ -643,19 +715,39 @@ def _dkv_kernel(
             slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
             wait(slot)
             qt = [q_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
-            st = _dot((bkv, bq), ks, qt)
-            lse = lse_smem[slot]
-            pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
-            if masked:
-                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
-                pt = jnp.where(vis, pt, 0.0)
             dot = [do_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
-            dpt = _dot((bkv, bq), vs, dot)
             dos, qs = do_smem.at[slot * nd + own], q_smem.at[slot * nd + own]
-            dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
-            delta = delta_smem[slot]
-            dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-            dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
+
+            def probs(st):
+                lse = lse_smem[slot]
+                pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
+                if masked:
+                    vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
+                    pt = jnp.where(vis, pt, 0.0)
+                return pt
+
+            def dscores(pt, dpt):
+                delta = delta_smem[slot]
+                return pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+
+            if p.dkv_paired:
+                # Two waits for the tensor cores per step: Sᵀ and dPᵀ (which need only
+                # shared memory) together, then dV and dK together.
+                st, dpt = _dots((bkv, bq), (ks, qt), (vs, dot))
+                pt = probs(st)
+                dst = dscores(pt, dpt)
+                dv, dk = _dots_acc(
+                    [(dv, pt.astype(p.dtype), dos), (dk, dst.astype(p.dtype), qs)],
+                    stg,
+                    interpret=interpret,
+                )
+            else:
+                # One product at a time: fewer registers live, four waits per step.
+                pt = probs(_dot((bkv, bq), ks, qt))
+                dpt = _dot((bkv, bq), vs, dot)
+                dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
+                dst = dscores(pt, dpt)
+                dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
@@ -833,12 +925,14 @@ def flash_bwd(
     interpret: bool = False,
     dq_block_kv: int | None = None,
     dkv_stages: int | None = None,
+    dkv_paired: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
-    ``dq_block_kv`` and ``dkv_stages`` (benchmarks, tests) replace the dQ kernel's tuned keys
-    per loop step (:data:`DQ_BLOCK_KV`) and the dK/dV kernel's ring slots
-    (:data:`DKV_STAGES`); a choice that does not fit shared memory is a ValueError.
+    ``dq_block_kv``, ``dkv_stages`` and ``dkv_paired`` (benchmarks, tests) replace the dQ
+    kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots
+    (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`); a choice that does not fit
+    shared memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout))
     if reason is not None:
@@ -857,8 +951,10 @@ def flash_bwd(
             f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
             f"with the ring fitting shared memory at head_dim {q.shape[-1]}"
         )
+    if dkv_paired is not None and not isinstance(dkv_paired, bool):
+        raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
