@@ -77,3 +77,20 @@ def command_buffer_options(enabled: bool) -> dict[str, str]:
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"ts.graph.command_buffer_options: {enabled=!r} must be a bool")
     return {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_TYPES) if enabled else ""}
+
+
+# --- Run-to-run reproducibility of XLA's own GPU kernels ------------------------------
+
+
+def deterministic_compile_options() -> dict[str, bool]:
+    """XLA compile options for programs whose bits must not change from one process to
+    the next: pass as ``jax.jit(f, compiler_options=...)``.
+
+    XLA's GPU compiler times candidate kernels for its GEMMs and fusions (autotuning) and
+    keeps the fastest; near-ties go either way in different processes, and different
+    kernels block a contraction differently, so two runs of one program can differ in the
+    last bits. ``xla_gpu_deterministic_ops`` turns autotuning off (the compiler's default
+    choice is a function of the program) and excludes kernels with atomic accumulation.
+    Only GPU compilations read it.
+    """
+    return {"xla_gpu_deterministic_ops": True}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tessera_jax import _config
 from tessera_jax.__main__ import main
 from tessera_jax.train import data, demo, model, step
 from tessera_jax.train.checkpoint import fingerprint
@@ -204,3 +205,9 @@ def test_unrolled_step_is_mesh_invariant():
         state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 2))
         fps.add(fingerprint(state["params"]))
     assert len(fps) == 1
+
+
+def test_deterministic_compile_options_exist_in_this_jaxlib():
+    """The training step compiles with them; a renamed XLA option would fail here first."""
+    f = jax.jit(lambda x: x * 2, compiler_options=_config.deterministic_compile_options())
+    assert float(f(jnp.float32(1.5))) == 3.0

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tessera_jax import _compat
+from tessera_jax import _compat, _config
 from tessera_jax.train import model
 from tessera_jax.train.model import DP, TP, ModelConfig
 
@@ -174,6 +174,8 @@ def make_train_step(
             reduce = functools.partial(model.tree_sum, axis_name=DP)
         return reduce(loss) * scale, jax.tree.map(lambda g: reduce(g) * scale, grads)
 
+    # XLA's GPU autotuning would pick kernels, and so bits, per process.
+    options = _config.deterministic_compile_options()
     loss_and_grads = jax.jit(
         _compat.shard_map(
             local,
@@ -181,13 +183,14 @@ def make_train_step(
             in_specs=(specs["params"], P(DP)),
             out_specs=(P(), specs["params"]),
             check_vma=False,
-        )
+        ),
+        compiler_options=options,
     )
 
     # The update is its own program: XLA contracts a*b + c*d into an FMA on one product
     # or the other depending on the program around it, so fused with the mesh-dependent
     # collectives above its rounding would depend on the mesh.
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=0, compiler_options=options)
     def update(state, grads):
         # optax mixes int and float scalars (its step count), which strict promotion refuses.
         with jax.numpy_dtype_promotion("standard"):
