@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 import tessera_jax as ts
+from tessera_jax.tile import lowering as tile_lowering
+from tessera_jax.tile import ops as tile_ops
 from tests._util import assert_close, rand
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kernels"
@@ -344,6 +346,38 @@ def test_launch_inside_index_launch():
 
 
 test_launch_inside_index_launch_gpu = _gpu_twin(test_launch_inside_index_launch)
+
+
+def test_vmap_inside_index_launch(monkeypatch):
+    """``vmap`` of a launch per partition: the batch (axis 1 of ``X``, with the traced scalar
+    ``a`` batched too and ``Y`` shared) is a grid axis; past the grid's limit, or for an
+    empty batch, a loop of launches with the same results."""
+    m = _example("saxpy")
+    mesh = ts.dist.mesh(axes=("dp",))
+    n = 8 * 24
+    x, y, a = rand((n, 3)), rand((n,)), rand((3,))
+    spec = ts.ShardSpec((0,), ("dp",))
+    X = ts.dist.tensor(x.shape, spec, mesh, "f32", x)
+    Y = ts.dist.tensor(y.shape, spec, mesh, "f32", y)
+    ref = np.asarray(a, np.float64) * np.asarray(x, np.float64) + np.asarray(y, np.float64)[:, None]
+
+    def launch(batch):
+        @ts.index_launch(axis="dp", mesh=mesh, out=ts.ShardSpec((1,), ("dp",)))
+        def part(xp, yp, a):
+            one = lambda a, r: m.saxpy[1, 32](a, r, yp, jnp.zeros_like(yp))
+            return jax.vmap(one, in_axes=(0, 1))(a[:batch], xp[:, :batch])
+
+        return part(X.parts("dp"), Y.parts("dp"), a)
+
+    _check(launch(3), ref.T)
+    monkeypatch.setattr(tile_lowering, "MAX_PROGRAMS", 2)  # 3 launches of one group: a loop
+    _check(launch(3), ref.T)
+    assert launch(0).shape == (0, n)
+
+
+test_vmap_inside_index_launch_gpu = _gpu_twin(test_vmap_inside_index_launch)
+
+
 test_tile_range_is_one_loop_gpu = _gpu_twin(test_tile_range_is_one_loop)
 
 
@@ -394,21 +428,52 @@ SHUFFLE_OFFSETS = (0, 1, 3, 8, 16, 31)
 
 
 @ts.kernel
-def _shuffles(X, Out: ts.mut):
+def _shuffles(X, H, U, Out: ts.mut, OutH: ts.mut, OutU: ts.mut):
     tid = ts.launch.thread_id()
-    v = ts.tile.load(X, tid)
+    v, h, u = ts.tile.load(X, tid), ts.tile.load(H, tid), ts.tile.load(U, tid)
     for row, offset in enumerate(SHUFFLE_OFFSETS):
         Out[row, tid] = ts.tile.warp_shuffle_down(v, offset)
+    OutH[0, tid] = ts.tile.warp_shuffle_down(h, 3)  # other widths: one offset of two rotations
+    OutU[0, tid] = ts.tile.warp_shuffle_down(u, 3)
+    w = ts.tile.warp_id()
+    Out[len(SHUFFLE_OFFSETS), w] = ts.tile.warp_lane(v, 5)
 
 
 def test_warp_shuffle_down_every_offset_kind():
-    """Power-of-two offsets (a shift along the warp's rows), others and 0 (the identity):
-    lane l reads lane l + offset of its warp, or keeps its own value past the warp's end."""
-    x = rand((128,))
-    out = np.asarray(
-        _shuffles[2, 64](x, jax.ShapeDtypeStruct((len(SHUFFLE_OFFSETS), 128), x.dtype))
+    """Power-of-two offsets, others and 0 (the identity), on f32 (NaN, ±0 and ∞ among the
+    values), f16 and uint8: lane l reads lane l + offset of its warp, or keeps its own value
+    past the warp's end, bit for bit; ``warp_lane`` picks one lane of each warp."""
+    x = np.array(rand((128,)))
+    x[[3, 40, 77, 100]] = [np.nan, -0.0, np.inf, -np.inf]
+    h = np.asarray(rand((128,), jnp.float16))
+    u = np.random.default_rng(0).integers(0, 256, 128, dtype=np.uint8)
+    rows = len(SHUFFLE_OFFSETS)
+    outs = _shuffles[2, 64](
+        jnp.asarray(x),
+        jnp.asarray(h),
+        jnp.asarray(u),
+        jnp.zeros((rows + 1, 128), jnp.float32),
+        jax.ShapeDtypeStruct((1, 128), jnp.float16),
+        jax.ShapeDtypeStruct((1, 128), jnp.uint8),
     )
     lane = np.arange(128)
+    bits = lambda a: np.asarray(a).view(f"u{np.asarray(a).itemsize}")
+    src = lambda offset: np.where(lane % 32 + offset < 32, lane + offset, lane)
     for row, offset in enumerate(SHUFFLE_OFFSETS):
-        src = np.where(lane % 32 + offset < 32, lane + offset, lane)
-        np.testing.assert_array_equal(out[row], np.asarray(x)[src])
+        np.testing.assert_array_equal(bits(outs[0][row]), bits(x[src(offset)]))
+    np.testing.assert_array_equal(bits(outs[1][0]), bits(h[src(3)]))
+    np.testing.assert_array_equal(outs[2][0], u[src(3)])
+    np.testing.assert_array_equal(bits(outs[0][rows, :4]), bits(x[5::32]))
+
+
+def test_warp_shuffle_down_gpu_form():
+    """The GPU's form of the shuffle (rotations by exchanges across lane bits; Triton tiles
+    have no gather) moves the same bits as the interpreter's gather, wrapping sums included."""
+    b = jnp.asarray(np.random.default_rng(1).integers(-(2**31), 2**31, (3, 32)), jnp.int32)
+    offsets = (1, 3, 16, 31)
+    both = jax.jit(
+        lambda b, interpret: [tile_ops._shuffle_down_bits(b, o, interpret) for o in offsets],
+        static_argnums=1,
+    )
+    for gpu, gather in zip(both(b, False), both(b, True)):
+        np.testing.assert_array_equal(gpu, gather)

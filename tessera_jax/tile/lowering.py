@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -445,7 +446,8 @@ def call(
         if p.mut
     )
     dyn = _compat.match_vma(dyn)
-    return list(_launch_p.bind(*dyn, fn=_Opaque(run), out_avals=out_avals)), probe
+    fn = _Opaque(run, math.prod(grid))
+    return list(_launch_p.bind(*dyn, fn=fn, out_avals=out_avals)), probe
 
 
 def _dtype(dyn, params, i) -> Any:
@@ -454,10 +456,11 @@ def _dtype(dyn, params, i) -> Any:
 
 
 class _Opaque:
-    """A primitive parameter holding a function, hashed by identity."""
+    """A primitive parameter holding a function, hashed by identity; ``programs``: how many
+    programs (groups) one call of it launches."""
 
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], programs: int):
+        self.fn, self.programs = fn, programs
 
 
 _launch_p = _compat.Primitive("ts_tile_launch")
@@ -472,6 +475,40 @@ def _launch_lowering(ctx, *args, fn, out_avals):
 
 
 _compat.mlir.register_lowering(_launch_p, _launch_lowering)
+
+# The most programs one launch may have: CUDA's grid limit along x, into which Pallas'
+# Triton backend folds every grid axis that does not fit y and z.
+MAX_PROGRAMS = 2**31 - 1
+
+
+def _launch_batching(args, dims, *, fn, out_avals):
+    """``vmap`` of a launch: the batch becomes a grid axis of the one ``pallas_call`` (Pallas'
+    own batching rule, which gives each program its batch element). A batch that would take
+    the launch past ``MAX_PROGRAMS``, or an empty one (no grid has an axis of size 0), runs
+    as a loop of launches instead."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+    in_axes = tuple(None if d is _compat.not_mapped else d for d in dims)
+    programs = size * fn.programs
+    if 0 < programs <= MAX_PROGRAMS:
+        batched = jax.vmap(fn.fn, in_axes=in_axes)
+    else:
+        programs = fn.programs
+
+        def batched(*xs):
+            mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(xs, in_axes) if a is not None]
+
+            def one(slices):
+                it = iter(slices)
+                return fn.fn(*(x if a is None else next(it) for x, a in zip(xs, in_axes)))
+
+            return jax.lax.map(one, mapped)
+
+    avals = tuple(a.update(shape=(size, *a.shape)) for a in out_avals)
+    outs = _launch_p.bind(*args, fn=_Opaque(batched, programs), out_avals=avals)
+    return outs, [0] * len(outs)
+
+
+_compat.batching.primitive_batchers[_launch_p] = _launch_batching
 
 
 def trace(body, name, filename, lines, params, kwargs, grid, threads, dyn) -> ops.Context:

@@ -881,25 +881,76 @@ def warp_shuffle_down(val: Any, offset: int) -> jax.Array:
         raise error(f"ts.tile.warp_shuffle_down: {offset=} must be an int in [0, {WARP})")
     if offset == 0:
         return val
-    if WARP % offset == 0:
-        # A power-of-two offset moves lane j·offset + c to lane (j-1)·offset + c: a shift by
-        # one along the warp's 32/offset rows, so each lane selects among 32/offset sources,
-        # not 32.
-        s = WARP // offset
-        v = val.reshape(w, s, offset)
-        src = jnp.arange(s)[:, None]
-        dst = jnp.arange(s)[None, :]
-        pick = (src == dst + 1) | ((dst == s - 1) & (src == dst))  # the last row keeps its own
-        moved = jnp.where(pick[None, :, :, None], v[:, :, None, :], jnp.zeros((), v.dtype))
-        return jnp.sum(moved, axis=1).astype(v.dtype).reshape(val.shape)
-    v = val.reshape(w, WARP)
-    src = jnp.arange(WARP)[:, None]
-    dst = jnp.arange(WARP)[None, :]
-    # A select-and-sum moves every lane at once without a gather; one term is non-zero.
-    pick = src == dst + offset
-    moved = jnp.sum(jnp.where(pick[None], v[:, :, None], jnp.zeros((), v.dtype)), axis=1)
-    keep = (jnp.arange(WARP) + offset >= WARP)[None, :]
-    return jnp.where(keep, v, moved.astype(v.dtype)).reshape(val.shape)
+    bits = _to_bits(val, "ts.tile.warp_shuffle_down").reshape(w, WARP)
+    moved = _shuffle_down_bits(bits, offset, current().interpret)
+    return _from_bits(moved.reshape(val.shape), val.dtype)
+
+
+def _shuffle_down_bits(bits: jax.Array, offset: int, interpret: bool) -> jax.Array:
+    """``warp_shuffle_down`` on the integer bits of ``(warps, 32)`` lanes.
+
+    The interpreter gathers the lanes. A Triton tile has no gather, so on the GPU rotating
+    the warp by ``offset`` is rotating it by each power of two in ``offset``
+    (``_rotate_rows``); the lanes past the warp's end then take their own values back.
+    """
+    lane = jnp.arange(WARP, dtype=jnp.int32)  # traced: a kernel captures no array constants
+    source = jnp.where(lane + offset < WARP, lane + offset, lane)
+    if interpret:
+        return jnp.take(bits, source, axis=1)
+    w = bits.shape[0]
+    moved = bits
+    for b in _builtin_range(WARP.bit_length() - 1):
+        if offset >> b & 1:
+            moved = _rotate_rows(moved.reshape(w, WARP >> b, 1 << b)).reshape(w, WARP)
+    return jnp.where((source == lane)[None, :], bits, moved)
+
+
+def _rotate_rows(u: jax.Array) -> jax.Array:
+    """Row ``j`` of ``u`` (``(w, s, o)``, integers, ``s`` a power of two) replaced by row
+    ``(j + 1) % s``.
+
+    Adding one to ``j`` flips bit ``b`` of it exactly when its bits below ``b`` are all
+    one, so the rotation is a sequence of conditional exchanges across bit ``b``, lowest
+    first. Each exchange reads the partner across the bit as (pair sum − own value), which
+    is exact in wrapping integer arithmetic, and a sum over an axis of two is what the GPU
+    compiler lowers to one register add or one warp shuffle; a select keeps the rows whose
+    bit does not flip. So the rotation moves data only between the lanes that exchange.
+    """
+    w, s, o = u.shape
+    j = jnp.arange(s, dtype=jnp.int32)[None, :, None]
+    for b in _builtin_range(s.bit_length() - 1):
+        pairs = u.reshape(w, s >> (b + 1), 2, 1 << b, o)
+        partner = (jnp.sum(pairs, axis=2, keepdims=True, dtype=u.dtype) - pairs).reshape(u.shape)
+        low = (1 << b) - 1
+        u = jnp.where((j & low) == low, partner, u)
+    return u
+
+
+def _to_bits(v: jax.Array, op: str) -> jax.Array:
+    """``v``'s bit patterns as 32- or 64-bit integers (moved exactly, NaNs and -0 too)."""
+    if v.dtype == jnp.bool_:
+        return v.astype(jnp.int32)
+    if v.dtype.itemsize not in (1, 2, 4, 8) or jnp.issubdtype(v.dtype, jnp.complexfloating):
+        raise error(
+            f"{op}: val has dtype {v.dtype}; warp operations move booleans, integers and reals"
+        )
+    if v.dtype.itemsize == 8:
+        return jax.lax.bitcast_convert_type(v, jnp.int64) if v.dtype != jnp.int64 else v
+    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[v.dtype.itemsize]
+    b = v if jnp.issubdtype(v.dtype, jnp.signedinteger) else v.view(ints)
+    return b.astype(jnp.int32)
+
+
+def _from_bits(b: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of ``_to_bits``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return b != 0
+    if dtype.itemsize == 8:
+        return b if dtype == np.int64 else jax.lax.bitcast_convert_type(b, dtype)
+    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[dtype.itemsize]
+    b = b.astype(ints)
+    return b if np.issubdtype(dtype, np.signedinteger) else b.view(dtype)
 
 
 def warp_lane(val: Any, lane: int = 0) -> jax.Array:
@@ -911,8 +962,10 @@ def warp_lane(val: Any, lane: int = 0) -> jax.Array:
         raise error(f"ts.tile.warp_lane: val has shape {val.shape}, not ({w * WARP},)")
     if not isinstance(lane, int) or not 0 <= lane < WARP:
         raise error(f"ts.tile.warp_lane: {lane=} must be an int in [0, {WARP})")
-    v = val.reshape(w, WARP)
-    return jnp.sum(jnp.where((jnp.arange(WARP) == lane)[None, :], v, jnp.zeros((), v.dtype)), 1)
+    # A sum of one lane's bits and zeros: a warp reduction, exact for every value.
+    v = _to_bits(val, "ts.tile.warp_lane").reshape(w, WARP)
+    picked = jnp.where((jnp.arange(WARP) == lane)[None, :], v, jnp.zeros((), v.dtype))
+    return _from_bits(jnp.sum(picked, axis=1, dtype=v.dtype), val.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
