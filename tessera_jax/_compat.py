@@ -485,3 +485,10 @@ def vma_checks_off():
     state = _check_vma_state()
     with state(False) if state is not None else contextlib.nullcontext():
         yield
+
+
+def same_trace(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are tracers of one trace (values made inside the same traced
+    function, e.g. a loop body, rather than captured from an enclosing one)."""
+    ta = getattr(a, "_trace", None)
+    return ta is not None and ta is getattr(b, "_trace", None)

@@ -183,6 +183,76 @@ def test_tile_range_is_one_loop():
     assert body.count("reduce_sum") == 1
 
 
+@ts.kernel
+def _deferred_copies(X, n, Out: ts.mut):
+    a = ts.tile.alloc_shared((16,), X.dtype)  # prefetched: X[k:k + 16] in iteration k
+    b = ts.tile.alloc_shared((16,), X.dtype)  # X[32:48] first, then the previous step's
+    c = ts.tile.alloc_shared((16,), X.dtype)  # copied, then read, in each iteration
+    ts.tile.cp_async(a, X[0:16])
+    ts.tile.cp_async(b, X[32:48])
+    acc = ts.tile.zeros((16,), jnp.float32)
+    for k in ts.tile.range(0, 64, 16):
+        acc += a + 2 * b.astype(jnp.float32)
+        ts.tile.cp_async(c, X[k + 8 : k + 24])
+        acc += 3 * c.astype(jnp.float32)
+        ts.tile.cp_async(a, X[k + 16 : k + 32])
+        ts.tile.cp_async(b, X[k : k + 16])
+    Out[0, 0:16] = acc
+    Out[1, 0:16] = c  # the last iteration's copy
+    Out[2, 0:16] = a  # the copy the last iteration prefetched (past X's end: zeros)
+    ts.tile.cp_async(a, X[0:16])
+    acc = ts.tile.zeros((16,), jnp.float32)
+    for k in ts.tile.range(0, n, 16):  # the same with a traced trip count
+        acc += a + 2 * b.astype(jnp.float32)
+        ts.tile.cp_async(c, X[k + 8 : k + 24])
+        acc += 3 * c.astype(jnp.float32)
+        ts.tile.cp_async(a, X[k + 16 : k + 32])
+        ts.tile.cp_async(b, X[k : k + 16])
+    Out[3, 0:16] = acc
+    Out[4, 0:16] = a
+    ts.tile.cp_async(c, Out[3, 0:16])  # from an output the kernel stores to: copied here
+    Out[3, 0:16] = ts.tile.zeros((16,), jnp.float32)
+    Out[5, 0:16] = c
+
+
+def _deferred_copies_reference(x, n):
+    xp = np.zeros(128)
+    xp[: x.size] = x
+    window = lambda s: xp[s : s + 16]
+    out, b = np.zeros((6, 16)), window(32)
+    for row, a_row, trips in ((0, 2, 4), (3, 4, n // 16)):
+        acc = np.zeros(16)
+        for j in range(trips):
+            acc += window(16 * j) + 2 * b + 3 * window(16 * j + 8)
+            b = window(16 * j)
+        out[row], out[a_row] = acc, window(16 * trips)
+    out[1] = window(56)
+    out[5], out[3] = out[3], 0
+    return out
+
+
+def test_deferred_copies():
+    """``cp_async`` from an input is performed where the tile is read, and a loop carries a
+    prefetched copy as its index: the same values as copying at once, for a copy the loop
+    prefetches (ragged: the last prefetch runs past X), one it overwrites, one whose first
+    value comes from elsewhere, with static and traced trip counts; a copy from an output
+    is performed at once."""
+    x = rand((72,))
+    for n in (64, 0):
+        out = _deferred_copies[1, 16](x, jnp.int32(n), jnp.zeros((6, 16), jnp.float32))
+        _check(out, _deferred_copies_reference(np.asarray(x, np.float64), n))
+
+
+def test_double_buffered_gemm_carries_no_tiles():
+    """The double-buffered GEMM's K loop carries its accumulator, not its four shared
+    tiles: each copy is a load the GPU compiler pipelines, issued where its tile is read."""
+    m = _example("pipelined_gemm")
+    a, b = rand((64, 128), jnp.bfloat16), rand((128, 64), jnp.bfloat16)
+    text = str(jax.make_jaxpr(lambda a, b: m.run(a, b, BM=32, BN=32, BK=32))(a, b))
+    loops = re.findall(r"(?:scan|while)\[[^\]]*?num_carry=(\d+)", text[text.index("pallas_call") :])
+    assert loops == ["2"], loops  # the iteration count and the f32 accumulator
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
@@ -216,6 +286,12 @@ def _dynamic_window(X, Out: ts.mut):
 
 
 @ts.kernel
+def _stores_an_input(X, Out: ts.mut):
+    Out[0:16] = X[0:16]
+    X[0:16] = 0.0
+
+
+@ts.kernel
 def _shape_change(X, Out: ts.mut):
     acc = ts.tile.zeros((1,), jnp.float32)
     for k in ts.tile.range(0, 32, 16):
@@ -241,6 +317,7 @@ def _line(fn, text):
         (_never_stored, ValueError, r"ts\.mut parameter 'Out' is never stored", None),
         (_small_dot, ValueError, r"extent below 16", "ts.tile.dot"),
         (_dynamic_window, ValueError, r"no static size.*start:start \+ SIZE", "X[g"),
+        (_stores_an_input, TypeError, r"'X' is an input.*`X: ts\.mut`", "X[0:16] = 0"),
         (
             _shape_change,
             TypeError,
