@@ -492,3 +492,12 @@ def same_trace(a: Any, b: Any) -> bool:
     function, e.g. a loop body, rather than captured from an enclosing one)."""
     ta = getattr(a, "_trace", None)
     return ta is not None and ta is getattr(b, "_trace", None)
+
+
+def scan_carry_count(eqn: Any) -> int:
+    """How many values a ``scan`` equation carries from one iteration to the next (jax 0.10:
+    its ``num_carry`` parameter; 0.11: the middle group of its ``ft_in`` flat tree, which
+    unpacks into constants, carries and scanned inputs)."""
+    if "num_carry" in eqn.params:
+        return int(eqn.params["num_carry"])
+    return len(list(eqn.params["ft_in"].unpack()[1]))
