@@ -156,10 +156,10 @@ GEMM_CONFIGS = [
 ]
 # The double-buffered GEMM's loop holds two K steps, so a pipeline stage is twice gemm_tc's.
 DOUBLE_BUFFERED_CONFIGS = [
-    dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-    dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=2),
-    dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=2),
     dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=4),
+    dict(BM=256, BN=128, BK=32, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=32, num_warps=8, num_stages=4),
 ]
 
 

@@ -22,7 +22,6 @@ import pytest
 import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.tile import lowering as tile_lowering
-from tessera_jax.tile import ops as tile_ops
 from tests._util import assert_close, rand
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kernels"
@@ -244,6 +243,9 @@ def test_deferred_copies():
         _check(out, _deferred_copies_reference(np.asarray(x, np.float64), n))
 
 
+test_deferred_copies_gpu = _gpu_twin(test_deferred_copies)
+
+
 def test_double_buffered_gemm_carries_no_tiles():
     """The double-buffered GEMM's K loop carries its accumulator, not its four shared
     tiles: each copy is a load the GPU compiler pipelines, issued where its tile is read."""
@@ -452,13 +454,14 @@ def test_vmap_inside_index_launch(monkeypatch):
     def launch(batch):
         @ts.index_launch(axis="dp", mesh=mesh, out=ts.ShardSpec((1,), ("dp",)))
         def part(xp, yp, a):
-            one = lambda a, r: m.saxpy[1, 32](a, r, yp, jnp.zeros_like(yp))
+            groups = ts.ceil_div(yp.shape[0], 32)  # a part's size depends on the device count
+            one = lambda a, r: m.saxpy[groups, 32](a, r, yp, jnp.zeros_like(yp))
             return jax.vmap(one, in_axes=(0, 1))(a[:batch], xp[:, :batch])
 
         return part(X.parts("dp"), Y.parts("dp"), a)
 
     _check(launch(3), ref.T)
-    monkeypatch.setattr(tile_lowering, "MAX_PROGRAMS", 2)  # 3 launches of one group: a loop
+    monkeypatch.setattr(tile_lowering, "MAX_PROGRAMS", 2)  # past 3 batched launches: a loop
     _check(launch(3), ref.T)
     assert launch(0).shape == (0, n)
 
@@ -554,14 +557,4 @@ def test_warp_shuffle_down_every_offset_kind():
     np.testing.assert_array_equal(bits(outs[0][rows, :4]), bits(x[5::32]))
 
 
-def test_warp_shuffle_down_gpu_form():
-    """The GPU's form of the shuffle (rotations by exchanges across lane bits; Triton tiles
-    have no gather) moves the same bits as the interpreter's gather, wrapping sums included."""
-    b = jnp.asarray(np.random.default_rng(1).integers(-(2**31), 2**31, (3, 32)), jnp.int32)
-    offsets = (1, 3, 16, 31)
-    both = jax.jit(
-        lambda b, interpret: [tile_ops._shuffle_down_bits(b, o, interpret) for o in offsets],
-        static_argnums=1,
-    )
-    for gpu, gather in zip(both(b, False), both(b, True)):
-        np.testing.assert_array_equal(gpu, gather)
+test_warp_shuffle_down_every_offset_kind_gpu = _gpu_twin(test_warp_shuffle_down_every_offset_kind)

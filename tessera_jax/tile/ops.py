@@ -47,6 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tessera_jax import _compat
 from tessera_jax.numerics.dtypes import as_np_dtype
 
 __all__ = [
@@ -952,49 +953,42 @@ def warp_shuffle_down(val: Any, offset: int) -> jax.Array:
         raise error(f"ts.tile.warp_shuffle_down: {offset=} must be an int in [0, {WARP})")
     if offset == 0:
         return val
-    bits = _to_bits(val, "ts.tile.warp_shuffle_down").reshape(w, WARP)
-    moved = _shuffle_down_bits(bits, offset, current().interpret)
-    return _from_bits(moved.reshape(val.shape), val.dtype)
-
-
-def _shuffle_down_bits(bits: jax.Array, offset: int, interpret: bool) -> jax.Array:
-    """``warp_shuffle_down`` on the integer bits of ``(warps, 32)`` lanes.
-
-    The interpreter gathers the lanes. A Triton tile has no gather, so on the GPU rotating
-    the warp by ``offset`` is rotating it by each power of two in ``offset``
-    (``_rotate_rows``); the lanes past the warp's end then take their own values back.
-    """
     lane = jnp.arange(WARP, dtype=jnp.int32)  # traced: a kernel captures no array constants
-    source = jnp.where(lane + offset < WARP, lane + offset, lane)
-    if interpret:
-        return jnp.take(bits, source, axis=1)
-    w = bits.shape[0]
-    moved = bits
-    for b in _builtin_range(WARP.bit_length() - 1):
-        if offset >> b & 1:
-            moved = _rotate_rows(moved.reshape(w, WARP >> b, 1 << b)).reshape(w, WARP)
-    return jnp.where((source == lane)[None, :], bits, moved)
+    source = jnp.broadcast_to(jnp.where(lane + offset < WARP, lane + offset, lane), (w, WARP))
+    v = val.astype(jnp.int32) if val.dtype == jnp.bool_ else val
+    moved = lane_gather(v.reshape(w, WARP), source, axis=1).reshape(val.shape)
+    return moved.astype(val.dtype)
 
 
-def _rotate_rows(u: jax.Array) -> jax.Array:
-    """Row ``j`` of ``u`` (``(w, s, o)``, integers, ``s`` a power of two) replaced by row
-    ``(j + 1) % s``.
+def lane_gather(x: jax.Array, idx: jax.Array, *, axis: int) -> jax.Array:
+    """``jnp.take_along_axis(x, idx, axis)`` for indices within bounds: on the GPU one
+    Triton ``tt.gather``, which is a warp shuffle per element when ``axis`` lies within a
+    warp (a Triton tile has no other way to move values between lanes); elsewhere XLA's
+    gather."""
+    return _lane_gather_p.bind(x, idx, axis=axis)
 
-    Adding one to ``j`` flips bit ``b`` of it exactly when its bits below ``b`` are all
-    one, so the rotation is a sequence of conditional exchanges across bit ``b``, lowest
-    first. Each exchange reads the partner across the bit as (pair sum − own value), which
-    is exact in wrapping integer arithmetic, and a sum over an axis of two is what the GPU
-    compiler lowers to one register add or one warp shuffle; a select keeps the rows whose
-    bit does not flip. So the rotation moves data only between the lanes that exchange.
-    """
-    w, s, o = u.shape
-    j = jnp.arange(s, dtype=jnp.int32)[None, :, None]
-    for b in _builtin_range(s.bit_length() - 1):
-        pairs = u.reshape(w, s >> (b + 1), 2, 1 << b, o)
-        partner = (jnp.sum(pairs, axis=2, keepdims=True, dtype=u.dtype) - pairs).reshape(u.shape)
-        low = (1 << b) - 1
-        u = jnp.where((j & low) == low, partner, u)
-    return u
+
+def _lane_gather_impl(x, idx, *, axis):
+    return jnp.take_along_axis(x, idx, axis=axis, mode="clip")
+
+
+def _lane_gather_batching(args, dims, *, axis):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    x, idx = (
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    )
+    return lane_gather(x, idx, axis=axis + 1), 0
+
+
+_lane_gather_p = _compat.Primitive("ts_tile_lane_gather")
+_lane_gather_p.def_impl(_lane_gather_impl)
+_lane_gather_p.def_abstract_eval(lambda x, idx, *, axis: jax.core.ShapedArray(idx.shape, x.dtype))
+_compat.mlir.register_lowering(
+    _lane_gather_p, _compat.mlir.lower_fun(_lane_gather_impl, multiple_results=False)
+)
+_compat.batching.primitive_batchers[_lane_gather_p] = _lane_gather_batching
+_compat.register_triton_gather_lowering(_lane_gather_p)
 
 
 def _to_bits(v: jax.Array, op: str) -> jax.Array:
