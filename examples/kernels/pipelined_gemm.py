@@ -9,7 +9,10 @@ The copies read inputs, so each is performed where its buffer is read, and the c
 buffer 0 for the next iteration is carried as its index (``ts.tile.cp_async``): the loop
 the GPU compiler sees loads both K steps' tiles and multiplies them, and its pipeliner
 keeps ``num_stages`` iterations of copies in flight. Groups are numbered as in
-``gemm_tc`` (bands of ``GROUP_M`` tile rows, for L2 reuse).
+``gemm_tc`` (bands of ``GROUP_M`` tile rows, for L2 reuse). An iteration holds two K steps,
+so ``BK`` is half of ``gemm_tc``'s for the same shared memory per stage; its two ``mma``
+are still two tensor-core dots per iteration, where ``gemm_tc`` has one
+(``benchmarks/results/kernels-h100.json`` compares them).
 """
 
 import jax
@@ -49,7 +52,7 @@ def double_buffered_gemm(A, B, C: ts.mut, *, BM: int, BN: int, BK: int, GROUP_M:
     C[m0 : m0 + BM, n0 : n0 + BN] = acc
 
 
-def run(A, B, *, BM=128, BN=128, BK=64, num_warps=8, num_stages=3, out_dtype=None, GROUP_M=8):
+def run(A, B, *, BM=128, BN=256, BK=32, num_warps=8, num_stages=3, out_dtype=None, GROUP_M=8):
     M, N = A.shape[0], B.shape[1]
     C = jax.ShapeDtypeStruct((M, N), out_dtype or A.dtype)  # every element is stored
     grid_m, grid_n = ts.ceil_div(M, BM), ts.ceil_div(N, BN)
