@@ -6,7 +6,7 @@ steps per iteration so that each buffer's role is fixed in the source. ``cp_wait
 waits for all but the newest copy group: the buffer about to be read has landed.
 
 The copies read inputs, so each is performed where its buffer is read, and the copy into
-buffer 0 for the next iteration is carried as its index (``ts.tile.cp_async``): the loop
+buffer 0 for the next iteration follows the loop index (``ts.tile.cp_async``): the loop
 the GPU compiler sees loads both K steps' tiles and multiplies them, and its pipeliner
 keeps ``num_stages`` iterations of copies in flight. Groups are numbered as in
 ``gemm_tc`` (bands of ``GROUP_M`` tile rows, for L2 reuse). An iteration holds two K steps,

@@ -10,10 +10,11 @@ in Pallas' interpreter (``interpret=True``).
 traced: ``for k in ts.tile.range(...)`` becomes one ``lax.fori_loop`` (an ``scf.for``,
 which Triton's software pipeliner needs; a Python loop would be unrolled and never
 pipelined). Its loop-carried variables are the names assigned in the body that were bound
-before the loop; shared tiles are carried too. ``if``/``while``/conditional expressions
-and Python ``for ... in range(...)`` are checked: a traced condition or bound raises an
-error naming the kernel, the line and what to write instead. Line numbers are kept, so
-tracebacks point at the kernel's own source.
+before the loop, and the shared tiles whose values must cross iterations (``_plan``: a
+prefetched copy is recomputed from the loop index instead). ``if``/``while``/conditional
+expressions and Python ``for ... in range(...)`` are checked: a traced condition or bound
+raises an error naming the kernel, the line and what to write instead. Line numbers are
+kept, so tracebacks point at the kernel's own source.
 
 **Launch.** Every array argument is passed whole (no BlockSpecs): a body addresses arrays
 with windows (``pl.ds``) and masks, as the Triton backend's pointer model does. ``mut``

@@ -28,8 +28,8 @@ from an input array (which the kernel never stores to) is performed where its ti
 (copy step k + 1 while multiplying step k) thus becomes loads inside the loop, which the
 pipeliner overlaps with the multiplies, rather than tiles carried across iterations in
 registers. Warp-level operations act on the lane vector cut into warps of 32 lanes (their
-tile-level equivalents); on the GPU a shuffle is a few exchanges across lane bits, each a
-warp shuffle or a register move.
+tile-level equivalents); on the GPU a shuffle is one gather along the warp's lanes, which
+Triton lowers to warp shuffles.
 """
 
 from __future__ import annotations
@@ -556,8 +556,8 @@ class SharedTile(_ArrayLike):
 
     Its ``state`` is its value (an array) or a :class:`Copy` not yet performed: a copy
     from an array the kernel never stores is loaded where the tile is read, which gives the
-    same values and lets the backend's pipeliner issue it ahead (``ts.tile.range`` carries
-    such a copy across iterations as its index, not as a tile of registers).
+    same values and lets the backend's pipeliner issue it ahead (a ``ts.tile.range`` loop
+    recomputes a prefetched copy from its loop index, not carrying a tile of registers).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, swizzle: str | None, align: int):
@@ -973,9 +973,9 @@ def _lane_gather_impl(x, idx, *, axis):
 
 
 def _lane_gather_batching(args, dims, *, axis):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
     x, idx = (
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size, *a.shape)) if d is _compat.not_mapped else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     )
     return lane_gather(x, idx, axis=axis + 1), 0
@@ -992,7 +992,8 @@ _compat.register_triton_gather_lowering(_lane_gather_p)
 
 
 def _to_bits(v: jax.Array, op: str) -> jax.Array:
-    """``v``'s bit patterns as 32- or 64-bit integers (moved exactly, NaNs and -0 too)."""
+    """``v``'s bit patterns as 32- or 64-bit integers, which a sum with zeros keeps exactly
+    (NaN payloads and -0 too, which a float sum would not)."""
     if v.dtype == jnp.bool_:
         return v.astype(jnp.int32)
     if v.dtype.itemsize not in (1, 2, 4, 8) or jnp.issubdtype(v.dtype, jnp.complexfloating):
