@@ -154,6 +154,13 @@ GEMM_CONFIGS = [
     dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
     dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, GROUP_M=1),
 ]
+# The double-buffered GEMM's loop holds two K steps, so a pipeline stage is twice gemm_tc's.
+DOUBLE_BUFFERED_CONFIGS = [
+    dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=32, num_warps=8, num_stages=4),
+    dict(BM=256, BN=128, BK=32, num_warps=8, num_stages=3),
+    dict(BM=256, BN=128, BK=32, num_warps=8, num_stages=4),
+]
 
 
 def bench_gemm(n: int = 4096) -> list[dict]:
@@ -163,9 +170,8 @@ def bench_gemm(n: int = 4096) -> list[dict]:
     fns = {"cublas": jax.jit(lambda a, b: jnp.dot(a, b))}
     for i, c in enumerate(GEMM_CONFIGS):
         fns[f"gemm_tc{i}"] = jax.jit(lambda a, b, c=c: gemm_tc.run(a, b, **c))
-    fns["double_buffered_gemm"] = jax.jit(
-        lambda a, b: pipelined_gemm.run(a, b, BM=128, BN=128, BK=64, num_warps=8, num_stages=2)
-    )
+    for i, c in enumerate(DOUBLE_BUFFERED_CONFIGS):
+        fns[f"double_buffered_gemm{i}"] = jax.jit(lambda a, b, c=c: pipelined_gemm.run(a, b, **c))
     errs = {}
     for name, f in list(fns.items()):
         try:
@@ -178,8 +184,8 @@ def bench_gemm(n: int = 4096) -> list[dict]:
     for name, ms in t.items():
         if name == "cublas":
             continue
-        cfg = GEMM_CONFIGS[int(name[-1])] if name.startswith("gemm_tc") else None
-        impl = f"ts.kernel:gemm_tc{cfg}" if cfg else f"ts.kernel:{name}"
+        configs = GEMM_CONFIGS if name.startswith("gemm_tc") else DOUBLE_BUFFERED_CONFIGS
+        impl = f"ts.kernel:{name[:-1]}{configs[int(name[-1])]}"
         recs.append(
             _record(
                 f"bf16-{n}x{n}x{n}",

@@ -485,3 +485,39 @@ def vma_checks_off():
     state = _check_vma_state()
     with state(False) if state is not None else contextlib.nullcontext():
         yield
+
+
+def same_trace(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are tracers of one trace (values made inside the same traced
+    function, e.g. a loop body, rather than captured from an enclosing one)."""
+    ta = getattr(a, "_trace", None)
+    return ta is not None and ta is getattr(b, "_trace", None)
+
+
+def scan_carry_count(eqn: Any) -> int:
+    """How many values a ``scan`` equation carries from one iteration to the next (jax 0.10:
+    its ``num_carry`` parameter; 0.11: the middle group of its ``ft_in`` flat tree, which
+    unpacks into constants, carries and scanned inputs)."""
+    if "num_carry" in eqn.params:
+        return int(eqn.params["num_carry"])
+    return len(list(eqn.params["ft_in"].unpack()[1]))
+
+
+from jax._src.lib.mlir import ir as _ir  # noqa: E402
+from jax._src.lib.triton import dialect as _tt  # noqa: E402
+from jax._src.pallas.triton import lowering as _pallas_triton  # noqa: E402
+
+
+def register_triton_gather_lowering(prim: Any) -> None:
+    """Lowers ``prim(x, idx, axis=)`` (``take_along_axis``) in Pallas' Triton backend to
+    Triton's ``tt.gather``, which moves values between the lanes of a warp with shuffles
+    when the gathered axis lies within one warp (else through shared memory). Pallas has
+    no public hook for a primitive's Triton lowering, nor a gather of its own."""
+
+    def rule(ctx: Any, x: Any, idx: Any, *, axis: int) -> Any:
+        out = _ir.RankedTensorType.get(
+            list(ctx.avals_out[0].shape), _ir.RankedTensorType(x.type).element_type
+        )
+        return _tt.gather(x, idx, axis, results=[out])
+
+    _pallas_triton.register_lowering(prim)(rule)

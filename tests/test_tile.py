@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.tile import lowering as tile_lowering
 from tests._util import assert_close, rand
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kernels"
@@ -181,6 +183,89 @@ def test_tile_range_is_one_loop():
     assert body.count("reduce_sum") == 1
 
 
+@ts.kernel
+def _deferred_copies(X, n, Out: ts.mut):
+    a = ts.tile.alloc_shared((16,), X.dtype)  # prefetched: X[k:k + 16] in iteration k
+    b = ts.tile.alloc_shared((16,), X.dtype)  # X[32:48] first, then the previous step's
+    c = ts.tile.alloc_shared((16,), X.dtype)  # copied, then read, in each iteration
+    ts.tile.cp_async(a, X[0:16])
+    ts.tile.cp_async(b, X[32:48])
+    acc = ts.tile.zeros((16,), jnp.float32)
+    for k in ts.tile.range(0, 64, 16):
+        acc += a + 2 * b.astype(jnp.float32)
+        ts.tile.cp_async(c, X[k + 8 : k + 24])
+        acc += 3 * c.astype(jnp.float32)
+        ts.tile.cp_async(a, X[k + 16 : k + 32])
+        ts.tile.cp_async(b, X[k : k + 16])
+    Out[0, 0:16] = acc
+    Out[1, 0:16] = c  # the last iteration's copy
+    Out[2, 0:16] = a  # the copy the last iteration prefetched (past X's end: zeros)
+    ts.tile.cp_async(a, X[0:16])
+    acc = ts.tile.zeros((16,), jnp.float32)
+    for k in ts.tile.range(0, n, 16):  # the same with a traced trip count
+        acc += a + 2 * b.astype(jnp.float32)
+        ts.tile.cp_async(c, X[k + 8 : k + 24])
+        acc += 3 * c.astype(jnp.float32)
+        ts.tile.cp_async(a, X[k + 16 : k + 32])
+        ts.tile.cp_async(b, X[k : k + 16])
+    Out[3, 0:16] = acc
+    Out[4, 0:16] = a
+    ts.tile.cp_async(c, Out[3, 0:16])  # from an output the kernel stores to: copied here
+    Out[3, 0:16] = ts.tile.zeros((16,), jnp.float32)
+    Out[5, 0:16] = c
+
+
+def _deferred_copies_reference(x, n):
+    xp = np.zeros(128)
+    xp[: x.size] = x
+    window = lambda s: xp[s : s + 16]
+    out, b = np.zeros((6, 16)), window(32)
+    for row, a_row, trips in ((0, 2, 4), (3, 4, n // 16)):
+        acc = np.zeros(16)
+        for j in range(trips):
+            acc += window(16 * j) + 2 * b + 3 * window(16 * j + 8)
+            b = window(16 * j)
+        out[row], out[a_row] = acc, window(16 * trips)
+    out[1] = window(56)
+    out[5], out[3] = out[3], 0
+    return out
+
+
+def test_deferred_copies():
+    """``cp_async`` from an input is performed where the tile is read, and a loop carries a
+    prefetched copy as its index: the same values as copying at once, for a copy the loop
+    prefetches (ragged: the last prefetch runs past X), one it overwrites, one whose first
+    value comes from elsewhere, with static and traced trip counts; a copy from an output
+    is performed at once."""
+    x = rand((72,))
+    for n in (64, 0):
+        out = _deferred_copies[1, 16](x, jnp.int32(n), jnp.zeros((6, 16), jnp.float32))
+        _check(out, _deferred_copies_reference(np.asarray(x, np.float64), n))
+
+
+test_deferred_copies_gpu = _gpu_twin(test_deferred_copies)
+
+
+def test_double_buffered_gemm_carries_no_tiles():
+    """The double-buffered GEMM's K loop carries its accumulator, not its four shared
+    tiles: each copy is a load the GPU compiler pipelines, issued where its tile is read."""
+    m = _example("pipelined_gemm")
+    a, b = rand((64, 128), jnp.bfloat16), rand((128, 64), jnp.bfloat16)
+    closed = jax.make_jaxpr(lambda a, b: m.run(a, b, BM=32, BN=32, BK=32))(a, b)
+
+    def loops(jaxpr):  # the carry counts of the loops in jaxpr, nested ones included
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                yield _compat.scan_carry_count(eqn)
+            for v in eqn.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from loops(inner)
+
+    found = list(loops(closed.jaxpr))
+    assert found == [2], found  # the iteration count and the f32 accumulator
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
@@ -214,6 +299,12 @@ def _dynamic_window(X, Out: ts.mut):
 
 
 @ts.kernel
+def _stores_an_input(X, Out: ts.mut):
+    Out[0:16] = X[0:16]
+    X[0:16] = 0.0
+
+
+@ts.kernel
 def _shape_change(X, Out: ts.mut):
     acc = ts.tile.zeros((1,), jnp.float32)
     for k in ts.tile.range(0, 32, 16):
@@ -239,6 +330,7 @@ def _line(fn, text):
         (_never_stored, ValueError, r"ts\.mut parameter 'Out' is never stored", None),
         (_small_dot, ValueError, r"extent below 16", "ts.tile.dot"),
         (_dynamic_window, ValueError, r"no static size.*start:start \+ SIZE", "X[g"),
+        (_stores_an_input, TypeError, r"'X' is an input.*`X: ts\.mut`", "X[0:16] = 0"),
         (
             _shape_change,
             TypeError,
@@ -344,6 +436,39 @@ def test_launch_inside_index_launch():
 
 
 test_launch_inside_index_launch_gpu = _gpu_twin(test_launch_inside_index_launch)
+
+
+def test_vmap_inside_index_launch(monkeypatch):
+    """``vmap`` of a launch per partition: the batch (axis 1 of ``X``, with the traced scalar
+    ``a`` batched too and ``Y`` shared) is a grid axis; past the grid's limit, or for an
+    empty batch, a loop of launches with the same results."""
+    m = _example("saxpy")
+    mesh = ts.dist.mesh(axes=("dp",))
+    n = 8 * 24
+    x, y, a = rand((n, 3)), rand((n,)), rand((3,))
+    spec = ts.ShardSpec((0,), ("dp",))
+    X = ts.dist.tensor(x.shape, spec, mesh, "f32", x)
+    Y = ts.dist.tensor(y.shape, spec, mesh, "f32", y)
+    ref = np.asarray(a, np.float64) * np.asarray(x, np.float64) + np.asarray(y, np.float64)[:, None]
+
+    def launch(batch):
+        @ts.index_launch(axis="dp", mesh=mesh, out=ts.ShardSpec((1,), ("dp",)))
+        def part(xp, yp, a):
+            groups = ts.ceil_div(yp.shape[0], 32)  # a part's size depends on the device count
+            one = lambda a, r: m.saxpy[groups, 32](a, r, yp, jnp.zeros_like(yp))
+            return jax.vmap(one, in_axes=(0, 1))(a[:batch], xp[:, :batch])
+
+        return part(X.parts("dp"), Y.parts("dp"), a)
+
+    _check(launch(3), ref.T)
+    monkeypatch.setattr(tile_lowering, "MAX_PROGRAMS", 2)  # past 3 batched launches: a loop
+    _check(launch(3), ref.T)
+    assert launch(0).shape == (0, n)
+
+
+test_vmap_inside_index_launch_gpu = _gpu_twin(test_vmap_inside_index_launch)
+
+
 test_tile_range_is_one_loop_gpu = _gpu_twin(test_tile_range_is_one_loop)
 
 
@@ -394,21 +519,42 @@ SHUFFLE_OFFSETS = (0, 1, 3, 8, 16, 31)
 
 
 @ts.kernel
-def _shuffles(X, Out: ts.mut):
+def _shuffles(X, H, U, Out: ts.mut, OutH: ts.mut, OutU: ts.mut):
     tid = ts.launch.thread_id()
-    v = ts.tile.load(X, tid)
+    v, h, u = ts.tile.load(X, tid), ts.tile.load(H, tid), ts.tile.load(U, tid)
     for row, offset in enumerate(SHUFFLE_OFFSETS):
         Out[row, tid] = ts.tile.warp_shuffle_down(v, offset)
+    OutH[0, tid] = ts.tile.warp_shuffle_down(h, 3)  # other widths: one offset of two rotations
+    OutU[0, tid] = ts.tile.warp_shuffle_down(u, 3)
+    w = ts.tile.warp_id()
+    Out[len(SHUFFLE_OFFSETS), w] = ts.tile.warp_lane(v, 5)
 
 
 def test_warp_shuffle_down_every_offset_kind():
-    """Power-of-two offsets (a shift along the warp's rows), others and 0 (the identity):
-    lane l reads lane l + offset of its warp, or keeps its own value past the warp's end."""
-    x = rand((128,))
-    out = np.asarray(
-        _shuffles[2, 64](x, jax.ShapeDtypeStruct((len(SHUFFLE_OFFSETS), 128), x.dtype))
+    """Power-of-two offsets, others and 0 (the identity), on f32 (NaN, ±0 and ∞ among the
+    values), f16 and uint8: lane l reads lane l + offset of its warp, or keeps its own value
+    past the warp's end, bit for bit; ``warp_lane`` picks one lane of each warp."""
+    x = np.array(rand((128,)))
+    x[[3, 40, 77, 100]] = [np.nan, -0.0, np.inf, -np.inf]
+    h = np.asarray(rand((128,), jnp.float16))
+    u = np.random.default_rng(0).integers(0, 256, 128, dtype=np.uint8)
+    rows = len(SHUFFLE_OFFSETS)
+    outs = _shuffles[2, 64](
+        jnp.asarray(x),
+        jnp.asarray(h),
+        jnp.asarray(u),
+        jnp.zeros((rows + 1, 128), jnp.float32),
+        jax.ShapeDtypeStruct((1, 128), jnp.float16),
+        jax.ShapeDtypeStruct((1, 128), jnp.uint8),
     )
     lane = np.arange(128)
+    bits = lambda a: np.asarray(a).view(f"u{np.asarray(a).itemsize}")
+    src = lambda offset: np.where(lane % 32 + offset < 32, lane + offset, lane)
     for row, offset in enumerate(SHUFFLE_OFFSETS):
-        src = np.where(lane % 32 + offset < 32, lane + offset, lane)
-        np.testing.assert_array_equal(out[row], np.asarray(x)[src])
+        np.testing.assert_array_equal(bits(outs[0][row]), bits(x[src(offset)]))
+    np.testing.assert_array_equal(bits(outs[1][0]), bits(h[src(3)]))
+    np.testing.assert_array_equal(outs[2][0], u[src(3)])
+    np.testing.assert_array_equal(bits(outs[0][rows, :4]), bits(x[5::32]))
+
+
+test_warp_shuffle_down_every_offset_kind_gpu = _gpu_twin(test_warp_shuffle_down_every_offset_kind)

@@ -10,10 +10,11 @@ in Pallas' interpreter (``interpret=True``).
 traced: ``for k in ts.tile.range(...)`` becomes one ``lax.fori_loop`` (an ``scf.for``,
 which Triton's software pipeliner needs; a Python loop would be unrolled and never
 pipelined). Its loop-carried variables are the names assigned in the body that were bound
-before the loop; shared tiles are carried too. ``if``/``while``/conditional expressions
-and Python ``for ... in range(...)`` are checked: a traced condition or bound raises an
-error naming the kernel, the line and what to write instead. Line numbers are kept, so
-tracebacks point at the kernel's own source.
+before the loop, and the shared tiles whose values must cross iterations (``_plan``: a
+prefetched copy is recomputed from the loop index instead). ``if``/``while``/conditional
+expressions and Python ``for ... in range(...)`` are checked: a traced condition or bound
+raises an error naming the kernel, the line and what to write instead. Line numbers are
+kept, so tracebacks point at the kernel's own source.
 
 **Launch.** Every array argument is passed whole (no BlockSpecs): a body addresses arrays
 with windows (``pl.ds``) and masks, as the Triton backend's pointer model does. ``mut``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -306,28 +308,49 @@ def _run_loop(rng: ops.TileRange, body: Callable, init: tuple, names, line: int)
     elif start.hi is not None and stop.hi is not None:
         hi = max(start.hi, stop.hi - 1)
     shared = list(ctx.shared)
+    entry = [t.state for t in shared]
     carry = [_carry_value(nm, v, line) for nm, v in zip(names, init)]
     weak = [not isinstance(v, (jax.Array, jax.core.Tracer)) or _weak(v) for v in init]
+    traces: list[tuple] = []
 
-    def step_fn(i, state):
+    def step_fn(i, state, plan):
+        """One iteration. ``plan`` says how each shared tile enters it: ``"carry"`` (its
+        value is loop state), ``"fixed"`` (its state before the loop) or a
+        :class:`_CarriedCopy` (the copy the previous iteration left in it)."""
         vals, tiles = state
-        saved = [t.value for t in shared]
-        for t, v in zip(shared, tiles):
-            t.value = v
+        saved = [t.state for t in shared]
+        carried = iter(tiles)
+        for t, how, s0 in zip(shared, plan, entry):
+            if how == "carry":
+                t.state = next(carried)
+            else:
+                t.state = how.previous(i) if isinstance(how, _CarriedCopy) else s0
+        tracks = [{"read_first": False, "written": False} for _ in shared]
+        for t, tr in zip(shared, tracks):
+            t.tracks.append(tr)
+        ctx.scopes.append(object())
         depth = len(ctx.shared)
         k = ops.Idx(((i, step),), 0, None, None) + start
         k = ops.Idx(k.terms, k.off, start.lo, hi)
         try:
-            out = body(k, *vals)
-            new_tiles = tuple(t.value for t in shared)
+            try:
+                out = body(k, *vals)
+            finally:
+                for t in shared:
+                    t.tracks.pop()
+            traces.append((i, tracks, [t.state for t in shared]))
+            new_tiles = tuple(t.peek() for t, how in zip(shared, plan) if how == "carry")
         finally:
+            ctx.scopes.pop()
             del ctx.shared[depth:]
             for t, v in zip(shared, saved):
-                t.value = v
+                t.state = v
         return tuple(_carry_value(nm, v, line) for nm, v in zip(names, out)), new_tiles
 
-    tiles0 = tuple(t.value for t in shared)
-    outs = jax.eval_shape(step_fn, jnp.int32(0), (tuple(carry), tiles0))
+    # A first, abstract trace of the body says what each shared tile needs (see _plan).
+    plan = ["fixed" if isinstance(s0, ops.Copy) else "carry" for s0 in entry]
+    tiles0 = tuple(s0 for s0 in entry if not isinstance(s0, ops.Copy))
+    outs = jax.eval_shape(lambda i, st: step_fn(i, st, plan), jnp.int32(0), (tuple(carry), tiles0))
     fixed = []
     for nm, c, o, w in zip(names, carry, outs[0], weak):
         if c.shape != o.shape or c.dtype != o.dtype:
@@ -343,21 +366,120 @@ def _run_loop(rng: ops.TileRange, body: Callable, init: tuple, names, line: int)
                 )
         fixed.append(c)
 
+    plan, after = _plan(entry, *traces[-1], n)
+    tiles0 = tuple(
+        s0.load() if isinstance(s0, ops.Copy) else s0
+        for s0, how in zip(entry, plan)
+        if how == "carry"
+    )
     carried = sum(c.size * c.dtype.itemsize for c in fixed) + sum(
         t.size * t.dtype.itemsize for t in tiles0
     )
     ctx.carried_bytes = max(ctx.carried_bytes, carried)
+    dtypes = [t.dtype for t, how in zip(shared, plan) if how == "carry"]
 
     def typed(i, state):
-        vals, tiles = step_fn(i, state)
+        vals, tiles = step_fn(i, state, plan)
         vals = tuple(v.astype(c.dtype) for v, c in zip(vals, fixed))
-        tiles = tuple(v.astype(t.dtype) for v, t in zip(tiles, tiles0))
-        return vals, tiles
+        return vals, tuple(v.astype(d) for v, d in zip(tiles, dtypes))
 
     vals, tiles = jax.lax.fori_loop(0, n, typed, (tuple(fixed), tiles0))
-    for t, v in zip(shared, tiles):
-        t.value = v
+    tiles = iter(tiles)
+    for t, how, a in zip(shared, plan, after):
+        t.state = next(tiles) if how == "carry" else a
     return tuple(vals)
+
+
+def _plan(entry: list, i: Any, tracks: list[dict], exits: list, n: Any) -> tuple[list, list]:
+    """How each shared tile enters the loop's iterations, and its state after the loop.
+
+    A tile the body does not write keeps its state (``"fixed"``). A tile whose body leaves
+    a copy affine in the loop index needs no loop state: when the body writes it before
+    reading it, the iterations see it as the body left it (``"fixed"``); when the body
+    reads it first, the copy before the loop must be the one the body's copy gives for the
+    iteration before the first, and each iteration sees the previous iteration's copy (a
+    :class:`_CarriedCopy`), which is the prefetch of a double buffer. Any other tile is
+    loop state: its value, in registers (``"carry"``).
+    """
+    plan, after = [], []
+    for s0, tr, ex in zip(entry, tracks, exits):
+        tmpl = _CarriedCopy.of(ex, i) if tr["written"] and isinstance(ex, ops.Copy) else None
+        if not tr["written"]:
+            if tr["read_first"] and isinstance(s0, ops.Copy):
+                s0.load()  # once, before the loop, rather than in every iteration
+            plan.append("fixed")
+            after.append(s0)
+        elif tmpl is not None and tr["read_first"] and tmpl.follows(s0):
+            plan.append(tmpl)
+            after.append(tmpl.last(n))
+        elif tmpl is not None and not tr["read_first"] and isinstance(n, int):
+            plan.append("fixed")
+            after.append(tmpl.last(n) if n else s0)
+        elif tmpl is not None and not tr["read_first"] and tmpl.follows(s0):
+            plan.append("fixed")
+            after.append(tmpl.last(n))
+        else:
+            plan.append("carry")
+            after.append(None)
+    return plan, after
+
+
+class _CarriedCopy:
+    """The copy a loop body leaves in a shared tile, as a function of the iteration ``j``:
+    per dimension the start ``rest + coef·j`` (``rest``: terms from outside the loop and a
+    constant) with its bounds over the iterations, and the window's size."""
+
+    def __init__(self, copy: ops.Copy, dims: list[tuple]):
+        self.copy, self.dims = copy, dims
+
+    @staticmethod
+    def of(copy: ops.Copy, i: Any) -> _CarriedCopy | None:
+        """``copy`` (made in the body whose loop index is ``i``) as a function of the
+        iteration, or None when it depends on other values of the body."""
+        dims = []
+        for a, size, window in copy.dims:
+            coef = sum(c for t, c in a.terms if t is i)
+            rest = tuple((t, c) for t, c in a.terms if t is not i)
+            if any(_compat.same_trace(t, i) for t, _ in rest):
+                return None
+            dims.append((rest, coef, a.off, a.lo, a.hi, size, window))
+        return _CarriedCopy(copy, dims)
+
+    def _at(self, j: Any, j_const: int, shifts: tuple[int, ...]) -> ops.Copy:
+        """The copy at iteration ``j + j_const`` (``j`` a traced index or None), whose value
+        lies within the iterations' bounds shifted back by ``shifts`` iterations."""
+        dims = []
+        for rest, coef, off, lo, hi, size, window in self.dims:
+            terms = rest + (((j, coef),) if j is not None else ())
+            if lo is not None:
+                lo, hi = min(lo - s * coef for s in shifts), max(hi - s * coef for s in shifts)
+            dims.append((ops.Idx(terms, off + j_const * coef, lo, hi), size, window))
+        return ops.Copy(self.copy.src, tuple(dims), self.copy.dtype)
+
+    def previous(self, i: Any) -> ops.Copy:
+        """What the iteration before ``i`` left (the copy before the loop when ``i`` is 0)."""
+        return self._at(i, -1, (1,))
+
+    def last(self, n: Any) -> ops.Copy:
+        """What the last of ``n`` iterations left (the copy before the loop when none ran,
+        which ``follows`` checked where ``n`` is traced)."""
+        if isinstance(n, int):
+            return self._at(None, n - 1, (0,) if n else (1,))
+        return self._at(jnp.asarray(n, jnp.int32), -1, (0, 1))
+
+    def follows(self, before: Any) -> bool:
+        """Whether ``before`` (the tile's state before the loop) is this copy at iteration
+        -1, so that the first iteration's ``previous`` is exact."""
+        if not isinstance(before, ops.Copy) or before.src is not self.copy.src:
+            return False
+        if before.dtype != self.copy.dtype or len(before.dims) != len(self.dims):
+            return False
+        for (a, size, window), (rest, coef, off, *_, size2, window2) in zip(before.dims, self.dims):
+            if (size, window) != (size2, window2) or a.off != off - coef:
+                return False
+            if {id(t): c for t, c in a.terms} != {id(t): c for t, c in rest if c}:
+                return False
+        return True
 
 
 def _weak(v: Any) -> bool:
@@ -445,7 +567,8 @@ def call(
         if p.mut
     )
     dyn = _compat.match_vma(dyn)
-    return list(_launch_p.bind(*dyn, fn=_Opaque(run), out_avals=out_avals)), probe
+    fn = _Opaque(run, math.prod(grid))
+    return list(_launch_p.bind(*dyn, fn=fn, out_avals=out_avals)), probe
 
 
 def _dtype(dyn, params, i) -> Any:
@@ -454,10 +577,11 @@ def _dtype(dyn, params, i) -> Any:
 
 
 class _Opaque:
-    """A primitive parameter holding a function, hashed by identity."""
+    """A primitive parameter holding a function, hashed by identity; ``programs``: how many
+    programs (groups) one call of it launches."""
 
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], programs: int):
+        self.fn, self.programs = fn, programs
 
 
 _launch_p = _compat.Primitive("ts_tile_launch")
@@ -472,6 +596,40 @@ def _launch_lowering(ctx, *args, fn, out_avals):
 
 
 _compat.mlir.register_lowering(_launch_p, _launch_lowering)
+
+# The most programs one launch may have: CUDA's grid limit along x, into which Pallas'
+# Triton backend folds every grid axis that does not fit y and z.
+MAX_PROGRAMS = 2**31 - 1
+
+
+def _launch_batching(args, dims, *, fn, out_avals):
+    """``vmap`` of a launch: the batch becomes a grid axis of the one ``pallas_call`` (Pallas'
+    own batching rule, which gives each program its batch element). A batch that would take
+    the launch past ``MAX_PROGRAMS``, or an empty one (no grid has an axis of size 0), runs
+    as a loop of launches instead."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+    in_axes = tuple(None if d is _compat.not_mapped else d for d in dims)
+    programs = size * fn.programs
+    if 0 < programs <= MAX_PROGRAMS:
+        batched = jax.vmap(fn.fn, in_axes=in_axes)
+    else:
+        programs = fn.programs
+
+        def batched(*xs):
+            mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(xs, in_axes) if a is not None]
+
+            def one(slices):
+                it = iter(slices)
+                return fn.fn(*(x if a is None else next(it) for x, a in zip(xs, in_axes)))
+
+            return jax.lax.map(one, mapped)
+
+    avals = tuple(a.update(shape=(size, *a.shape)) for a in out_avals)
+    outs = _launch_p.bind(*args, fn=_Opaque(batched, programs), out_avals=avals)
+    return outs, [0] * len(outs)
+
+
+_compat.batching.primitive_batchers[_launch_p] = _launch_batching
 
 
 def trace(body, name, filename, lines, params, kwargs, grid, threads, dyn) -> ops.Context:
@@ -531,7 +689,7 @@ def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stag
             else:
                 ref = outs[out_of[i]] if p.mut else ins[slots[i]]
                 shape = params_shape(dyn, params, i)
-                args.append(ops.TileRef(ref, p.name, i, shape, ref.dtype))
+                args.append(ops.TileRef(ref, p.name, i, shape, ref.dtype, p.mut))
         with ops.enter(ctx):
             body(*args, **kwargs)
 

@@ -22,8 +22,14 @@ Memory spaces follow Triton's lane-vector model: ``alloc_shared`` gives a tile t
 ``cp_async`` fills and ``dot``/``mma`` read; the backend places it (shared memory for dot
 operands, registers otherwise) and issues the asynchronous copies itself when it pipelines
 a ``ts.tile.range`` loop (``num_stages``), so ``cp_commit_group``/``cp_wait_group`` and
-``barrier`` only fix program order, which every tile operation already has. Warp-level
-operations act on the lane vector cut into warps of 32 lanes (their tile-level equivalents).
+``barrier`` only fix program order, which every tile operation already has. A ``cp_async``
+from an input array (which the kernel never stores to) is performed where its tile is read
+(:class:`Copy`), with the same values as copying at once: a hand-written double buffer
+(copy step k + 1 while multiplying step k) thus becomes loads inside the loop, which the
+pipeliner overlaps with the multiplies, rather than tiles carried across iterations in
+registers. Warp-level operations act on the lane vector cut into warps of 32 lanes (their
+tile-level equivalents); on the GPU a shuffle is one gather along the warp's lanes, which
+Triton lowers to warp shuffles.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tessera_jax import _compat
 from tessera_jax.numerics.dtypes import as_np_dtype
 
 __all__ = [
@@ -117,6 +124,9 @@ class Context:
     # per pipeline stage) and of the largest set of loop-carried tiles (held in registers).
     dot_bytes: int = 0
     carried_bytes: int = 0
+    # The trace scopes open now (the kernel's, then one per loop body being traced): a
+    # deferred copy's loaded value is reused only inside the scope that loaded it.
+    scopes: list[object] = dataclasses.field(default_factory=lambda: [object()])
 
 
 _STATE = threading.local()
@@ -450,8 +460,10 @@ class TileRef:
     stores, bounds-masked; both take the same indices as :func:`load`.
     """
 
-    def __init__(self, ref: Any, name: str, pos: int, shape: tuple[int, ...], dtype: Any):
-        self.ref, self.name, self.pos = ref, name, pos
+    def __init__(
+        self, ref: Any, name: str, pos: int, shape: tuple[int, ...], dtype: Any, mut: bool
+    ):
+        self.ref, self.name, self.pos, self.mut = ref, name, pos, mut
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
     @property
@@ -540,11 +552,38 @@ class RefView(_ArrayLike):
 
 
 class SharedTile(_ArrayLike):
-    """A group-local tile (``alloc_shared``): filled by ``cp_async``/``store``, read whole."""
+    """A group-local tile (``alloc_shared``): filled by ``cp_async``/``store``, read whole.
+
+    Its ``state`` is its value (an array) or a :class:`Copy` not yet performed: a copy
+    from an array the kernel never stores is loaded where the tile is read, which gives the
+    same values and lets the backend's pipeliner issue it ahead (a ``ts.tile.range`` loop
+    recomputes a prefetched copy from its loop index, not carrying a tile of registers).
+    """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, swizzle: str | None, align: int):
         self.shape, self.dtype, self.swizzle, self.alignment = shape, dtype, swizzle, align
-        self.value = jnp.zeros(shape, dtype)
+        self.state: jax.Array | Copy = jnp.zeros(shape, dtype)
+        # One record per loop body being traced: read before written there, written there.
+        self.tracks: list[dict[str, bool]] = []
+
+    @property
+    def value(self) -> jax.Array:
+        for t in self.tracks:
+            t["read_first"] = t["read_first"] or not t["written"]
+        return self.peek()
+
+    def peek(self) -> jax.Array:
+        """The value, unrecorded (a loop carrying it is not a read by the kernel)."""
+        return self.state.load() if isinstance(self.state, Copy) else self.state
+
+    @value.setter
+    def value(self, v: Any) -> None:
+        self.fill(v)
+
+    def fill(self, state: jax.Array | Copy) -> None:
+        for t in self.tracks:
+            t["written"] = True
+        self.state = state
 
     def __jax_array__(self):
         return self.value
@@ -554,6 +593,29 @@ class SharedTile(_ArrayLike):
 
     def __setitem__(self, idx, value) -> None:
         store(self, idx, value)
+
+
+class Copy:
+    """A copy of the window ``src[dims]`` into a shared tile of ``dtype``, performed when the
+    tile is read (``dims``: per dimension ``(start, size, window)``, an integer index where
+    ``window`` is False). Its loaded value is kept for reads in the same trace scope."""
+
+    __slots__ = ("_loaded", "dims", "dtype", "src")
+
+    def __init__(self, src: TileRef, dims: tuple[tuple[Idx, int, bool], ...], dtype: Any):
+        self.src, self.dims, self.dtype = src, dims, dtype
+        self._loaded: tuple[object, jax.Array] | None = None
+
+    def index(self) -> tuple:
+        return tuple(slice(a, a + n) if w else a for a, n, w in self.dims)
+
+    def load(self) -> jax.Array:
+        scopes = current().scopes
+        if self._loaded is not None and any(self._loaded[0] is sc for sc in scopes):
+            return self._loaded[1]
+        v = load(self.src, self.index()).astype(self.dtype)
+        self._loaded = (scopes[-1], v)
+        return v
 
 
 def _plain_index(idx: Any) -> Any:
@@ -631,6 +693,10 @@ class _Access:
                 )
             s = start + pads[d]
             sv = s.value() if not s.static else s.off
+            if s.static and not 0 <= s.off <= s.off + size <= tref.ref.shape[d]:
+                # A constant window that runs off the array: its lanes outside are masked,
+                # and a traced start keeps Pallas from rejecting the window while tracing.
+                sv = pl.program_id(0) * 0 + s.off
             if size == 1 and _is_scalar_index(c):
                 self.indexer.append(jnp.asarray(sv, jnp.int32))
                 if not inside:
@@ -741,6 +807,12 @@ def store(ref: Any, idx: Any, value: Any, mask: Any = None) -> None:
         target.value = new if mask is None else jnp.where(mask, new, target.value)
         return
     ctx = current()
+    if not target.mut:
+        raise error(
+            f"ts.tile.store: {target.name!r} is an input, not a ts.mut parameter",
+            f"annotate it `{target.name}: ts.mut` to make it an output of the kernel",
+            TypeError,
+        )
     acc = _Access(target, idx, "ts.tile.store")
     value = _fit(value, acc.shape, target.dtype, "ts.tile.store", target.name)
     m = acc.combine(mask, "ts.tile.store", target.name)
@@ -881,25 +953,70 @@ def warp_shuffle_down(val: Any, offset: int) -> jax.Array:
         raise error(f"ts.tile.warp_shuffle_down: {offset=} must be an int in [0, {WARP})")
     if offset == 0:
         return val
-    if WARP % offset == 0:
-        # A power-of-two offset moves lane j·offset + c to lane (j-1)·offset + c: a shift by
-        # one along the warp's 32/offset rows, so each lane selects among 32/offset sources,
-        # not 32.
-        s = WARP // offset
-        v = val.reshape(w, s, offset)
-        src = jnp.arange(s)[:, None]
-        dst = jnp.arange(s)[None, :]
-        pick = (src == dst + 1) | ((dst == s - 1) & (src == dst))  # the last row keeps its own
-        moved = jnp.where(pick[None, :, :, None], v[:, :, None, :], jnp.zeros((), v.dtype))
-        return jnp.sum(moved, axis=1).astype(v.dtype).reshape(val.shape)
-    v = val.reshape(w, WARP)
-    src = jnp.arange(WARP)[:, None]
-    dst = jnp.arange(WARP)[None, :]
-    # A select-and-sum moves every lane at once without a gather; one term is non-zero.
-    pick = src == dst + offset
-    moved = jnp.sum(jnp.where(pick[None], v[:, :, None], jnp.zeros((), v.dtype)), axis=1)
-    keep = (jnp.arange(WARP) + offset >= WARP)[None, :]
-    return jnp.where(keep, v, moved.astype(v.dtype)).reshape(val.shape)
+    lane = jnp.arange(WARP, dtype=jnp.int32)  # traced: a kernel captures no array constants
+    source = jnp.broadcast_to(jnp.where(lane + offset < WARP, lane + offset, lane), (w, WARP))
+    v = val.astype(jnp.int32) if val.dtype == jnp.bool_ else val
+    moved = lane_gather(v.reshape(w, WARP), source, axis=1).reshape(val.shape)
+    return moved.astype(val.dtype)
+
+
+def lane_gather(x: jax.Array, idx: jax.Array, *, axis: int) -> jax.Array:
+    """``jnp.take_along_axis(x, idx, axis)`` for indices within bounds: on the GPU one
+    Triton ``tt.gather``, which is a warp shuffle per element when ``axis`` lies within a
+    warp (a Triton tile has no other way to move values between lanes); elsewhere XLA's
+    gather."""
+    return _lane_gather_p.bind(x, idx, axis=axis)
+
+
+def _lane_gather_impl(x, idx, *, axis):
+    return jnp.take_along_axis(x, idx, axis=axis, mode="clip")
+
+
+def _lane_gather_batching(args, dims, *, axis):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+    x, idx = (
+        jnp.broadcast_to(a, (size, *a.shape)) if d is _compat.not_mapped else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    )
+    return lane_gather(x, idx, axis=axis + 1), 0
+
+
+_lane_gather_p = _compat.Primitive("ts_tile_lane_gather")
+_lane_gather_p.def_impl(_lane_gather_impl)
+_lane_gather_p.def_abstract_eval(lambda x, idx, *, axis: jax.core.ShapedArray(idx.shape, x.dtype))
+_compat.mlir.register_lowering(
+    _lane_gather_p, _compat.mlir.lower_fun(_lane_gather_impl, multiple_results=False)
+)
+_compat.batching.primitive_batchers[_lane_gather_p] = _lane_gather_batching
+_compat.register_triton_gather_lowering(_lane_gather_p)
+
+
+def _to_bits(v: jax.Array, op: str) -> jax.Array:
+    """``v``'s bit patterns as 32- or 64-bit integers, which a sum with zeros keeps exactly
+    (NaN payloads and -0 too, which a float sum would not)."""
+    if v.dtype == jnp.bool_:
+        return v.astype(jnp.int32)
+    if v.dtype.itemsize not in (1, 2, 4, 8) or jnp.issubdtype(v.dtype, jnp.complexfloating):
+        raise error(
+            f"{op}: val has dtype {v.dtype}; warp operations move booleans, integers and reals"
+        )
+    if v.dtype.itemsize == 8:
+        return jax.lax.bitcast_convert_type(v, jnp.int64) if v.dtype != jnp.int64 else v
+    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[v.dtype.itemsize]
+    b = v if jnp.issubdtype(v.dtype, jnp.signedinteger) else v.view(ints)
+    return b.astype(jnp.int32)
+
+
+def _from_bits(b: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of ``_to_bits``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return b != 0
+    if dtype.itemsize == 8:
+        return b if dtype == np.int64 else jax.lax.bitcast_convert_type(b, dtype)
+    ints = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[dtype.itemsize]
+    b = b.astype(ints)
+    return b if np.issubdtype(dtype, np.signedinteger) else b.view(dtype)
 
 
 def warp_lane(val: Any, lane: int = 0) -> jax.Array:
@@ -911,8 +1028,10 @@ def warp_lane(val: Any, lane: int = 0) -> jax.Array:
         raise error(f"ts.tile.warp_lane: val has shape {val.shape}, not ({w * WARP},)")
     if not isinstance(lane, int) or not 0 <= lane < WARP:
         raise error(f"ts.tile.warp_lane: {lane=} must be an int in [0, {WARP})")
-    v = val.reshape(w, WARP)
-    return jnp.sum(jnp.where((jnp.arange(WARP) == lane)[None, :], v, jnp.zeros((), v.dtype)), 1)
+    # A sum of one lane's bits and zeros: a warp reduction, exact for every value.
+    v = _to_bits(val, "ts.tile.warp_lane").reshape(w, WARP)
+    picked = jnp.where((jnp.arange(WARP) == lane)[None, :], v, jnp.zeros((), v.dtype))
+    return _from_bits(jnp.sum(picked, axis=1, dtype=v.dtype), val.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -990,8 +1109,10 @@ def alloc_register(dtype: Any = jnp.float32, shape: Sequence[int] = ()) -> jax.A
 
 def cp_async(dst: SharedTile, src: Any) -> SharedTile:
     """Copies the window ``src`` (``A[m:m + BM, k:k + BK]``) into the shared tile ``dst``;
-    elements outside ``A`` read 0. The backend makes it asynchronous when it pipelines the
-    enclosing ``ts.tile.range`` loop; the result is the same either way."""
+    elements outside ``A`` read 0. A copy from an input is deferred to where ``dst`` is read
+    (module docstring), one from a ``ts.mut`` array is made at once; the backend makes the
+    loads asynchronous when it pipelines the enclosing ``ts.tile.range`` loop. The result is
+    the same either way."""
     if not isinstance(dst, SharedTile):
         raise error(
             f"ts.tile.cp_async: dst is a {type(dst).__name__}",
@@ -1004,13 +1125,32 @@ def cp_async(dst: SharedTile, src: Any) -> SharedTile:
             "pass a window of a kernel argument, e.g. A[m:m + BM, k:k + BK]",
             TypeError,
         )
-    v = load(src)
-    if tuple(v.shape) != dst.shape:
-        raise error(
-            f"ts.tile.cp_async: the source window {tuple(v.shape)} is not dst's {dst.shape}"
-        )
-    dst.value = v.astype(dst.dtype)
+    tref, idx = (src.tref, src.idx) if isinstance(src, RefView) else (src, None)
+    shape = _Access(tref, idx, "ts.tile.cp_async").shape
+    if tuple(shape) != dst.shape:
+        raise error(f"ts.tile.cp_async: the source window {tuple(shape)} is not dst's {dst.shape}")
+    if tref.mut:  # the kernel may store to it before the tile is read: copy now
+        dst.fill(load(tref, idx).astype(dst.dtype))
+    else:
+        dst.fill(Copy(tref, _window_dims(tref, idx), dst.dtype))
     return dst
+
+
+def _window_dims(tref: TileRef, idx: Any) -> tuple[tuple[Idx, int, bool], ...]:
+    """``idx`` (checked by ``_Access``) as ``(start, size, window)`` per dimension."""
+    comps = () if idx is None or idx is Ellipsis else (idx if isinstance(idx, tuple) else (idx,))
+    comps = comps + (slice(None),) * (tref.ndim - len(comps))
+    dims = []
+    for c, n in zip(comps, tref.shape):
+        if _is_scalar_index(c):
+            dims.append((Idx.of(c), 1, False))
+        elif isinstance(c, Lanes):
+            dims.append((c.start, c.n, True))
+        else:
+            start = Idx.of(0 if c.start is None else c.start)
+            stop = Idx.of(n if c.stop is None else c.stop)
+            dims.append((start, (stop - start).off, True))
+    return tuple(dims)
 
 
 def cp_commit_group() -> None:
