@@ -190,6 +190,18 @@ def test_jit_capture_graph():
         )
 
 
+def test_jit_deterministic():
+    x = rand((8, 8))
+    ref = np.maximum(f64(x) @ f64(x), 0)
+    for flag in (True, False):
+        f = ts.jit(lambda a: ts.relu(ts.matmul(a, a)), deterministic=flag, capture_graph=True)
+        assert_close(f(x), ref)
+    with pytest.raises(TypeError, match=r"ts.jit: deterministic='yes' must be a bool or None"):
+        ts.jit(lambda a: a, deterministic="yes")
+    with pytest.raises(ValueError, match=r"deterministic=True contradicts compiler_options"):
+        ts.jit(lambda a: a, deterministic=True, compiler_options={"xla_gpu_deterministic_ops": 0})
+
+
 def test_streams():
     devs = jax.devices()
     s = ts.stream.new(priority=0)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tessera_jax._config import command_buffer_options
+from tessera_jax._config import command_buffer_options, deterministic_compile_options
 from tessera_jax.numerics import annotations as _ann
 from tessera_jax.numerics.context import accumulation
 from tessera_jax.numerics.dtypes import LossScale
@@ -573,7 +573,30 @@ def _checked(f: Callable) -> Callable:
     return body
 
 
-def jit(f: Callable | None = None, /, *, capture_graph: bool | None = None, **jit_kwargs: Any):
+def _with_option(jit_kwargs: dict[str, Any], arg: str, value: Any, wanted: dict[str, Any]):
+    """``jit_kwargs`` with ``wanted`` merged into its ``compiler_options``; an option the
+    caller also gave with another value is a contradiction."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"ts.jit: {arg}={value!r} must be a bool or None")
+    options = dict(jit_kwargs.get("compiler_options") or {})
+    for name, want in wanted.items():
+        given = options.get(name)
+        if given is not None and given != want:
+            raise ValueError(
+                f"ts.jit: {arg}={value} contradicts compiler_options' {name}={given!r}; "
+                "give one of them"
+            )
+    return {**jit_kwargs, "compiler_options": {**options, **wanted}}
+
+
+def jit(
+    f: Callable | None = None,
+    /,
+    *,
+    capture_graph: bool | None = None,
+    deterministic: bool | None = None,
+    **jit_kwargs: Any,
+):
     """``jax.jit`` with Tessera's trace-time annotation checks.
 
     Usable as ``@ts.jit``, ``@ts.jit(static_argnames=...)`` or ``ts.jit(f, ...)``.
@@ -596,6 +619,15 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool | None = None, **ji
     command buffers, and there it changes nothing. Measured in
     benchmarks/results/graphs-h100.json (benchmarks/graphs.py).
 
+    ``deterministic``: ``True`` compiles with XLA's GPU autotuning off
+    (``xla_gpu_deterministic_ops``, see ``_config.deterministic_compile_options``), so the
+    same program gives the same bits in every process: autotuning picks kernels by timing,
+    and near-ties go either way from one process to the next. ``False`` sets the option
+    off, ``None`` keeps XLA's default (off, unless ``XLA_FLAGS`` says otherwise). The ts
+    operators' own kernels and reductions are deterministic either way; this covers the
+    GEMMs and fusions XLA compiles around them. The demo's training step uses it. Like
+    ``capture_graph``, it is a compile option, which jax takes on the outermost jit only.
+
     Returns the ``jax.jit`` object (``.lower``, ``.trace``, … work); its signature and
     attributes (``adjoint_graph`` of an ``@ts.autodiff`` function) are ``f``'s. For a
     function with regions, a wrapper that first checks the caller's arguments for
@@ -604,17 +636,11 @@ def jit(f: Callable | None = None, /, *, capture_graph: bool | None = None, **ji
     (available as ``.jitted``; ``.lower`` is forwarded).
     """
     if capture_graph is not None:
-        if not isinstance(capture_graph, (bool, np.bool_)):
-            raise TypeError(f"ts.jit: {capture_graph=!r} must be a bool or None")
-        options = dict(jit_kwargs.get("compiler_options") or {})
-        given = options.get("xla_gpu_enable_command_buffer")
         wanted = command_buffer_options(bool(capture_graph))
-        if given is not None and given != wanted["xla_gpu_enable_command_buffer"]:
-            raise ValueError(
-                f"ts.jit: capture_graph={capture_graph} contradicts compiler_options' "
-                f"xla_gpu_enable_command_buffer={given!r}; give one of them"
-            )
-        jit_kwargs["compiler_options"] = {**options, **wanted}
+        jit_kwargs = _with_option(jit_kwargs, "capture_graph", capture_graph, wanted)
+    if deterministic is not None:
+        wanted = {k: bool(deterministic) for k in deterministic_compile_options()}
+        jit_kwargs = _with_option(jit_kwargs, "deterministic", deterministic, wanted)
     if f is None:
         return lambda g: jit(g, **jit_kwargs)
     _check_callable("ts.jit", f)
