@@ -53,6 +53,7 @@ def test_f32_weight_with_bf16_activations():
     assert gw.dtype == jnp.float32
 
 
+@pytest.mark.xla_optimized  # bitwise against another program (tests/conftest.py)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_statistics_in_f32_rounded_once(dtype):
     x, w = rand((8, 256), dtype, scale=30.0), rand((256,), dtype)
