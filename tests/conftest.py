@@ -14,7 +14,8 @@ The CPU run compiles without XLA's backend optimisations (``jax_disable_most_opt
 its thousands of small programs check what is computed, and LLVM's passes were most of the
 suite's time. Tests marked ``xla_optimized`` compile with them: the bitwise comparisons of
 differently built programs (mesh invariance, run to run, an operator against its formula),
-which the code XLA optimises (fused multiply-adds, vectorised loops) could break.
+which the code XLA optimises (fused multiply-adds, vectorised loops) could break. Setting
+``JAX_DISABLE_MOST_OPTIMIZATIONS`` (``=0``: every test optimised) leaves the choice to jax.
 """
 
 import os
@@ -56,9 +57,14 @@ _SUBPROCESS_BITWISE = {"test_demo.py"}
 
 def pytest_configure(config):
     config._tessera_gpu_run = _selects_gpu(config.option.markexpr)
+    # Whether this run switches XLA's optimisations per test (see the module docstring).
+    config._tessera_switch_opt = (
+        not config._tessera_gpu_run and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ
+    )
     if not config._tessera_gpu_run:
         # Before any backend starts: every other test runs on the 8 virtual CPU devices.
         jax.config.update("jax_platforms", "cpu")
+    if config._tessera_switch_opt:
         _set_optimized(False)
 
 
@@ -104,7 +110,7 @@ def pytest_runtest_setup(item):
     """Compiles ``xla_optimized`` tests of the CPU run with XLA's optimisations, the others
     without (see the module docstring); the GPU run keeps jax's defaults. A hook, not a
     fixture: it runs before the test's fixtures, module-scoped ones included, compile."""
-    if item.config._tessera_gpu_run:
+    if not item.config._tessera_switch_opt:
         return
     on = item.get_closest_marker("xla_optimized") is not None
     _set_optimized(on)
