@@ -12,9 +12,10 @@ Which backend a run uses:
 
 The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``):
 its thousands of small programs check what is computed, and LLVM's passes were most of the
-suite's time. Tests marked ``xla_optimized`` compile with them: the bitwise comparisons of
-differently built programs (mesh invariance, run to run, an operator against its formula),
-which the code XLA optimises (fused multiply-adds, vectorised loops) could break. Setting
+suite's time. Tests marked ``xla_optimized`` compile with them: bitwise (or nearly bitwise)
+comparisons of differently built programs (mesh invariance, run to run, an operator against
+its formula, jit against eager): claims about the optimised code users run (fused
+multiply-adds, vectorised loops), which unoptimised code would not test. Setting
 ``JAX_DISABLE_MOST_OPTIMIZATIONS`` (``=0``: every test optimised) leaves the choice to jax.
 """
 
