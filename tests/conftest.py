@@ -9,6 +9,14 @@ Which backend a run uses:
 * ``python -m pytest -m gpu`` runs only the ``gpu`` tests, on the default backend (a GPU):
   every compiled kernel against its reference at small shapes. Each has an interpret-mode
   twin in the CPU run.
+
+The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``):
+its thousands of small programs check what is computed, and LLVM's passes were most of the
+suite's time. Tests marked ``xla_optimized`` compile with them: bitwise (or nearly bitwise)
+comparisons of differently built programs (mesh invariance, run to run, an operator against
+its formula, jit against eager): claims about the optimised code users run (fused
+multiply-adds, vectorised loops), which unoptimised code would not test. Setting
+``JAX_DISABLE_MOST_OPTIMIZATIONS`` (``=0``: every test optimised) leaves the choice to jax.
 """
 
 import os
@@ -43,11 +51,22 @@ def _selects_gpu(markexpr: str) -> bool:
     return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
 
 
+# Modules that compare in-process results bit for bit with their subprocesses', which compile
+# with jax's defaults (optimised): their in-process programs are compiled the same way.
+_SUBPROCESS_BITWISE = {"test_demo.py"}
+
+
 def pytest_configure(config):
     config._tessera_gpu_run = _selects_gpu(config.option.markexpr)
+    # Whether this run switches XLA's optimisations per test (see the module docstring).
+    config._tessera_switch_opt = (
+        not config._tessera_gpu_run and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ
+    )
     if not config._tessera_gpu_run:
         # Before any backend starts: every other test runs on the 8 virtual CPU devices.
         jax.config.update("jax_platforms", "cpu")
+    if config._tessera_switch_opt:
+        _set_optimized(False)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +80,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        if item.path.name in _SUBPROCESS_BITWISE:
+            item.add_marker(pytest.mark.xla_optimized)
 
 
 @pytest.fixture
@@ -68,3 +89,31 @@ def x64():
     """Runs the test with 64-bit types on (check_grads wants float64 inputs)."""
     with _compat.enable_x64(True):
         yield
+
+
+# Whether programs compiled now get XLA's backend optimisations, and whether any program was
+# compiled without them since they were last switched on.
+_OPTIMIZED = {"now": True, "unoptimized_since_on": False}
+
+
+def _set_optimized(on: bool) -> None:
+    if on and not _OPTIMIZED["now"] and _OPTIMIZED["unoptimized_since_on"]:
+        # jax's executable caches ignore the setting: an unoptimised program compiled by an
+        # earlier test must not stand in for the optimised one this test checks.
+        jax.clear_caches()
+        _OPTIMIZED["unoptimized_since_on"] = False
+    jax.config.update("jax_disable_most_optimizations", not on)
+    _OPTIMIZED["now"] = on
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Compiles ``xla_optimized`` tests of the CPU run with XLA's optimisations, the others
+    without (see the module docstring); the GPU run keeps jax's defaults. A hook, not a
+    fixture: it runs before the test's fixtures, module-scoped ones included, compile."""
+    if not item.config._tessera_switch_opt:
+        return
+    on = item.get_closest_marker("xla_optimized") is not None
+    _set_optimized(on)
+    if not on:
+        _OPTIMIZED["unoptimized_since_on"] = True

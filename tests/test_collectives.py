@@ -19,6 +19,9 @@ from tessera_jax import _compat, op
 from tessera_jax.primitives import collectives as coll
 from tests._util import assert_close, f64, np_tree, rand, sample, sample_grid
 
+# Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 
 def bits_equal(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)

@@ -13,6 +13,9 @@ import tessera_jax as ts
 from tessera_jax import Region, read, reduce_sum, write
 from tests._util import f64, rand, sample
 
+# Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 ROW_DP_COL_TP = ts.ShardSpec(("row", "col"), ("dp", "tp"))
 
 

@@ -17,6 +17,9 @@ import tessera_jax as ts
 from tessera_jax import dist, op
 from tests._util import rand
 
+# Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 
 def test_seed001_gradient_aggregation():
     """Seed 001 §4.4: grads = op.all_reduce(local_grads, op="sum", axis="dp")."""

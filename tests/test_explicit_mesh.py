@@ -135,6 +135,7 @@ def test_values_and_types_match_jnp(name, kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.xla_optimized  # bitwise across meshes (tests/conftest.py)
 @pytest.mark.parametrize("kind", sorted(AXIS_TYPES))
 def test_sum_is_mesh_invariant_on_both_axis_types(kind):
     """The canonical tree gives the bits of the one-device sum whatever the axis types."""

@@ -594,7 +594,8 @@ GRAD_LAYOUTS = [
 @pytest.mark.parametrize("sa,sb", sample(GRAD_LAYOUTS, 2))
 def test_check_grads_order_2(x64, sa, sb):
     a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
-    check_grads(ts.matmul, (a, b), order=2, modes=("fwd", "rev"))
+    # Jitted: check_grads of an eager function compiles each operation of every derivative.
+    check_grads(jax.jit(ts.matmul), (a, b), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("sa,sb", sample(GRAD_LAYOUTS, 2))
@@ -602,7 +603,7 @@ def test_check_grads_order_2_transposed_inputs(x64, sa, sb):
     a = rand((*sa[:-2], sa[-1], sa[-2]), jnp.float64)
     b = rand((*sb[:-2], sb[-1], sb[-2]), jnp.float64)
     f = lambda a, b: ts.matmul(jnp.swapaxes(a, -1, -2), jnp.swapaxes(b, -1, -2))
-    check_grads(f, (a, b), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(f), (a, b), order=2, modes=("fwd", "rev"))
 
 
 # Every flag value with every layout, sampled rather than crossed (second-order checks are
@@ -628,7 +629,7 @@ def test_check_grads_of_the_primitive_with_flags_and_scale(x64, ta, tb, layout):
     def f(a, b, s):
         return matmul_op.bind(a, b, s, spec=spec)
 
-    check_grads(f, (a, b, s), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(f), (a, b, s), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize(
@@ -640,7 +641,7 @@ def test_check_grads_linear(x64, activation, xshape):
     x, w = rand(xshape, jnp.float64), rand((5, 4), jnp.float64)
     b, r = rand((4,), jnp.float64), rand((*xshape[:-1], 4), jnp.float64)
     f = lambda x, w, b, r: ts.op.linear(x, w, b, activation=activation, residual=r)
-    check_grads(f, (x, w, b, r), order=1, modes=("fwd", "rev"))
+    check_grads(jax.jit(f), (x, w, b, r), order=1, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
@@ -649,13 +650,13 @@ def test_check_grads_fused_mlp(x64, activation):
     f = lambda *a: ts.op.fused_mlp(*a, activation=activation)
     # relu: a small finite-difference step, so that no pre-activation crosses the kink.
     eps = 1e-7 if activation == "relu" else None
-    check_grads(f, args, order=1, modes=("fwd", "rev"), eps=eps)
+    check_grads(jax.jit(f), args, order=1, modes=("fwd", "rev"), eps=eps)
 
 
 def test_second_order_linear_without_kinks(x64):
     args = [rand(s, jnp.float64) for s in [(6, 5), (5, 4), (4,)]]
     f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
-    check_grads(f, args, order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("sa,sb", sample(ONE_D_SHAPES[:5] + BROADCAST_SHAPES, 2))
@@ -663,7 +664,7 @@ def test_grads_of_1d_and_broadcast_operands_match_jnp_matmul(x64, sa, sb):
     a, b = rand(sa, jnp.float64), rand(sb, jnp.float64)
     # First order here: second-order rules are checked for the primitive's own forms
     # (test_check_grads_order_2*), which the 1-D and broadcast forms reshape into.
-    check_grads(ts.matmul, (a, b), order=1, modes=("fwd", "rev"))
+    check_grads(jax.jit(ts.matmul), (a, b), order=1, modes=("fwd", "rev"))
     ct = rand(jnp.matmul(a, b).shape, jnp.float64)
     got = jax.vjp(ts.matmul, a, b)[1](ct)
     want = jax.vjp(jnp.matmul, a, b)[1](ct)
@@ -805,6 +806,7 @@ def test_vmap_linear_any_operand(mapped, activation):
     assert_matmul_close(out, ref, jnp.float32, jnp.float32, 8, factor=2)
 
 
+@pytest.mark.xla_optimized  # jit against eager within 1e-6 (tests/conftest.py)
 def test_vmap_of_grad_and_grad_of_vmap():
     xs, w = rand((4, 6, 8)), rand((8, 5))
     loss = lambda x, w: jnp.sum(jnp.tanh(ts.op.linear(x, w, activation="gelu")))

@@ -9,6 +9,9 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tests._util import f64, rand
 
+# Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 # --- meshes -------------------------------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ def test_f32_weight_with_bf16_activations():
     assert gw.dtype == jnp.float32
 
 
+@pytest.mark.xla_optimized  # bitwise against another program (tests/conftest.py)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_statistics_in_f32_rounded_once(dtype):
     x, w = rand((8, 256), dtype, scale=30.0), rand((256,), dtype)
@@ -96,7 +97,9 @@ ORDER2 = {
 def test_gradients_order_2(x64, variant):
     x = rand((3, 4, 6)).astype(jnp.float64)
     w, b = rand((6,)).astype(jnp.float64), rand((6,)).astype(jnp.float64)
-    check_grads(*ORDER2[variant](x, w, b), order=2)
+    # Jitted: check_grads of an eager function compiles each operation of every derivative.
+    fn, args = ORDER2[variant](x, w, b)
+    check_grads(jax.jit(fn), args, order=2)
 
 
 def test_jvp_formula():
@@ -137,9 +140,9 @@ def test_vmap_jit_and_vmap_of_grad():
 def test_vmap_weight_gradients(x64, op):
     x, W, B = (rand(s).astype(jnp.float64) for s in ((3, 4, 6), (3, 6), (3, 6)))
     if op == "rmsnorm":
-        check_grads(lambda x, W: jax.vmap(ts.rmsnorm)(x, W), (x, W), order=2)
+        check_grads(jax.jit(jax.vmap(ts.rmsnorm)), (x, W), order=2)
     else:
-        check_grads(lambda x, W, B: jax.vmap(ts.layernorm)(x, W, B), (x, W, B), order=2)
+        check_grads(jax.jit(jax.vmap(ts.layernorm)), (x, W, B), order=2)
 
 
 def test_jaxpr_shows_the_primitives():

@@ -10,6 +10,9 @@ from tessera_jax import Region, read, reduce_sum, write
 from tessera_jax.sharding import regions
 from tests._util import f64, np_tree, rand
 
+# Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 
 @pytest.fixture(scope="module")
 def mesh():
