@@ -51,11 +51,6 @@ def _selects_gpu(markexpr: str) -> bool:
     return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
 
 
-# Modules that compare in-process results bit for bit with their subprocesses', which compile
-# with jax's defaults (optimised): their in-process programs are compiled the same way.
-_SUBPROCESS_BITWISE = {"test_demo.py"}
-
-
 def pytest_configure(config):
     config._tessera_gpu_run = _selects_gpu(config.option.markexpr)
     # Whether this run switches XLA's optimisations per test (see the module docstring).
@@ -80,8 +75,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-        if item.path.name in _SUBPROCESS_BITWISE:
-            item.add_marker(pytest.mark.xla_optimized)
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ def reference():
 
 
 # The in-process runs share compiled programs (step.py caches them per mesh): one worker.
-pytestmark = pytest.mark.xdist_group("demo")
+# Their fingerprints are compared with subprocesses', which compile with XLA's optimisations.
+pytestmark = [pytest.mark.xdist_group("demo"), pytest.mark.xla_optimized]
 
 
 def test_fingerprint_is_mesh_invariant(reference):
