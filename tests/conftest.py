@@ -40,6 +40,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from tests import _util  # noqa: E402
+
 # Property tests, bounded here for the whole suite: few examples, the same ones every run
 # (CI must not depend on luck), no deadline (the first example of a shape compiles).
 settings.register_profile("tessera", max_examples=5, deadline=None, derandomize=True)
@@ -101,9 +103,11 @@ def _set_optimized(on: bool) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Compiles ``xla_optimized`` tests of the CPU run with XLA's optimisations, the others
-    without (see the module docstring); the GPU run keeps jax's defaults. A hook, not a
-    fixture: it runs before the test's fixtures, module-scoped ones included, compile."""
+    """Starts the test's random inputs at its own point (``_util.start_test``), and compiles
+    ``xla_optimized`` tests of the CPU run with XLA's optimisations, the others without (see
+    the module docstring); the GPU run keeps jax's defaults. A hook, not a fixture: it runs
+    before the test's fixtures, module-scoped ones included, draw inputs or compile."""
+    _util.start_test(item.nodeid)
     if not item.config._tessera_switch_opt:
         return
     on = item.get_closest_marker("xla_optimized") is not None
