@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 
-from benchmarks.train import bench_config
+from benchmarks.train import add_model_arguments, bench_config
 from tessera_jax.train import data, step
 from tessera_jax.train.checkpoint import fingerprint
 
@@ -42,10 +42,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--procs", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    add_model_arguments(p)
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

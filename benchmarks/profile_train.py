@@ -20,16 +20,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from benchmarks.train import bench_config, make_plain_step
+from benchmarks.train import add_model_arguments, bench_config, make_plain_step
 from tessera_jax.train import data, step
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    add_model_arguments(p)
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8])
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     args = p.parse_args(argv)

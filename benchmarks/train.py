@@ -80,6 +80,14 @@ def bench_config(layers: int, width: int, seq: int) -> ModelConfig:
     )
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmarked model's size flags (``bench_config``) and the global batch."""
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+
+
 def make_plain_step(cfg, optim, mesh, attn_impl, unroll, onehot=False):
     opt = optim.optimizer()
     batch_sharding = NamedSharding(mesh, P(("dp", "tp")))
@@ -100,10 +108,7 @@ def make_plain_step(cfg, optim, mesh, attn_impl, unroll, onehot=False):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    add_model_arguments(p)
     p.add_argument(
         "--groups",
         type=int,
