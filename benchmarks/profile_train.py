@@ -38,7 +38,9 @@ def main(argv=None):
     tokens = data.encode(data.corpus())
     host = data.batch(tokens, 0, batch_size=args.batch, seq_len=args.seq, seed=0)
     for groups in args.groups:
-        f = step.make_train_step(cfg, optim, mesh, groups)
+        # ts.profile jits the step again, and jax takes compile options on the outermost
+        # jit only: the step's own (deterministic) options are left out here.
+        f = step.make_train_step(cfg, optim, mesh, groups, deterministic=False)
         state = step.init_state(cfg, optim, mesh, 0)
         windows = step.place_windows(mesh, host, groups)
         print(f"=== ours, groups={groups}")

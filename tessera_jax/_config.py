@@ -92,5 +92,10 @@ def deterministic_compile_options() -> dict[str, bool]:
     last bits. ``xla_gpu_deterministic_ops`` turns autotuning off (the compiler's default
     choice is a function of the program) and excludes kernels with atomic accumulation.
     Only GPU compilations read it.
+
+    ``xla_allow_excess_precision=False`` makes every bf16/f16 value round where the
+    program says: otherwise XLA may keep one in f32 inside a fusion, and whether it does
+    depends on how the rest of the program fuses (a loop of one trip or two, a layer split
+    over one device or two), so a mesh change could change the bits.
     """
-    return {"xla_gpu_deterministic_ops": True}
+    return {"xla_gpu_deterministic_ops": True, "xla_allow_excess_precision": False}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tessera_jax as ts
 from tessera_jax import _config
 from tessera_jax.__main__ import main
 from tessera_jax.train import data, demo, model, step
@@ -194,16 +195,20 @@ def test_streamed_group_sums_are_the_canonical_tree(n):
 
 
 def test_unrolled_step_is_mesh_invariant():
-    """The straight-line step (the GPU default) gives one set of bits on any dp."""
-    cfg = model.ModelConfig(d_model=64, n_layers=1, n_heads=4, d_ff=128, seq_len=8, chunks=2)
+    """The straight-line step (the GPU default) gives one set of bits on any mesh, in
+    bf16 too: XLA may not keep a bf16 intermediate in f32 in one program's fusion and round
+    it in another's (``xla_allow_excess_precision``)."""
+    cfg = model.ModelConfig(
+        d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=16, chunks=2, compute_dtype="bfloat16"
+    )
     optim = step.OptimConfig()
     tokens = data.encode(data.corpus())
     window = data.batch(tokens, 0, batch_size=8, seq_len=cfg.seq_len, seed=0)
     fps = set()
     for dp, tp in ((1, 1), (2, 2)):
         mesh = step.make_mesh(jax.devices()[: dp * tp], dp, tp)
-        f = step.make_train_step(cfg, optim, mesh, 2, unroll=True)
-        state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 2))
+        f = step.make_train_step(cfg, optim, mesh, 4, unroll=True)
+        state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 4))
         fps.add(fingerprint(state["params"]))
     assert len(fps) == 1
 
@@ -212,3 +217,29 @@ def test_deterministic_compile_options_exist_in_this_jaxlib():
     """The training step compiles with them; a renamed XLA option would fail here first."""
     f = jax.jit(lambda x: x * 2, compiler_options=_config.deterministic_compile_options())
     assert float(f(jnp.float32(1.5))) == 3.0
+
+
+def test_deterministic_options_round_low_precision_as_written():
+    """A bf16 product is rounded before the f32 add that follows it, as the program says,
+    not kept in f32 by the fusion (which XLA allows by default, and does here)."""
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.standard_normal(4096), jnp.bfloat16) for _ in range(2))
+    z = jnp.asarray(rng.standard_normal(4096), jnp.float32)
+    f = lambda x, y, z: (x * y).astype(jnp.float32) + z
+    prod = np.asarray(x, np.float32) * np.asarray(y, np.float32)
+    want = prod.astype(jnp.bfloat16).astype(np.float32) + np.asarray(z)
+    got = jax.jit(f, compiler_options=_config.deterministic_compile_options())(x, y, z)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ts.jit(f, deterministic=True)(x, y, z), want)
+
+
+def test_step_without_compile_options_nests_in_a_jit():
+    """``deterministic=False`` lets a tool such as ``ts.profile`` jit the step again."""
+    cfg = model.ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=8, chunks=1)
+    optim, mesh = step.OptimConfig(), step.make_mesh(jax.devices()[:1], 1, 1)
+    state = step.init_state(cfg, optim, mesh, 0)
+    windows = step.place_windows(mesh, np.zeros((2, 9), np.int32), 2)
+    with pytest.raises(ValueError, match="compiler_options"):
+        jax.jit(step.make_train_step(cfg, optim, mesh, 2)).trace(state, windows)
+    f = step.make_train_step(cfg, optim, mesh, 2, deterministic=False)
+    jax.jit(f).trace(state, windows)

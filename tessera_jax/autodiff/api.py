@@ -622,8 +622,10 @@ def jit(
     ``deterministic``: ``True`` compiles with XLA's GPU autotuning off
     (``xla_gpu_deterministic_ops``, see ``_config.deterministic_compile_options``), so the
     same program gives the same bits in every process: autotuning picks kernels by timing,
-    and near-ties go either way from one process to the next. ``False`` sets the option
-    off, ``None`` keeps XLA's default (off, unless ``XLA_FLAGS`` says otherwise). The ts
+    and near-ties go either way from one process to the next. It also rounds every bf16
+    and f16 value where the program says (``xla_allow_excess_precision`` off), so that
+    fusion choices do not change the bits. ``False`` sets both options the other way,
+    ``None`` keeps XLA's defaults (unless ``XLA_FLAGS`` says otherwise). The ts
     operators' own kernels and reductions are deterministic either way; this covers the
     GEMMs and fusions XLA compiles around them. The demo's training step uses it. Like
     ``capture_graph``, it is a compile option, which jax takes on the outermost jit only.
@@ -639,7 +641,9 @@ def jit(
         wanted = command_buffer_options(bool(capture_graph))
         jit_kwargs = _with_option(jit_kwargs, "capture_graph", capture_graph, wanted)
     if deterministic is not None:
-        wanted = {k: bool(deterministic) for k in deterministic_compile_options()}
+        wanted = deterministic_compile_options()
+        if not deterministic:
+            wanted = {k: not v for k, v in wanted.items()}
         jit_kwargs = _with_option(jit_kwargs, "deterministic", deterministic, wanted)
     if f is None:
         return lambda g: jit(g, **jit_kwargs)

@@ -245,6 +245,34 @@ def _block(cfg: ModelConfig, tp_axis: str | None, x: jax.Array, lp: dict[str, ja
     return x
 
 
+def compute_params(cfg: ModelConfig, params, unstack: bool = False):
+    """``params`` as the forward reads them: cast to the compute dtype, and with
+    ``unstack`` the stacked layers as a list of per-layer trees.
+
+    A training step calls this once and differentiates each group with respect to the
+    result, so the casts run once per step rather than once per group, and the group
+    gradients stay in the compute dtype until they are added. Unstacked layers run as
+    straight-line code whose gradients are per-layer arrays: they are stacked once,
+    after the groups are added (``stack_layers``), instead of once per group. Bits do not
+    change: a cast's gradient is the cotangent converted back, exactly, wherever it runs.
+    """
+    cdt = jnp.dtype(cfg.compute_dtype)
+    out = jax.tree.map(lambda p: p.astype(cdt), params)
+    if unstack:
+        out["layers"] = [
+            jax.tree.map(lambda p, i=i: p[i], out["layers"]) for i in range(cfg.n_layers)
+        ]
+    return out
+
+
+def stack_layers(tree):
+    """The inverse of ``compute_params``' unstacking (a stacked tree is returned as is)."""
+    layers = tree["layers"]
+    if isinstance(layers, (list, tuple)):
+        tree = {**tree, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return tree
+
+
 def logits(
     cfg: ModelConfig,
     params,
@@ -253,19 +281,22 @@ def logits(
     unroll: bool = False,
 ):
     """``tokens: (B, S) int → (B, S, vocab)`` f32 logits. ``tp_axis``: the bound mesh
-    axis holding the other chunks (None: ``params`` holds every chunk). ``unroll``: the
-    layers as straight-line code rather than a loop (on GPUs a loop iteration costs a
-    host round trip and the stacked residuals' copies; the bits are the same)."""
+    axis holding the other chunks (None: ``params`` holds every chunk). ``params``' layers
+    are stacked (run in a ``lax.scan``) or a list of per-layer trees (``compute_params``;
+    run as straight-line code). ``unroll``: unroll the scan (on GPUs a loop iteration
+    costs a host round trip and the stacked residuals' copies)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = tokens.shape
     onehot = jax.nn.one_hot(tokens.reshape(b * s), cfg.vocab, dtype=cdt)
     x = ts.matmul(onehot, params["embed"].astype(cdt)).reshape(b, s, cfg.d_model)
     x = x + jnp.asarray(_positions(cfg.seq_len, cfg.d_model)[None, :s], cdt)
 
-    def body(x, lp):
-        return _block(cfg, tp_axis, x, lp), None
-
-    x, _ = jax.lax.scan(body, x, params["layers"], unroll=bool(unroll))
+    if isinstance(params["layers"], (list, tuple)):
+        for lp in params["layers"]:
+            x = _block(cfg, tp_axis, x, lp)
+    else:
+        body = lambda x, lp: (_block(cfg, tp_axis, x, lp), None)
+        x, _ = jax.lax.scan(body, x, params["layers"], unroll=bool(unroll))
     x = ts.rmsnorm(x, params["ln_f"].astype(cdt)).reshape(b * s, cfg.d_model)
     out = ts.matmul(x, params["head"].astype(cdt), out_dtype=jnp.float32)
     return out.reshape(b, s, cfg.vocab)

@@ -120,11 +120,11 @@ def state_specs(opt: optax.GradientTransformation, state) -> dict[str, Any]:
     return {"params": specs, "opt_state": opt_specs}
 
 
-def _group_sums(vg, params, windows):
+def _group_sums(vg, params, windows, dtype=jnp.float32):
     """Each local group's loss and gradients (``vg(params, window)``), one group after
-    another, added on the canonical tree as they come: a binary counter keeps at most
-    log2(groups) + 1 partial sums, and for a power-of-two count its adds are exactly
-    ``pairwise_tree_sum``'s."""
+    another, converted to ``dtype`` and added on the canonical tree as they come: a
+    binary counter keeps at most log2(groups) + 1 partial sums, and for a power-of-two
+    count its adds are exactly ``pairwise_tree_sum``'s."""
     stack = []
     for i in range(windows.shape[0]):
         item = vg(params, windows[i])
@@ -132,6 +132,7 @@ def _group_sums(vg, params, windows):
         # keeps the adds below out of the gradients' own fusions, whose rounding would
         # then depend on how many groups a device holds.
         item, params = jax.lax.optimization_barrier((item, params))
+        item = jax.tree.map(lambda x: x.astype(dtype), item)
         level = 0
         while stack and stack[-1][0] == level:
             item = jax.tree.map(jnp.add, stack.pop()[1], item)
@@ -148,14 +149,21 @@ def make_train_step(
     mesh,
     groups: int = GROUPS,
     unroll: bool | None = None,
+    deterministic: bool = True,
 ):
     """``step(state, windows) -> (state, loss)``, jitted; ``windows: (groups, B/groups,
     S + 1)`` int32 laid out over ``dp``.
 
     ``unroll``: run the layers and the local groups as straight-line code instead of
     loops (default: on GPUs, where each loop iteration costs a host round trip and the
-    loops' stacked buffers cost copies; on the CPU the loops compile faster). The bits
-    are the same either way on one platform.
+    loops' stacked buffers cost copies; on the CPU the loops compile faster). Each gives
+    the same bits on any mesh; the two are different programs, and in f32 XLA may contract
+    their multiply-adds differently.
+
+    ``deterministic``: compile the step's programs with
+    ``_config.deterministic_compile_options`` (the same bits in every process). ``False``
+    is for tools that jit the step again, such as ``ts.profile``: jax takes compile
+    options on the outermost jit only.
     """
     opt = optim.optimizer()
     abstract = jax.eval_shape(lambda key: _init_tree(cfg, opt, key), jax.random.key(0))
@@ -166,16 +174,19 @@ def make_train_step(
     scale = np.float32(1.0 / groups)  # a power of two: exact
 
     def local(params, windows):
+        cparams = model.compute_params(cfg, params, unstack=unroll)
         if unroll:
-            loss, grads = _group_sums(vg, params, windows)
+            loss, grads = _group_sums(vg, cparams, windows)
+            grads = model.stack_layers(grads)
             reduce = functools.partial(model.all_sum, axis_name=DP)
         else:
-            loss, grads = jax.lax.map(lambda w: vg(params, w), windows)
+            loss, grads = jax.lax.map(lambda w: vg(cparams, w), windows)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             reduce = functools.partial(model.tree_sum, axis_name=DP)
         return reduce(loss) * scale, jax.tree.map(lambda g: reduce(g) * scale, grads)
 
     # XLA's GPU autotuning would pick kernels, and so bits, per process.
-    options = _config.deterministic_compile_options()
+    options = _config.deterministic_compile_options() if deterministic else None
     loss_and_grads = jax.jit(
         _compat.shard_map(
             local,
