@@ -58,7 +58,8 @@ def plain_loss(cfg: ModelConfig, params, window, attn_impl=None, unroll=False, o
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl)
         a = a.reshape(b, s, h_ * dh)
         x = x + a @ lp["wo"][0].astype(cdt)
-        up = jax.nn.gelu(norm(x, lp["ln2"]) @ lp["w1"][0].astype(cdt), approximate=True)
+        # erf GELU, as ours (``activation="gelu"``).
+        up = jax.nn.gelu(norm(x, lp["ln2"]) @ lp["w1"][0].astype(cdt), approximate=False)
         return x + up @ lp["w2"][0].astype(cdt), None
 
     x, _ = jax.lax.scan(body, x, params["layers"], unroll=unroll)

@@ -229,8 +229,7 @@ def _block(cfg: ModelConfig, tp_axis: str | None, x: jax.Array, lp: dict[str, ja
 
     def mlp(args):
         h, w1, w2 = args
-        # GELU's tanh form (GPT-2's): cheaper than erf in the backward's elementwise pass.
-        return ts.op.fused_mlp(h, w1, None, w2, None, activation="gelu_tanh")
+        return ts.op.fused_mlp(h, w1, None, w2, None, activation="gelu")
 
     for norm, f, w_in, w_out in (("ln1", attention, "wqkv", "wo"), ("ln2", mlp, "w1", "w2")):
         h = ts.rmsnorm(x, lp[norm].astype(cdt)).reshape(b * s, d)
