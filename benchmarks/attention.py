@@ -205,7 +205,7 @@ def run_sweep() -> list[dict]:
                 "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
             }
             for bkv in am.FWD_BLOCK_KV_CHOICES:
-                if am._fwd_stages(d, bkv) >= 2:
+                if am._fwd_max_stages(d, bkv) >= 2:
                     fns[f"mosaic_gpu[block_kv={bkv}]"] = jax.jit(
                         lambda q, k, v, bkv=bkv, spec=spec: am.flash_fwd(
                             spec, q, k, v, block_kv=bkv
@@ -263,8 +263,9 @@ def _bwd_variants(d: int) -> dict:
     for n in am.DKV_STAGES_CHOICES:
         if n != am.DKV_STAGES[d] and am._dkv_smem(d, n) <= am.SMEM_BYTES:
             out[f"mosaic_gpu[dkv_stages={n}]"] = dict(dkv_stages=n)
-    paired = not am.DKV_PAIRED[d]
-    out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
+    if d in am.DKV_PAIRED:  # (head_dim 256's dK/dV warpgroups split roles instead)
+        paired = not am.DKV_PAIRED[d]
+        out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
     return out
 
 
