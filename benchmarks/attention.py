@@ -205,7 +205,7 @@ def run_sweep() -> list[dict]:
                 "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
             }
             for bkv in am.FWD_BLOCK_KV_CHOICES:
-                if am._fwd_max_stages(d, bkv) >= 2:
+                if am._fwd_stages(d, bkv) >= 2:
                     fns[f"mosaic_gpu[block_kv={bkv}]"] = jax.jit(
                         lambda q, k, v, bkv=bkv, spec=spec: am.flash_fwd(
                             spec, q, k, v, block_kv=bkv
