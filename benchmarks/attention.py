@@ -263,8 +263,9 @@ def _bwd_variants(d: int) -> dict:
     for n in am.DKV_STAGES_CHOICES:
         if n != am.DKV_STAGES[d] and am._dkv_smem(d, n) <= am.SMEM_BYTES:
             out[f"mosaic_gpu[dkv_stages={n}]"] = dict(dkv_stages=n)
-    paired = not am.DKV_PAIRED[d]
-    out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
+    if d in am.DKV_PAIRED:  # (head_dim 256's dK/dV warpgroups split roles instead)
+        paired = not am.DKV_PAIRED[d]
+        out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
     return out
 
 

@@ -65,7 +65,7 @@ def _check(case, dtype, *, repeat: int = 1, factor: float = 2.0):
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
-# head_dim 256: the dK/dV kernel's warpgroups share key rows and split head_dim, the dQ
+# head_dim 256: the dK/dV kernel's warpgroups share key rows and split roles, the dQ
 # kernel's V ring is shorter than its K ring.
 RAGGED_D256 = (1, 72, 100, 1, 1, 256, True)
 
@@ -84,12 +84,14 @@ class TestAttentionKernelsInterpret:
     def test_ragged_causal(self, case):
         _check(case, jnp.bfloat16)
 
-    def test_non_causal_no_races_bitwise_repeatable(self):
+    # head_dim 256: the dK/dV warpgroups hand Pᵀ over through shared memory. One per run.
+    @pytest.mark.parametrize("head_dim", sample([64, 256], 1))
+    def test_non_causal_no_races_bitwise_repeatable(self, head_dim):
         """Race detection on; two runs give the same bits (no atomics, a fixed order of
         accumulation)."""
         _fwd_bwd.clear_cache()  # trace under the race-detecting interpreter parameters
         with _compat.gpu_interpret_mode(detect_races=True):
-            _check((1, 128, 128, 1, 1, 64, False), jnp.float16, repeat=2)
+            _check((1, 128, 128, 1, 1, head_dim, False), jnp.float16, repeat=2)
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
@@ -212,6 +214,7 @@ def test_forward_block_kv_override_is_checked(block_kv):
         (64, dict(dq_block_kv=32), "dq_block_kv=32 must be one of"),
         (256, dict(dkv_stages=3), "dkv_stages=3 must be one of"),
         (128, dict(dkv_stages=1), "dkv_stages=1 must be one of"),
+        (256, dict(dkv_paired=True), "dkv_paired=True applies to head_dim 64, 128, not 256"),
     ],
 )
 def test_backward_overrides_are_checked(head_dim, override, match):

@@ -13,9 +13,9 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
   query head of the GQA group, in a fixed order, and accumulates ``dV += Pᵀ·dO`` and
   ``dK += dSᵀ·Q`` — the sum over the group happens in the accumulator. At head_dim 256
   two (64, 256) f32 accumulators would not fit a thread's registers, so the CTA owns 64
-  key rows and each warpgroup accumulates one 128-column half of dK and dV; both
-  recompute the same ``Pᵀ`` and ``dSᵀ`` (the redundant half of the work buys a kernel
-  that fits, with no exchange between the warpgroups).
+  key rows and the warpgroups split roles: one computes ``Pᵀ`` and accumulates ``dV``,
+  the other computes ``dPᵀ`` beside it, takes ``Pᵀ`` through shared memory and
+  accumulates ``dK`` (no product is computed twice).
 
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
@@ -64,10 +64,12 @@ NUM_COMPUTE_WGS = 2
 TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
-# The widest head_dim chunk one dK/dV warpgroup accumulates: two f32 (64, D) accumulators
-# cost D registers per thread, and at D=256 that is more than a thread's 255; there the
-# two warpgroups share 64 key rows and each accumulates one 128-wide half.
-DKV_CHUNK = 128
+# From this head_dim on the dK/dV kernel's warpgroups split roles: two f32 (64, D)
+# accumulators cost D registers per thread, and at D=256 that is more than a thread's 255.
+# There the CTA owns 64 key rows; warpgroup 0 computes Pᵀ and accumulates dV, warpgroup 1
+# computes dPᵀ, takes Pᵀ through shared memory and accumulates dK, so that no product is
+# computed twice.
+DKV_ROLES_HEAD_DIM = 256
 # The dK/dV kernel's Q/dO ring slots, by head_dim: a slot holds 64 query rows of Q and dO
 # (64 KiB at D=256, where only two fit beside K and V). ``benchmarks/attention.py
 # --sweep-bwd`` measures the other choices against these defaults.
@@ -77,8 +79,8 @@ DKV_STAGES_CHOICES = (2, 3, 4)
 # (two waits for the tensor cores per step instead of four). It needs a third ring slot to
 # pay: with two, the paired schedule measured slower than the serial one on causal loops
 # (whose warpgroups run a step apart and hold their slots through longer bursts); with
-# three, as fast or faster. At D=256 only two slots fit, so the serial schedule stays.
-DKV_PAIRED = {64: True, 128: True, 256: False}
+# three, as fast or faster. (The role-split kernel of D=256 has a schedule of its own.)
+DKV_PAIRED = {64: True, 128: True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,8 @@ class Problem:
       block_kv: keys per loop step of the forward and dQ kernels.
       stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
       dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
-      dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`).
+      dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
+        warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
         released early in a step, K only at its end); None: as many as K.
     """
@@ -137,15 +140,14 @@ class Problem:
         return self.seq_kv - self.seq_q
 
     @property
-    def dkv_chunks(self) -> int:
-        """The dK/dV kernel's head_dim chunks of :data:`DKV_CHUNK` columns (1 or 2)."""
-        return -(-self.head_dim // DKV_CHUNK)
+    def dkv_roles(self) -> bool:
+        """Whether the dK/dV kernel's warpgroups split roles (:data:`DKV_ROLES_HEAD_DIM`)."""
+        return self.head_dim >= DKV_ROLES_HEAD_DIM
 
     @property
-    def dkv_groups(self) -> int:
-        """64-row key groups of a dK/dV CTA: one per warpgroup, or one shared by both
-        when each warpgroup owns a chunk of head_dim."""
-        return 1 if self.dkv_chunks > 1 else NUM_COMPUTE_WGS
+    def dkv_rows(self) -> int:
+        """Key rows of a dK/dV CTA: 64 per warpgroup, or 64 shared when roles split."""
+        return WG_ROWS if self.dkv_roles else TILE
 
     @property
     def c(self) -> float:
@@ -196,9 +198,13 @@ def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
 
 
 def _dkv_smem(d: int, stages: int) -> int:
-    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring."""
-    rows = WG_ROWS if d > DKV_CHUNK else NUM_COMPUTE_WGS * WG_ROWS
-    return 2 * rows * d * 2 + stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4) + 4096
+    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring and,
+    where the warpgroups split roles, the f32 Pᵀ tile they hand over."""
+    roles = d >= DKV_ROLES_HEAD_DIM
+    rows = WG_ROWS if roles else TILE
+    hand_over = WG_ROWS * WG_ROWS * 4 if roles else 0
+    ring = stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4)
+    return 2 * rows * d * 2 + ring + hand_over + 4096
 
 
 def _bwd_problem(
@@ -215,7 +221,7 @@ def _bwd_problem(
     bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
     stages, v_stages = _dq_stages(d, bkv)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
-    paired = DKV_PAIRED[d] if dkv_paired is None else dkv_paired
+    paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
     dt = np.dtype(q.dtype)
     return Problem(
         b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages, paired
@@ -386,6 +392,16 @@ def _kv_ranges(p: Problem, q_base):
     return lax.min(full, steps), steps
 
 
+def _q_tile(p: Problem):
+    """The forward CTA's 128-row query tile. Causal loops grow with the tile index, so the
+    grid runs the tiles last to first: the longest CTAs start first and the shortest fill
+    the last wave (FA3's order). (The dQ kernel keeps the launch order: at head_dim 256
+    with seq_q != seq_kv its gradients came out wrong on the H100 in the reversed order,
+    while the interpreter's were right; not yet understood.)"""
+    i = lax.axis_index("q_seq")
+    return p.seq_q_pad // TILE - 1 - i if p.causal else i
+
+
 # --- forward --------------------------------------------------------------------------------
 
 
@@ -395,7 +411,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
-    tile0 = lax.axis_index("q_seq") * TILE
+    tile0 = _q_tile(p) * TILE
     # The CTA's loop length is its second warpgroup's (the later rows see the most keys).
     _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
@@ -662,80 +678,70 @@ def _q_ranges(p: Problem, kv_base):
     return start, lax.max(full, start)
 
 
-def _chunk(c, width: int, chunks: int):
-    """Columns ``[c·width, (c+1)·width)`` of head_dim; all of it when there is one chunk
-    (then the copies are those of an unchunked kernel)."""
-    return slice(None) if chunks == 1 else pl.ds(c * width, width)
-
-
 def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, fin = scratch[7:]
-    nd, groups = p.dkv_chunks, p.dkv_groups
-    dc = p.head_dim // nd
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:]
+    roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile0 = lax.axis_index("kv_seq") * (groups * WG_ROWS)
+    tile0 = lax.axis_index("kv_seq") * p.dkv_rows
     nq = p.seq_q_pad // WG_ROWS
     cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
     per_head = nq - cta_start
-    bq, bkv = WG_ROWS, WG_ROWS
+    bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
-        # Each warpgroup owns 64 key rows (``r``) and a chunk of head_dim (``own``): its own
-        # rows and all of head_dim below DKV_CHUNK, the CTA's shared rows and one half above.
-        r, own = (0, wg) if nd > 1 else (wg, 0)
+        # Each warpgroup owns 64 key rows, or (roles) both share the CTA's 64 rows.
+        r = 0 if roles else wg
         kv_base = tile0 + r * bkv
         start, full = _q_ranges(p, kv_base)
-        rows, cols = pl.ds(kv_base, bkv), _chunk(own, dc, nd)
-        bar = 2 * (r * nd + own)
-        plgpu.copy_gmem_to_smem(
-            k_ref.at[b, rows, hk, cols], k_smem.at[r * nd + own], kv_bar.at[bar]
-        )
-        plgpu.copy_gmem_to_smem(
-            v_ref.at[b, rows, hk, cols], v_smem.at[r * nd + own], kv_bar.at[bar + 1]
-        )
-        for i in range(2 * nd):  # every chunk of the rows: the scores contract all of head_dim
-            plgpu.barrier_wait(kv_bar.at[2 * r * nd + i])
-        ks = [k_smem.at[r * nd + c] for c in range(nd)]
-        vs = [v_smem.at[r * nd + c] for c in range(nd)]
-        zeros = jnp.zeros((bkv, dc), jnp.float32)
+        rows = pl.ds(kv_base, bkv)
+        ks, vs = k_smem.at[r], v_smem.at[r]
+        for i, (ref, tile) in enumerate(((k_ref, ks), (v_ref, vs))):
+
+            def load(ref=ref, tile=tile, i=i):
+                plgpu.copy_gmem_to_smem(ref.at[b, rows, hk], tile, kv_bar.at[2 * r + i])
+                plgpu.barrier_wait(kv_bar.at[2 * r + i])
+
+            # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
+            pl.when(wg == i)(load) if roles else load()
+
+        zeros = jnp.zeros((bkv, p.head_dim), jnp.float32)
 
         def wait(slot):
-            for bars in (*q_bar, *do_bar, lse_bar, delta_bar):
+            for bars in (q_bar, do_bar, lse_bar, delta_bar):
                 plgpu.barrier_wait(bars.at[slot])
+
+        def probs(st, slot, qi, masked: bool):
+            lse = lse_smem[slot]
+            pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
+            if masked:
+                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
+                pt = jnp.where(vis, pt, 0.0)
+            return pt
+
+        def dscores(pt, dpt, slot):
+            delta = delta_smem[slot]
+            return pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
 
         def step(qi, carry, g, masked: bool):
             dk, dv = carry
-            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
+            n = g * per_head + qi - cta_start
+            slot = _slot(n, s)
             wait(slot)
-            qt = [q_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
-            dot = [do_smem.at[slot * nd + c].transpose((1, 0)) for c in range(nd)]
-            dos, qs = do_smem.at[slot * nd + own], q_smem.at[slot * nd + own]
-
-            def probs(st):
-                lse = lse_smem[slot]
-                pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
-                if masked:
-                    vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
-                    pt = jnp.where(vis, pt, 0.0)
-                return pt
-
-            def dscores(pt, dpt):
-                delta = delta_smem[slot]
-                return pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-
+            qt, dot = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
+            qs, dos = q_smem.at[slot], do_smem.at[slot]
             if p.dkv_paired:
                 # Two waits for the tensor cores per step: Sᵀ and dPᵀ (which need only
                 # shared memory) together, then dV and dK together.
                 st, dpt = _dots((bkv, bq), (ks, qt), (vs, dot))
-                pt = probs(st)
-                dst = dscores(pt, dpt)
+                pt = probs(st, slot, qi, masked)
+                dst = dscores(pt, dpt, slot)
                 dv, dk = _dots_acc(
                     [(dv, pt.astype(p.dtype), dos), (dk, dst.astype(p.dtype), qs)],
                     stg,
@@ -743,40 +749,85 @@ def _dkv_kernel(
                 )
             else:
                 # One product at a time: fewer registers live, four waits per step.
-                pt = probs(_dot((bkv, bq), ks, qt))
+                pt = probs(_dot((bkv, bq), ks, qt), slot, qi, masked)
                 dpt = _dot((bkv, bq), vs, dot)
                 dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
-                dst = dscores(pt, dpt)
+                dst = dscores(pt, dpt, slot)
                 dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
+        def step_dv(qi, dv, g, masked: bool):
+            # Roles, warpgroup 0: Pᵀ from Sᵀ = K·Qᵀ, handed to warpgroup 1 through shared
+            # memory (in f32: the dK warpgroup forms dSᵀ from it), then dV += Pᵀ·dO.
+            n = g * per_head + qi - cta_start
+            slot = _slot(n, s)
+            wait(slot)
+            pt = probs(_dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0))), slot, qi, masked)
+            _wait_if(n > 0, [p_free])()  # the dK warpgroup has read the previous Pᵀ
+            p_smem[...] = pt
+            plgpu.barrier_arrive(p_ready)
+            dv = _dot_acc(dv, pt.astype(p.dtype), do_smem.at[slot], stg, interpret=interpret)
+            plgpu.barrier_arrive(done.at[slot])
+            return dv
+
+        def step_dk(qi, dk, g, masked: bool):
+            # Roles, warpgroup 1: dPᵀ = V·dOᵀ (beside warpgroup 0's Sᵀ on the tensor cores),
+            # then dSᵀ with warpgroup 0's Pᵀ, and dK += dSᵀ·Q.
+            del masked  # Pᵀ arrives masked
+            n = g * per_head + qi - cta_start
+            slot = _slot(n, s)
+            wait(slot)
+            dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
+            plgpu.barrier_wait(p_ready)
+            pt = p_smem[...]
+            plgpu.barrier_arrive(p_free)
+            dst = dscores(pt, dpt, slot)
+            dk = _dot_acc(dk, dst.astype(p.dtype), q_smem.at[slot], stg, interpret=interpret)
+            plgpu.barrier_arrive(done.at[slot])
+            return dk
+
         def skip(qi, _, g):
-            slot = _slot(g * per_head + qi - cta_start, p.dkv_stages)
+            slot = _slot(g * per_head + qi - cta_start, s)
             wait(slot)
             plgpu.barrier_arrive(done.at[slot])
 
-        def head(g, carry):
-            # The group's query heads in a fixed order: their dK/dV sum in the accumulator.
-            if p.causal:
-                lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
-                masked = functools.partial(step, g=g, masked=True)
-                carry = lax.fori_loop(start, full, masked, carry)
-            return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
+        def loops(body, carry):
+            def head(g, carry):
+                # The group's query heads in a fixed order: their dK/dV sum in the
+                # accumulator.
+                if p.causal:
+                    lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
+                    masked = functools.partial(body, g=g, masked=True)
+                    carry = lax.fori_loop(start, full, masked, carry)
+                return lax.fori_loop(full, nq, functools.partial(body, g=g, masked=False), carry)
 
-        dk, dv = lax.fori_loop(0, p.group, head, (zeros, zeros))
-        if fin is not None:
-            # Both warpgroups read every chunk of K and V until their last step: overwrite
-            # them with the results only when both are done.
-            plgpu.barrier_arrive(fin)
-            plgpu.barrier_wait(fin)
-        ko, vo = k_smem.at[r * nd + own], v_smem.at[r * nd + own]
-        ko[...] = (dk * p.scale).astype(p.dtype)
-        vo[...] = dv.astype(p.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ko, dk_ref.at[b, rows, hk, cols])
-        plgpu.copy_smem_to_gmem(vo, dv_ref.at[b, rows, hk, cols])
-        plgpu.wait_smem_to_gmem(0)
+            return lax.fori_loop(0, p.group, head, carry)
+
+        def write(*results):
+            # Each result goes out through a K or V tile that only this warpgroup reads.
+            for tile, value, _ in results:
+                tile[...] = value.astype(p.dtype)
+            plgpu.commit_smem()
+            for tile, _, out_ref in results:
+                plgpu.copy_smem_to_gmem(tile, out_ref.at[b, rows, hk])
+            plgpu.wait_smem_to_gmem(0)
+
+        if not roles:
+            dk, dv = loops(step, (zeros, zeros))
+            write((ks, dk * p.scale, dk_ref), (vs, dv, dv_ref))
+            return
+
+        @pl.when(wg == 0)
+        def _dv():
+            dv = loops(step_dv, zeros)
+            # Observe the last hand-over's release too (every barrier phase is awaited).
+            _wait_if(p.group * per_head > 0, [p_free])()
+            write((ks, dv, dv_ref))
+
+        @pl.when(wg == 1)
+        def _dk():
+            write((vs, loops(step_dk, zeros) * p.scale, dk_ref))
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
@@ -785,10 +836,10 @@ def _dkv_kernel(
                 cta_start + lax.rem(step, per_head)
             ) * bq
 
-        def rows_of(ref, c):
+        def rows_of(ref):
             def src(step):
                 h, q0 = qh(step)
-                return ref.at[b, pl.ds(q0, bq), h, _chunk(c, dc, nd)]
+                return ref.at[b, pl.ds(q0, bq), h]
 
             return src
 
@@ -799,45 +850,45 @@ def _dkv_kernel(
 
             return src
 
-        def ring(ref, c):
-            return lambda slot: ref.at[slot * nd + c]
-
-        loads = [(rows_of(q_ref, c), ring(q_smem, c), q_bar[c]) for c in range(nd)]
-        loads += [(rows_of(do_ref, c), ring(do_smem, c), do_bar[c]) for c in range(nd)]
-        loads += [(vec_of(lse_ref), lse_smem, lse_bar), (vec_of(delta_ref), delta_smem, delta_bar)]
-        _producer(p.group * per_head, p.dkv_stages, [(done, loads)])
+        loads = [
+            (rows_of(q_ref), q_smem, q_bar),
+            (rows_of(do_ref), do_smem, do_bar),
+            (vec_of(lse_ref), lse_smem, lse_bar),
+            (vec_of(delta_ref), delta_smem, delta_bar),
+        ]
+        _producer(p.group * per_head, s, [(done, loads)])
 
 
 def _build_dkv(p: Problem, interpret: bool) -> Any:
     d, s, w = p.head_dim, p.dkv_stages, NUM_COMPUTE_WGS
-    nd, groups = p.dkv_chunks, p.dkv_groups
-    dc = d // nd
+    groups = p.dkv_rows // WG_ROWS
     stage = _smem((w, WG_ROWS, WG_ROWS), p.dtype) if interpret else None
+    roles = p.dkv_roles
     scratch = [
-        # K, V: (key-row group, chunk) flattened; Q, dO: (slot, chunk) flattened. (The
-        # kernel indexes them with one traced index: a literal chunk index beside a traced
-        # one fails to lower inside the loops.)
-        _smem((groups * nd, WG_ROWS, dc), p.dtype),
-        _smem((groups * nd, WG_ROWS, dc), p.dtype),
-        _smem((s * nd, WG_ROWS, dc), p.dtype),
-        _smem((s * nd, WG_ROWS, dc), p.dtype),
+        _smem((groups, WG_ROWS, d), p.dtype),  # K, per key-row group
+        _smem((groups, WG_ROWS, d), p.dtype),  # V
+        _smem((s, WG_ROWS, d), p.dtype),  # Q ring
+        _smem((s, WG_ROWS, d), p.dtype),  # dO ring
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         plgpu.SMEM((s, WG_ROWS), jnp.float32),
         stage,
-        plgpu.Barrier(num_barriers=2 * groups * nd),  # per key-row group and chunk: K, V
-        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # Q, per chunk
-        tuple(plgpu.Barrier(num_barriers=s) for _ in range(nd)),  # dO, per chunk
+        plgpu.Barrier(num_barriers=2 * groups),  # per key-row group: K, V
+        plgpu.Barrier(num_barriers=s),
+        plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_barriers=s),
         plgpu.Barrier(num_arrivals=w, num_barriers=s),
-        plgpu.Barrier(num_arrivals=w) if nd > 1 else None,  # both warpgroups done with K/V
+        # Roles: Pᵀ handed from the dV warpgroup to the dK warpgroup, and its release.
+        plgpu.SMEM((WG_ROWS, WG_ROWS), jnp.float32) if roles else None,
+        plgpu.Barrier() if roles else None,
+        plgpu.Barrier() if roles else None,
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
         out_type=(kv, kv),
         scratch_types=scratch,
-        grid=(p.heads_kv, p.seq_kv_pad // (groups * WG_ROWS), p.batch),
+        grid=(p.heads_kv, p.seq_kv_pad // p.dkv_rows, p.batch),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -953,6 +1004,12 @@ def flash_bwd(
         )
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
+    if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
+        raise ValueError(
+            f"attention_mgpu.flash_bwd: {dkv_paired=} applies to head_dim "
+            f"{', '.join(map(str, DKV_PAIRED))}, not {q.shape[-1]} (whose dK/dV warpgroups "
+            "split roles, with a schedule of their own)"
+        )
     causal, scale = _decode(spec)
     p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired)
     delta = jnp.einsum(
