@@ -225,17 +225,13 @@ def _loss_and_grads(cfg: model.ModelConfig, tp: int, window: np.ndarray):
     return jax.device_get(jax.jit(f)(params, window))
 
 
-# Small models whose gradients once depended on tp on the CPU, each through one way XLA
-# compiles a fused loop by what else it holds (model.py's docstring).
+# Small models whose gradients once depended on tp on the CPU, through the way XLA
+# compiles a fused loop by what else it holds (model.py's docstring; the attention's own
+# part is test_attention.py's test_bits_do_not_depend_on_the_loop_around_the_call).
 TP_HOLES = {
     # a one-part all-reduce's select joined the norm backward's loop, which then
     # vectorised its row sums differently
     "single-leaf select": (dict(d_model=32, n_heads=2, d_ff=64), (1, 2)),
-    # one chunk per device: the chunk loop is inlined, the causal mask's select folds and
-    # the attention scale's multiply became an FMA with the softmax's subtraction
-    "inlined mask": (dict(d_model=32, n_heads=4, d_ff=64), (1, 2)),
-    # attention's backward row sums (rowsum(dO∘O)) vectorised by the loop around them
-    "attention row sums": (dict(d_model=16, n_heads=2, d_ff=32), (1, 2)),
     # over 4 parts a small all-reduce gathered and added locally, inside the norm's loop
     "gathered sum": (dict(d_model=32, n_heads=8, d_ff=64, chunks=4), (2, 4)),
 }
