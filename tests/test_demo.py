@@ -2,6 +2,7 @@
 fingerprint does not depend on the mesh, the process count, or stopping and resuming."""
 
 import argparse
+import functools
 import os
 import pathlib
 import re
@@ -14,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from tessera_jax import _config
+from tessera_jax import _compat, _config
 from tessera_jax.__main__ import main
 from tessera_jax.train import data, demo, model, step
 from tessera_jax.train.checkpoint import fingerprint
@@ -211,6 +213,45 @@ def test_unrolled_step_is_mesh_invariant():
         state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 4))
         fps.add(fingerprint(state["params"]))
     assert len(fps) == 1
+
+
+def _loss_and_grads(cfg: model.ModelConfig, tp: int, window: np.ndarray):
+    """The loss and gradients of one group on a ``1 × tp`` mesh, as the step computes them."""
+    params = model.init(cfg, jax.random.key(0))
+    specs = model.param_specs(params)
+    vg = jax.value_and_grad(functools.partial(model.loss, cfg, tp_axis=model.TP))
+    f = _compat.shard_map(
+        vg,
+        mesh=step.make_mesh(jax.devices()[:tp], 1, tp),
+        in_specs=(specs, P()),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
+    return jax.device_get(jax.jit(f)(params, window))
+
+
+# Small models whose gradients once depended on tp on the CPU, through the way XLA
+# compiles a fused loop by what else it holds (model.py's docstring; the attention's own
+# part is test_attention.py's test_bits_do_not_depend_on_the_loop_around_the_call).
+TP_HOLES = {
+    # a one-part all-reduce's select joined the norm backward's loop, which then
+    # vectorised its row sums differently
+    "single-leaf select": (dict(d_model=32, n_heads=2, d_ff=64), (1, 2)),
+    # over 4 parts a small all-reduce gathered and added locally, inside the norm's loop
+    "gathered sum": (dict(d_model=32, n_heads=8, d_ff=64, chunks=4), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("hole", TP_HOLES)
+def test_small_model_gradients_do_not_depend_on_tp(hole):
+    sizes, tps = TP_HOLES[hole]
+    cfg = model.ModelConfig(**{"n_layers": 1, "seq_len": 8, "chunks": 2, **sizes})
+    window = data.batch(data.encode(data.corpus()), 0, batch_size=4, seq_len=8, seed=0)
+    (loss_a, grads_a), (loss_b, grads_b) = (_loss_and_grads(cfg, tp, window) for tp in tps)
+    assert loss_a == loss_b
+    for path, a in jax.tree_util.tree_leaves_with_path(grads_a):
+        b = functools.reduce(lambda t, k: t[k.key], path, grads_b)
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_deterministic_compile_options_exist_in_this_jaxlib():

@@ -126,6 +126,7 @@ from tessera_jax.primitives._core import (
     not_mapped,
     zero_tangent,
 )
+from tessera_jax.primitives.reductions import pairwise_tree_sum, rounded
 
 _NAME = "flash_attention"
 
@@ -288,13 +289,23 @@ class _Blocks:
         if self.ex.bias is not None:
             s = s + self.bias(self.ex.bias, j)
         vis = self.visible(j)
-        return s if vis is None else jnp.where(vis, s, -jnp.inf)
+        # Rounded before ``exp(s - m)``: where a 1-trip loop is inlined the mask is a
+        # constant, its select folds away, and the scale's multiply would become an FMA
+        # with the subtraction in that program only.
+        return rounded(s if vis is None else jnp.where(vis, s, -jnp.inf))
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
     """``a``'s last dim contracted with ``b``'s dim ``contract``, batched over (B, Hkv)."""
     dims = (((3,), (contract,)), ((0, 1), (0, 1)))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=acc)
+
+
+def _row_sum(x: jax.Array) -> jax.Array:
+    """``x`` summed over its last axis (kept) on the canonical tree: XLA's own reduction
+    leaves the order to LLVM's vectoriser, which picks it from the whole fused loop, so
+    the same rows could round differently in different programs."""
+    return pairwise_tree_sum(x, axis=-1)[..., None]
 
 
 def _safe_lse_rows(g: _Geometry, lse: jax.Array) -> jax.Array:
@@ -320,7 +331,7 @@ def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
         m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
         p = jnp.exp(s - m_safe)
         alpha = jnp.exp(m - m_safe)
-        l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+        l = alpha * l + _row_sum(p)
         o = alpha * o + _dot(p.astype(v.dtype), v_blk, 2, acc)
         return (m_new, l, o), None
 
@@ -343,9 +354,7 @@ def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
     extras = spec.split(rest[: spec.num_extras])
     blocks = _Blocks(g, spec, extras, acc)
     q_rows, do_rows = _q_rows(g, q), _q_rows(g, dout)
-    delta = jnp.sum(
-        _q_rows(g, out).astype(acc) * do_rows.astype(acc), axis=-1, keepdims=True
-    )  # (B, Hkv, G·Sq, 1)
+    delta = _row_sum(_q_rows(g, out).astype(acc) * do_rows.astype(acc))  # (B, Hkv, G·Sq, 1)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
         delta = delta - _stat_rows(g, rest[spec.num_extras]).astype(acc)
     lse_rows = _safe_lse_rows(g, lse)

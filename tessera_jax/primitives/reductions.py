@@ -54,19 +54,29 @@ from tessera_jax.primitives._core import (
 _NUMERIC = (jnp.number,)
 
 
-def _leaves(x: jax.Array) -> jax.Array:
-    """``x`` as leaves that no multiply can be contracted into.
+def rounded(x: jax.Array) -> jax.Array:
+    """``x`` with its rounding fixed: no multiply that produces ``x`` is contracted into
+    an add that consumes it (an FMA, rounded once instead of twice).
 
-    XLA (CPU and GPU) lets LLVM contract a multiply that produces a leaf into the
-    first-level add (an FMA, rounded once instead of twice) whenever the producer
-    fuses into the tree, and whether it fuses depends on the program around the sum
-    (one device vs a sharded mesh). A select between the leaf and NaN (taken only
-    for a NaN leaf) stands between any multiply and the adds, so every level adds
-    rounded values, in every program.
+    XLA (CPU and GPU) lets LLVM contract a multiply into an add whenever both land in
+    one fused loop with nothing between them, and what lies between them can depend on
+    the program around the op: a select whose condition is a compile-time constant in
+    one program (a 1-trip loop inlined) and a loop-carried value in another is folded
+    away in the first only. A select between ``x`` and NaN (taken only for a NaN) is
+    never folded, so every program rounds ``x`` before using it.
     """
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
     return jnp.where(x == x, x, jnp.asarray(jnp.nan, x.dtype))
+
+
+def _leaves(x: jax.Array) -> jax.Array:
+    """``x`` as leaves that no multiply can be contracted into (``rounded``).
+
+    Whether a producing multiply fuses into the tree's first-level adds depends on the
+    program around the sum (one device vs a sharded mesh).
+    """
+    return rounded(x)
 
 
 def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -77,7 +87,11 @@ def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     received chunks, stacked along axis 0).
     """
     axis = axis % x.ndim
-    x = _leaves(x)
+    # One leaf has no add to guard: its select would only join the consumer's fused loop,
+    # and change how XLA vectorises that loop's own sums, in the programs that have it
+    # (a one-part all-reduce) and not in the others.
+    if x.shape[axis] > 1:
+        x = _leaves(x)
     while x.shape[axis] > 1:
         n = x.shape[axis]
         even = n - n % 2

@@ -23,6 +23,19 @@ every per-device matmul keeps one shape whatever the mesh. So:
   activations that fan out to every chunk — the partial results are added on the same
   canonical tree: locally, then across ``tp``. Nothing goes through ``lax.psum``.
 
+Same shapes are not quite enough: XLA compiles each fused loop as a whole, and two
+of its choices there depend on what else the loop holds. LLVM contracts a multiply
+into an add when nothing stands between them, and a select on a condition that is a
+constant in one program (a loop of one trip, inlined) folds away there only; and XLA's
+CPU reductions leave their order to LLVM's vectoriser, which picks it from the whole
+loop. The number of local chunks (a loop of one trip or several) and the cross-device
+sum (local adds, a collective) are what differ between meshes, so: attention rounds its
+scores and sums rows on the canonical tree (``ts.flash_attention``'s reference), the
+tree sums no single leaf, and every cross-chunk sum ends in a collective on every mesh
+(``all_sum``), so that no mesh-dependent code fuses into the norms that consume it.
+XLA's CPU pipeline drops ``lax.optimization_barrier`` before fusing, so a barrier
+would not separate them.
+
 The result: the same loss, gradients and parameters, bit for bit, on any ``dp × tp``
 mesh with ``dp`` dividing the group count and ``tp | chunks``, in one process or several.
 
@@ -47,6 +60,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
+from tessera_jax.primitives.collectives.algorithms import SMALL_MESSAGE_BYTES
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 DP, TP = "dp", "tp"
@@ -155,8 +169,19 @@ def param_specs(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
-    """``x`` summed across ``axis_name`` on the canonical tree (None: ``x`` itself)."""
-    return x if axis_name is None else ts.all_reduce(x, "sum", axis=axis_name)
+    """``x`` summed across ``axis_name`` on the canonical tree (None: ``x`` itself).
+
+    The sum must end in a collective on every mesh: XLA fuses whatever computes it into
+    the consumer (the norm after a residual add, its backward), and on the CPU the
+    consumer's own row sums then vectorise, and round, differently. ``"auto"`` ends in a
+    collective (or the NVLink kernel) except for small messages over more than two
+    parts, where it gathers and adds locally; ``"binary_tree"`` ends in an all-gather.
+    """
+    if axis_name is None:
+        return x
+    small = x.size * x.dtype.itemsize <= SMALL_MESSAGE_BYTES
+    algo = "binary_tree" if jax.lax.axis_size(axis_name) > 2 and small else "auto"
+    return ts.all_reduce(x, "sum", axis=axis_name, algo=algo)
 
 
 def tree_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
