@@ -128,9 +128,9 @@ def _group_sums(vg, params, windows, dtype=jnp.float32):
     stack = []
     for i in range(windows.shape[0]):
         item = vg(params, windows[i])
-        # The barrier orders the groups (one group's activations live at a time) and
-        # keeps the adds below out of the gradients' own fusions, whose rounding would
-        # then depend on how many groups a device holds.
+        # The barrier asks XLA to finish one group before the next starts (one group's
+        # activations live at a time). It is not what keeps the bits mesh-invariant: XLA's
+        # CPU compiler removes barriers before it fuses (docs/DISTRIBUTION.md, Determinism).
         item, params = jax.lax.optimization_barrier((item, params))
         item = jax.tree.map(lambda x: x.astype(dtype), item)
         level = 0
