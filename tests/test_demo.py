@@ -201,7 +201,7 @@ def test_unrolled_step_is_mesh_invariant():
     bf16 too: XLA may not keep a bf16 intermediate in f32 in one program's fusion and round
     it in another's (``xla_allow_excess_precision``)."""
     cfg = model.ModelConfig(
-        d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=16, chunks=2, compute_dtype="bfloat16"
+        d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=8, chunks=2, compute_dtype="bfloat16"
     )
     optim = step.OptimConfig()
     tokens = data.encode(data.corpus())
