@@ -298,18 +298,12 @@ def stack_layers(tree):
     return tree
 
 
-def logits(
-    cfg: ModelConfig,
-    params,
-    tokens: jax.Array,
-    tp_axis: str | None = None,
-    unroll: bool = False,
-):
+def logits(cfg: ModelConfig, params, tokens: jax.Array, tp_axis: str | None = None):
     """``tokens: (B, S) int → (B, S, vocab)`` f32 logits. ``tp_axis``: the bound mesh
     axis holding the other chunks (None: ``params`` holds every chunk). ``params``' layers
     are stacked (run in a ``lax.scan``) or a list of per-layer trees (``compute_params``;
-    run as straight-line code). ``unroll``: unroll the scan (on GPUs a loop iteration
-    costs a host round trip and the stacked residuals' copies)."""
+    run as straight-line code, as the GPU step does: there a loop iteration costs a host
+    round trip and the stacked residuals' copies)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     b, s = tokens.shape
     onehot = jax.nn.one_hot(tokens.reshape(b * s), cfg.vocab, dtype=cdt)
@@ -321,22 +315,16 @@ def logits(
             x = _block(cfg, tp_axis, x, lp)
     else:
         body = lambda x, lp: (_block(cfg, tp_axis, x, lp), None)
-        x, _ = jax.lax.scan(body, x, params["layers"], unroll=bool(unroll))
+        x, _ = jax.lax.scan(body, x, params["layers"])
     x = ts.rmsnorm(x, params["ln_f"].astype(cdt)).reshape(b * s, cfg.d_model)
     out = ts.matmul(x, params["head"].astype(cdt), out_dtype=jnp.float32)
     return out.reshape(b, s, cfg.vocab)
 
 
-def loss(
-    cfg: ModelConfig,
-    params,
-    window: jax.Array,
-    tp_axis: str | None = None,
-    unroll: bool = False,
-):
+def loss(cfg: ModelConfig, params, window: jax.Array, tp_axis: str | None = None):
     """Mean next-token cross-entropy of ``window: (B, S + 1)`` (inputs ``[:, :-1]``,
     targets ``[:, 1:]``), summed on the canonical tree."""
     inputs, targets = window[:, :-1], window[:, 1:]
-    logp = ts.log_softmax(logits(cfg, params, inputs, tp_axis, unroll))
+    logp = ts.log_softmax(logits(cfg, params, inputs, tp_axis))
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
     return ts.sum(nll) / np.float32(nll.size)

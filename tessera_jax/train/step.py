@@ -120,9 +120,9 @@ def state_specs(opt: optax.GradientTransformation, state) -> dict[str, Any]:
     return {"params": specs, "opt_state": opt_specs}
 
 
-def _group_sums(vg, params, windows, dtype=jnp.float32):
+def _group_sums(vg, params, windows):
     """Each local group's loss and gradients (``vg(params, window)``), one group after
-    another, converted to ``dtype`` and added on the canonical tree as they come: a
+    another, converted to f32 and added on the canonical tree as they come: a
     binary counter keeps at most log2(groups) + 1 partial sums, and for a power-of-two
     count its adds are exactly ``pairwise_tree_sum``'s."""
     stack = []
@@ -132,7 +132,7 @@ def _group_sums(vg, params, windows, dtype=jnp.float32):
         # activations live at a time). It is not what keeps the bits mesh-invariant: XLA's
         # CPU compiler removes barriers before it fuses (docs/DISTRIBUTION.md, Determinism).
         item, params = jax.lax.optimization_barrier((item, params))
-        item = jax.tree.map(lambda x: x.astype(dtype), item)
+        item = jax.tree.map(lambda x: x.astype(jnp.float32), item)
         level = 0
         while stack and stack[-1][0] == level:
             item = jax.tree.map(jnp.add, stack.pop()[1], item)
@@ -170,7 +170,7 @@ def make_train_step(
     specs = state_specs(opt, abstract)
     if unroll is None:
         unroll = mesh.devices.flat[0].platform == "gpu"
-    vg = jax.value_and_grad(functools.partial(model.loss, cfg, tp_axis=TP, unroll=unroll))
+    vg = jax.value_and_grad(functools.partial(model.loss, cfg, tp_axis=TP))
     scale = np.float32(1.0 / groups)  # a power of two: exact
 
     def local(params, windows):
