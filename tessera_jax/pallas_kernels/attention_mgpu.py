@@ -142,12 +142,12 @@ class Problem:
     @property
     def dkv_roles(self) -> bool:
         """Whether the dK/dV kernel's warpgroups split roles (:data:`DKV_ROLES_HEAD_DIM`)."""
-        return self.head_dim >= DKV_ROLES_HEAD_DIM
+        return _dkv_roles(self.head_dim)
 
     @property
     def dkv_rows(self) -> int:
         """Key rows of a dK/dV CTA: 64 per warpgroup, or 64 shared when roles split."""
-        return WG_ROWS if self.dkv_roles else TILE
+        return _dkv_rows(self.head_dim)
 
     @property
     def c(self) -> float:
@@ -197,14 +197,20 @@ def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
     return (2, 1) if blocks == 3 else (blocks // 2, blocks // 2)
 
 
+def _dkv_roles(d: int) -> bool:
+    return d >= DKV_ROLES_HEAD_DIM
+
+
+def _dkv_rows(d: int) -> int:
+    return WG_ROWS if _dkv_roles(d) else TILE
+
+
 def _dkv_smem(d: int, stages: int) -> int:
     """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring and,
     where the warpgroups split roles, the f32 Pᵀ tile they hand over."""
-    roles = d >= DKV_ROLES_HEAD_DIM
-    rows = WG_ROWS if roles else TILE
-    hand_over = WG_ROWS * WG_ROWS * 4 if roles else 0
+    hand_over = WG_ROWS * WG_ROWS * 4 if _dkv_roles(d) else 0
     ring = stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4)
-    return 2 * rows * d * 2 + ring + hand_over + 4096
+    return 2 * _dkv_rows(d) * d * 2 + ring + hand_over + 4096
 
 
 def _bwd_problem(
