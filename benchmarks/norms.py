@@ -5,13 +5,15 @@ Runs on the GPU machine, one process, every implementation checked against an f3
 reference before it is timed::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/norms.py [--sweep] [--json PATH]
+    python3 benchmarks/norms.py --shapes 16384x1024 1024x16384 --modes fwd fwdbwd --json P
 
 Cases ``norm-<op>-fwd`` (the output), ``norm-<op>-fwdbwd`` (output and every gradient
 through ``jax.vjp`` with a given cotangent) and ``norm-<op>-bwd`` (the gradients alone,
 from ``x``, the parameters and the cotangent), bf16 with f32 parameters. Implementations:
 the XLA baseline (``jax.nn.softmax`` / ``jax.nn.log_softmax`` / the norm written as users
 write it, statistics in f32), ``ts[auto]`` (what a user gets: the kernels where ``prefer``
-takes them) and ``ts[xla]`` (the operators' XLA references). ``--sweep`` first times the
+takes them), ``ts[xla]`` (the operators' XLA references) and ``ts[pallas]`` (the kernels
+wherever ``supports`` takes the case, preferred or not). ``--sweep`` first times the
 kernels' row configs at the large shape. Records ``{suite, case, device, jax, impl,
 baseline, ms, baseline_ms, ratio = baseline_ms / ms, gbps, rel_err}``; ``gbps`` counts the
 bytes a single pass over each array moves (the bandwidth bound), ``rel_err`` is the worst
@@ -159,13 +161,14 @@ def operands(op, shape):
     return (x, *params, ct)
 
 
-def run_cases(selected):
+def run_cases(selected, shapes=SHAPES, modes=tuple(MODES)):
     recs = []
-    for shape in SHAPES:
+    for shape in shapes:
         for op in OPS:
             args = operands(op, shape)
             f32_args = tuple(a.astype(F32) for a in args)
-            for mode, wrap in MODES.items():
+            for mode in modes:
+                wrap = MODES[mode]
                 case = f"norm-{op}-{mode}"
                 if selected and not any(s in f"{case}-{shape}" for s in selected):
                     continue
@@ -175,6 +178,7 @@ def run_cases(selected):
                     bname = "xla:jnp"
                     fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
                     fns["ts[xla]"] = in_mode("xla", ours)
+                    fns["ts[pallas]"] = in_mode("pallas", ours)
                     picked = chosen(ours, args)
                     ref = jax.jit(base)(*f32_args)
                     errs = {n: rel_err(f(*args), ref) for n, f in fns.items()}
@@ -342,7 +346,12 @@ def main():
     p.add_argument("--sweep", action="store_true", help="time the kernels' row configs first")
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
+    p.add_argument(
+        "--shapes", nargs="*", default=[], help="ROWSxD shapes instead of the default two"
+    )
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     args = p.parse_args()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes] or SHAPES
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
     sweep = []
@@ -353,8 +362,8 @@ def main():
             traceback.print_exc()
     norm_sel = [s for s in args.only if "rmsnorm_matmul" not in s]
     mm_sel = [s for s in args.only if "rmsnorm_matmul" in s]
-    recs = run_cases(norm_sel) if norm_sel or not args.only else []
-    if mm_sel or not args.only:
+    recs = run_cases(norm_sel, shapes, args.modes) if norm_sel or not args.only else []
+    if mm_sel or not (args.only or args.shapes):
         recs += run_rmsnorm_matmul([s for s in mm_sel if s != "rmsnorm_matmul"])
     path = Path(args.json or results_path(f"norms-{device_name(family=True)}.json"))
     write_records(path, recs)
