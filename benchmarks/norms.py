@@ -111,15 +111,12 @@ def _bwd(f, x, *params_ct):
 MODES = {"fwd": _fwd, "fwdbwd": _fwdbwd, "bwd": _bwd}
 
 
-def in_mode(mode, f):
-    """``f`` jitted and called under kernel mode ``mode`` (part of jax's jit key)."""
-    jf = jax.jit(f)
-
-    def call(*args):
-        with ts.kernel_mode(mode):
-            return jf(*args)
-
-    return call
+def in_mode(mode, f, args):
+    """``f`` compiled for ``args`` under kernel mode ``mode``. The executable is called
+    outside the mode: a jitted call inside ``ts.kernel_mode`` pays a host-side dispatch
+    cost that hides a small kernel's time."""
+    with ts.kernel_mode(mode):
+        return jax.jit(f).lower(*args).compile()
 
 
 def chosen(f, args):
@@ -177,8 +174,8 @@ def run_cases(selected, shapes=SHAPES, modes=tuple(MODES)):
                     ours = functools.partial(wrap, functools.partial(ts_op, op))
                     bname = "xla:jnp"
                     fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
-                    fns["ts[xla]"] = in_mode("xla", ours)
-                    fns["ts[pallas]"] = in_mode("pallas", ours)
+                    fns["ts[xla]"] = in_mode("xla", ours, args)
+                    fns["ts[pallas]"] = in_mode("pallas", ours, args)
                     picked = chosen(ours, args)
                     ref = jax.jit(base)(*f32_args)
                     errs = {n: rel_err(f(*args), ref) for n, f in fns.items()}
@@ -299,7 +296,7 @@ def run_rmsnorm_matmul(selected):
                 ours = functools.partial(wrap, ts_rmsnorm_matmul)
                 bname = "xla:jnp"
                 fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
-                fns["ts[pallas]"] = in_mode("pallas", ours)
+                fns["ts[pallas]"] = in_mode("pallas", ours, args)
                 fns["xla:dot-only"] = jax.jit(functools.partial(wrap, dot_only))
                 picked = {
                     "ts[auto]": chosen(ours, args),
