@@ -20,6 +20,7 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives import norms as _norms
+from tessera_jax.primitives import softmax as _softmax
 from tests._util import (
     assert_close,
     chosen_kernels,
@@ -241,6 +242,29 @@ def test_supports_declines_with_reasons():
     assert "non-empty" in norms_gpu.supports((("axis", 1),), [empty])
     huge = jax.core.ShapedArray((2**18, 2**13), jnp.bfloat16)
     assert "32-bit" in norms_gpu.supports((("axis", 1),), [huge])
+
+
+@pytest.mark.parametrize(
+    "shape, fwd, rms, bwd",
+    [
+        ((2**13, 1024), True, True, True),  # 2^23 elements
+        ((2**12, 1024), True, True, False),  # the backward kernels lose below 2^23
+        ((2**14, 256), True, True, False),  # 2^22 elements
+        ((2**16, 128), False, False, False),  # rows shorter than measured
+        ((2**10, 16384), True, False, False),  # rmsnorm and backward rows up to 8192
+        ((2**9, 4096), False, False, False),  # 2^21 elements: unmeasured
+    ],
+)
+def test_auto_mode_prefers_the_measured_range(shape, fwd, rms, bwd):
+    x = jax.core.ShapedArray(shape, jnp.bfloat16)
+    assert norms_gpu.prefer((), [x]) is fwd
+    assert norms_gpu.prefer_rmsnorm((), [x]) is rms
+    assert norms_gpu.prefer_bwd((), [x, x]) is bwd
+    assert _norms.rmsnorm_op.kernels[0].prefer is norms_gpu.prefer_rmsnorm
+    for op in (_norms.layernorm_op, _softmax.softmax_op, _softmax.log_softmax_op):
+        assert op.kernels[0].prefer is norms_gpu.prefer
+    for op in (_norms.rmsnorm_bwd_op, _norms.layernorm_bwd_op, _softmax.log_softmax_bwd_op):
+        assert op.kernels[0].prefer is norms_gpu.prefer_bwd
 
 
 def test_vmapped_weight_falls_back_exactly():

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = [
+    "Preference",
     "RowConfig",
     "hardware",
     "layernorm",
@@ -50,6 +51,8 @@ __all__ = [
     "log_softmax",
     "log_softmax_bwd",
     "prefer",
+    "prefer_bwd",
+    "prefer_rmsnorm",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -423,19 +426,30 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     return None
 
 
-# Where ``auto`` mode takes the kernels: the row lengths and sizes measured at least as fast
-# as XLA on an H100 (benchmarks/results/norms-h100.json: 8192×2048 and 32768×4096 bf16, every
-# forward ≥ 0.97×, every forward+backward ≥ 1.03×). Elsewhere XLA runs until measured.
-PREFER_ROW = (2048, 4096)
-PREFER_MIN_ELEMENTS = 1 << 24
+# Where ``auto`` mode takes the kernels: the cases measured faster than the operators' XLA
+# references on an H100 (bf16; benchmarks/results/norms-h100.json at 8192×2048 and
+# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all).
+# The forward kernels won at every row length measured, except rmsnorm's at 16384, whose
+# forward+backward then ran behind the reference. The backward kernels, which finish the
+# weight gradient with an XLA sum, won from 2²³ elements and rows up to 8192. Elsewhere the
+# reference runs until measured.
+@dataclasses.dataclass(frozen=True)
+class Preference:
+    """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
+    elements and at least ``min_elements`` elements in all."""
+
+    rows: tuple[int, int]
+    min_elements: int
+
+    def __call__(self, spec: Any, avals: Sequence[Any]) -> bool:
+        del spec
+        x = avals[0]
+        return self.rows[0] <= x.shape[-1] <= self.rows[1] and x.size >= self.min_elements
 
 
-def prefer(spec: Any, avals: Sequence[Any]) -> bool:
-    """In ``auto`` mode: rows of ``PREFER_ROW`` elements and at least
-    ``PREFER_MIN_ELEMENTS`` elements in all, the measured range."""
-    del spec
-    x = avals[0]
-    return PREFER_ROW[0] <= x.shape[-1] <= PREFER_ROW[1] and x.size >= PREFER_MIN_ELEMENTS
+prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
+prefer_rmsnorm = Preference(rows=(256, 8192), min_elements=1 << 22)
+prefer_bwd = Preference(rows=(256, 8192), min_elements=1 << 23)
 
 
 def hardware(platform: str) -> str | None:

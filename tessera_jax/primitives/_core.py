@@ -90,14 +90,21 @@ class Kernel:
     interpretable: bool = True
 
     @classmethod
-    def from_module(cls, name: str, module: Any, fn: Callable[..., Any]) -> Kernel:
+    def from_module(
+        cls,
+        name: str,
+        module: Any,
+        fn: Callable[..., Any],
+        prefer: Callable[[Any, Sequence[Any]], bool] | None = None,
+    ) -> Kernel:
         """The record of a kernel module that offers the vocabulary by name (``supports``,
-        ``prefer``, ``hardware``, optionally ``PLATFORMS`` and ``INTERPRETABLE``)."""
+        ``prefer``, ``hardware``, optionally ``PLATFORMS`` and ``INTERPRETABLE``);
+        ``prefer`` replaces the module's where one module holds kernels measured apart."""
         return cls(
             name=name,
             fn=fn,
             supports=module.supports,
-            prefer=module.prefer,
+            prefer=prefer or module.prefer,
             platforms=getattr(module, "PLATFORMS", ("cuda",)),
             hardware=module.hardware,
             interpretable=getattr(module, "INTERPRETABLE", True),

@@ -508,7 +508,11 @@ def layernorm(
 # --- kernels ------------------------------------------------------------------------------
 # Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
 # backward; ``prefer`` routes a case to them in ``auto`` mode where they measured faster.
-rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm))
+rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_rmsnorm))
 layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
-rmsnorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd))
-layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd))
+rmsnorm_bwd_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_bwd)
+)
+layernorm_bwd_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd, _gpu.prefer_bwd)
+)

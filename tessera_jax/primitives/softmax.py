@@ -222,5 +222,9 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 # to them in ``auto`` mode where they measured faster than XLA.
 softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax))
 log_softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax))
-softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd))
-log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd))
+softmax_bwd_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd, _gpu.prefer_bwd)
+)
+log_softmax_bwd_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd, _gpu.prefer_bwd)
+)
