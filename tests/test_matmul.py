@@ -19,7 +19,11 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.context import accumulation
-from tessera_jax.primitives.matmul import matmul_op, matmul_reference
+from tessera_jax.primitives.matmul import (
+    matmul_op,
+    matmul_reference,
+    matmul_with_derivative_op,
+)
 from tests._util import f64, np_activation, rand, rel_err, sample, sample_grid
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -315,8 +319,8 @@ def test_interpret_mode_runs_the_portable_kernel_through_the_operator():
 
 
 def test_grad_through_the_portable_kernel_in_interpret_mode():
-    # linear with bias + gelu in f32 (a portable-kernel case): the forward, the recomputed
-    # pre-activation and the transposed products of the backward all run the kernel.
+    # linear with bias + gelu in f32 (a portable-kernel case): the two-output forward (y and
+    # gelu'(z)) and the transposed products of the backward all run the kernel.
     x, w, b = rand((48, 32)), rand((32, 40), scale=0.2), rand((40,))
 
     def loss(x, w, b):
@@ -325,8 +329,9 @@ def test_grad_through_the_portable_kernel_in_interpret_mode():
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with ts.kernel_mode("interpret"):
         eqns = _matmul_eqns(grad, x, w, b)
-        names = {matmul_op.select("cpu", *_avals_params(e))[0] for e in eqns}
+        names = {_OPS[e.primitive].select("cpu", *_avals_params(e))[0] for e in eqns}
         got = grad(x, w, b)
+    assert [e.primitive for e in eqns].count(matmul_with_derivative_op.prim) == 1
     assert len(eqns) >= 3 and names == {"pallas_portable"}
     with ts.kernel_mode("xla"):
         want = grad(x, w, b)
@@ -335,13 +340,16 @@ def test_grad_through_the_portable_kernel_in_interpret_mode():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+_OPS = {op.prim: op for op in (matmul_op, matmul_with_derivative_op)}
+
+
 def _matmul_eqns(f, *args):
-    """The ts_matmul equations of ``f``'s jaxpr, nested ones included."""
+    """The ts_matmul (and two-output form) equations of ``f``'s jaxpr, nested ones included."""
     out = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
-            if e.primitive.name == "ts_matmul":
+            if e.primitive in _OPS:
                 out.append(e)
             for p in e.params.values():  # a jit's ClosedJaxpr
                 if isinstance(p, ClosedJaxpr):
