@@ -24,7 +24,15 @@ from tessera_jax.primitives.matmul import (
     matmul_reference,
     matmul_with_derivative_op,
 )
-from tests._util import f64, np_activation, rand, rel_err, sample, sample_grid
+from tests._util import (
+    f64,
+    np_activation,
+    np_activation_derivative,
+    rand,
+    rel_err,
+    sample,
+    sample_grid,
+)
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = np.dtype(np.float32)
@@ -673,6 +681,85 @@ def test_second_order_linear_without_kinks(x64):
     args = [rand(s, jnp.float64) for s in [(6, 5), (5, 4), (4,)]]
     f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
     check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
+
+
+# --- the two-output form of a differentiated layer with an activation ---------------------
+
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh"]
+# The derivative is rounded to the output dtype: bf16 ~4e-3 relative, f32 ~1e-7.
+DERIV_TOL = {np.dtype(jnp.bfloat16): 1e-2, F32: 1e-5}
+
+
+def _bits(x) -> bytes:
+    return np.asarray(x).tobytes()
+
+
+@pytest.mark.parametrize(
+    *sample_grid(4, dtype=[jnp.bfloat16, jnp.float32], activation=ACTIVATIONS, vmapped=[0, 1])
+)
+def test_with_derivative_outputs_match_float64(dtype, activation, vmapped):
+    # y = act(x@w + b) + res and act'(x@w + b), both in the output dtype; y has the bits of
+    # the one-output ts_matmul. ``vmapped``: under jax.vmap with a per-example bias (the
+    # batching rule's epilogue after a batched product).
+    x, w = rand((2, 24, 40), dtype), rand((40, 56), dtype, scale=0.2)
+    b, res = rand((2, 56) if vmapped else (56,), dtype), rand((2, 24, 56), dtype)
+    spec = MatmulSpec(dtype, F32, activation=activation, has_bias=True, has_residual=True)
+
+    def both(x, b, res):
+        return tuple(matmul_with_derivative_op.bind(x, w, b, res, spec=spec)), matmul_op.bind(
+            x, w, b, res, spec=spec
+        )
+
+    (y, d), y1 = jax.jit(jax.vmap(both, in_axes=(0, 0 if vmapped else None, 0)))(x, b, res)
+    z = f64(x) @ f64(w) + f64(b)[:, None, :] if vmapped else f64(x) @ f64(w) + f64(b)
+    assert y.dtype == d.dtype == dtype and y.shape == d.shape == res.shape
+    tol = DERIV_TOL[np.dtype(dtype)]
+    assert rel_err(y, np_activation(z, activation) + f64(res)) <= tol
+    assert rel_err(d, np_activation_derivative(z, activation)) <= tol
+    assert _bits(y) == _bits(y1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_differentiated_layer_saves_the_derivative_in_the_output_dtype(dtype):
+    # The backward keeps act'(z) in the layer's dtype (no f32 pre-activation for bf16), and
+    # the primal of the differentiated layer has the bits of the forward.
+    x, w, b = rand((32, 16), dtype), rand((16, 48), dtype, scale=0.3), rand((48,), dtype)
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
+    y, f_vjp = jax.vjp(f, x, w, b)
+    assert _bits(y) == _bits(jax.jit(f)(x, w, b))
+    saved = [r for r in jax.tree.leaves(f_vjp) if getattr(r, "shape", None) == (32, 48)]
+    assert [r.dtype for r in saved] == [dtype]
+    z = f64(x) @ f64(w) + f64(b)
+    assert rel_err(saved[0], np_activation_derivative(z, "gelu")) <= DERIV_TOL[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize(*sample_grid(3, dtype=[jnp.bfloat16, jnp.float32], activation=ACTIVATIONS))
+def test_linear_activation_gradients_match_float64(dtype, activation):
+    # dz = ct · act'(z) with the saved derivative; dx = dz·wᵀ, dw = xᵀ·dz, db = Σ dz.
+    x, w, b = rand((40, 24), dtype), rand((24, 32), dtype, scale=0.3), rand((32,), dtype)
+    ct = rand((40, 32), dtype)
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation=activation)
+    _, f_vjp = jax.vjp(f, x, w, b)
+    dx, dw, db = jax.jit(f_vjp)(ct)
+    g = f64(ct) * np_activation_derivative(f64(x) @ f64(w) + f64(b), activation)
+    for got, want in ((dx, g @ f64(w).T), (dw, f64(x).T @ g), (db, g.sum(0))):
+        assert got.dtype == dtype
+        assert rel_err(got, want) <= 2 * DERIV_TOL[np.dtype(dtype)]
+
+
+def test_third_order_tanh_gelu_with_residual_and_scale(x64):
+    # Higher orders differentiate the two-output form itself (its JVP recomputes z).
+    x, w, b, r = (rand(s, jnp.float64) for s in [(5, 4), (4, 3), (3,), (5, 3)])
+    spec = MatmulSpec(
+        jnp.float64,
+        jnp.float64,
+        activation="gelu_tanh",
+        has_bias=True,
+        has_residual=True,
+        has_scale=True,
+    )
+    f = lambda x, w, b, r, s: matmul_op.bind(x, w, b, r, s, spec=spec)
+    check_grads(jax.jit(f), (x, w, b, r, jnp.float64(0.7)), order=3, modes=("rev",))
 
 
 @pytest.mark.parametrize("sa,sb", sample(ONE_D_SHAPES[:5] + BROADCAST_SHAPES, 2))

@@ -752,16 +752,16 @@ def _matmul_jvp(primals, tangents, *, spec: MatmulSpec):
         dy = _add_all(terms)
         return y, zero_tangent(y) if dy is None else dy
     # With an activation: one product writes y (the bits of the undifferentiated forward)
-    # and act'(z) in out_dtype; the tangent (in the epilogue dtype) is dz · act'(z), which
-    # the backward pass turns into the cotangent times the saved derivative.
-    ep = spec.epilogue_dtype
+    # and act'(z) in out_dtype; the tangent is dz · act'(z), which the backward pass turns
+    # into the cotangent times the saved derivative. The product is taken in out_dtype:
+    # any operation on act'(z) alone (a cast to f32) would be saved in its place.
     y, deriv = matmul_with_derivative_op.bind(*primals, spec=spec)
-    p = _product_spec(spec, ep)
+    p = _product_spec(spec, spec.epilogue_dtype)
     dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, y.shape)
-    dh = None if dz is None else dz * deriv.astype(ep)
+    dy = None if dz is None else dz.astype(out_dtype) * deriv
     if residual is not None and not _is_zero(tres):
-        dh = tres.astype(ep) if dh is None else dh + tres.astype(ep)
-    return y, zero_tangent(y) if dh is None else dh.astype(out_dtype)
+        dy = tres.astype(out_dtype) if dy is None else dy + tres.astype(out_dtype)
+    return y, zero_tangent(y) if dy is None else dy
 
 
 def _cotangent_for(ct: jax.Array, other: jax.Array) -> jax.Array:
