@@ -961,7 +961,7 @@ matmul_with_derivative_op = Operator(
 
 def matmul_with_derivative_reference(
     a: jax.Array, b: jax.Array, *extras: jax.Array, spec: MatmulSpec
-) -> list[jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """The XLA lowering of ``ts_matmul_with_derivative`` and the oracle of its kernel: the
     product of :func:`matmul_reference`, then both outputs from one epilogue (XLA fuses
     them into one pass over the accumulator)."""
@@ -974,10 +974,8 @@ def matmul_with_derivative_reference(
         accumulate_dtype=spec.accumulate_dtype,
         out_sharding=spec.out_sharding,
     )
-    return list(
-        epilogue_with_derivative(
-            acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
-        )
+    return epilogue_with_derivative(
+        acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
     )
 
 
