@@ -12,6 +12,10 @@ output's shape) and ``scale`` (an f32 scalar), in that order, each present only 
 spec says so. The epilogue runs in :attr:`MatmulSpec.epilogue_dtype`; a product without
 an epilogue is cast straight from the accumulator (exact int32 for int8).
 
+``ts_matmul_with_derivative(a, b, *extras, spec=...)``, the forward of a differentiated
+product with an activation, returns ``out`` and ``cast(act'(scale·acc + bias),
+spec.out_dtype)`` from the same accumulator (:func:`epilogue_with_derivative`).
+
 This module is the one owner of that contract. The operator module
 (``primitives/matmul.py``) builds a :class:`MatmulSpec` once per bind; the reference and
 the Pallas kernels (``pallas_kernels/``) receive the spec and the operands and import the

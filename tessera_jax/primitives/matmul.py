@@ -55,9 +55,12 @@ derivatives of every order stay in the operator vocabulary. A shared (2-D) opera
 cotangent sums over the batch: folded into the contraction when that is a free reshape
 (``x (…, M, K) @ W``: ``dW = x₂ᵀ·dC₂`` on the flattened rows), otherwise a batched
 product in the accumulate dtype followed by ``ts.op.sum`` over the batch axes.
-With an activation, the derivative recomputes the pre-activation ``z = scale·acc + bias``
-with ``ts_matmul`` (in the epilogue dtype) and applies the activation with the ts
-elementwise operators, whose JVPs give ``act'(z)``.
+With an activation, the differentiated forward is the two-output form
+``ts_matmul_with_derivative`` (defined below ``ts_matmul``'s reference): one product
+writes y, with the bits of the undifferentiated forward, and ``act'(z)`` at the
+pre-activation ``z = scale·acc + bias`` in the output dtype (bf16 for a bf16 layer); the
+backward multiplies that saved derivative into the cotangent. Its own JVP (second and
+higher derivatives) recomputes ``z`` with ``ts_matmul`` in the epilogue dtype.
 
 Batching: ``jax.vmap`` over any operands and ``in_axes`` moves the mapped axes to the
 front and makes them a leading batch dimension (broadcasting an operand only when the
@@ -299,7 +302,9 @@ def linear(
       ``(..., N)`` array.
 
     Gradients (first and higher order) flow to ``x``, ``w``, ``b`` and ``residual``; with
-    an activation the backward pass recomputes the pre-activation with ``ts_matmul``.
+    an activation the differentiated forward also writes ``act'(x @ w + b)`` in the
+    output dtype (bf16 for a bf16 layer: about 3 significant digits), which the backward
+    multiplies into the cotangent.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} must be one of {ACTIVATIONS}")
