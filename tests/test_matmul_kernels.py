@@ -251,9 +251,10 @@ def test_mgpu_large_default_config_bias_gelu():
     sample([("gelu", BF16, True), ("gelu_tanh", F32, False), ("relu", BF16, True)], 1),
 )
 def test_mgpu_with_derivative(activation, out, residual):
-    # The two-output epilogue: y as the one-output kernel writes it (the same bits) and
-    # act'(z) through the second staging buffer. (An f32 output with an f32 residual needs
-    # three f32 staging buffers: over shared memory at the default tile.)
+    # The two-output epilogue: y and act'(z) through the second staging buffer (that y has
+    # the one-output kernel's bits: tests/test_gpu_kernels.py, through the operator). An
+    # f32 output with a residual needs three 32-bit staging buffers: over shared memory at
+    # the default tile.
     a, b = rand((128, 64), BF16), rand((64, 128), BF16, scale=0.2)
     extras = [rand((128,), BF16)] + ([rand((128, 128), BF16)] if residual else [])
     spec = spec_of(out, has_bias=True, has_residual=residual, activation=activation)
@@ -263,7 +264,6 @@ def test_mgpu_with_derivative(activation, out, residual):
     check(y, reference(spec, a, b, *extras), out, factor=factor)
     z = f64(a) @ f64(b) + f64(extras[0])
     check(d, np_activation_derivative(z, activation), out, factor=factor)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(run_mgpu(spec, a, b, *extras)))
 
 
 def test_portable_with_derivative():

@@ -196,8 +196,8 @@ def epilogue_with_derivative(
     This is the ``ts_matmul_with_derivative`` contract: the forward of a differentiated
     fused linear layer saves ``act'(z)`` for the backward, which multiplies it into the
     cotangent. The derivative is rounded to ``out_dtype`` (bf16 for a bf16 layer, about
-    3 significant digits) from ``z`` in the epilogue dtype: the backward then reads half
-    the bytes of an f32 pre-activation and needs no activation of its own.
+    3 significant digits) from ``z`` in the epilogue dtype, so that the backward needs no
+    activation of its own and can read half the bytes of an f32 pre-activation.
     """
     z = _pre_activation(acc, bias, scale)
     y = apply_activation(z, activation)

@@ -942,7 +942,12 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
 # about 3 significant digits), as plain JAX saves bf16 there; an f32 layer's is exact f32.
 # y is computed by the operations of ``ts_matmul``'s epilogue and on the implementation
 # ``ts_matmul`` picks for the same spec (the kernel's ``prefer`` is shared), so the primal
-# of a differentiated layer has the bits of the undifferentiated one.
+# of a differentiated layer has the bits of the undifferentiated one. (A tile whose second
+# staging buffer does not fit shared memory runs the reference instead: an f32 output with
+# a residual at the large default tiles.) The Hopper kernel writes both outputs from its
+# registers; on XLA's path the product is written in f32 first, and XLA may compute
+# ``act'(z)`` inside the backward's multiply from it (as it does in the training step:
+# benchmarks/results/linear-grad-h100.json has the forward forms' times).
 
 
 def _with_derivative_abstract_eval(a, b, *extras, spec: MatmulSpec):
@@ -967,9 +972,8 @@ matmul_with_derivative_op = Operator(
 def matmul_with_derivative_reference(
     a: jax.Array, b: jax.Array, *extras: jax.Array, spec: MatmulSpec
 ) -> tuple[jax.Array, jax.Array]:
-    """The XLA lowering of ``ts_matmul_with_derivative`` and the oracle of its kernel: the
-    product of :func:`matmul_reference`, then both outputs from one epilogue (XLA fuses
-    them into one pass over the accumulator)."""
+    """The XLA lowering of ``ts_matmul_with_derivative`` and the oracle of its kernels:
+    the product of :func:`matmul_reference`, then both outputs from one epilogue."""
     bias, residual, scale = spec.split(extras)
     acc = _dot(
         a,
@@ -1024,7 +1028,7 @@ matmul_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.matmul))
 matmul_op.add_kernel(Kernel.from_module("pallas_portable", _portable, _portable.matmul))
 # The two-output form on the same kernels, with ts_matmul's ``prefer``: a differentiated
 # layer runs where its undifferentiated forward runs (the same bits of y). Where no kernel
-# is preferred, the reference, whose one dot XLA fuses with both outputs.
+# is preferred, the reference.
 for _name, _module in (("mosaic_gpu", _mgpu), ("pallas_portable", _portable)):
     matmul_with_derivative_op.add_kernel(
         Kernel(
