@@ -14,7 +14,9 @@ jax would decide so for ``jnp.dot``::
         return ts.op.linear(ts.op.linear(x, w1, activation="gelu"), w2)
 
 A fused epilogue (bias, activation, residual) is part of the ``ts_matmul`` output, so
-a saved product is saved after its epilogue. Flash attention is not a dot: its
+a saved product is saved after its epilogue; so is the two-output form that a
+differentiated layer with an activation binds (``ts_matmul_with_derivative``: the output
+and the activation's derivative). Flash attention is not a dot: its
 forward saves its output and log-sum-exp, and the backward recomputes the scores by
 design. :func:`ts_aware` turns any policy (your own too) into one that knows
 ``ts_matmul``.
@@ -27,7 +29,7 @@ from typing import Any
 
 import jax
 
-from tessera_jax.primitives.matmul import matmul_op
+from tessera_jax.primitives.matmul import matmul_op, matmul_with_derivative_op
 
 __all__ = [
     "checkpoint_dots",
@@ -64,10 +66,10 @@ def _dot_dimension_numbers(a: Any, b: Any, spec: Any) -> tuple:
 
 def ts_aware(policy: Callable[..., Any]) -> Callable[..., Any]:
     """``policy`` with each ``ts_matmul`` equation presented as its ``dot_general``."""
-    matmul_prim = matmul_op.prim
+    matmul_prims = (matmul_op.prim, matmul_with_derivative_op.prim)
 
     def aware(prim: Any, *avals: Any, **params: Any) -> Any:
-        if prim is matmul_prim:
+        if prim in matmul_prims:
             dn = _dot_dimension_numbers(avals[0], avals[1], params["spec"])
             return policy(jax.lax.dot_general_p, avals[0], avals[1], dimension_numbers=dn)
         return policy(prim, *avals, **params)

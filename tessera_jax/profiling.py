@@ -199,7 +199,8 @@ def operator_cost(name: str, avals_in: Sequence[Any], avals_out: Sequence[Any], 
     """``(flops, bytes)`` of one bind of the ts primitive ``name``; ``flops`` is None for
     an operator with no formula here.
 
-    * ``ts_matmul``: ``2·M·N·K`` per batch element (the epilogue is not counted).
+    * ``ts_matmul`` and its two-output form ``ts_matmul_with_derivative``: ``2·M·N·K`` per
+      batch element (the epilogue is not counted).
     * flash attention forward: ``2·B·H·Sq·Skv·(D + Dv)`` (``q·kᵀ`` and ``p·v``), backward
       ``2·B·H·Sq·Skv·(3·D + 2·Dv)`` (``q·kᵀ`` recomputed, ``dv``, ``dp``, ``dq``, ``dk``);
       halved when causal (a local window or masks are not accounted for).
@@ -212,7 +213,7 @@ def operator_cost(name: str, avals_in: Sequence[Any], avals_out: Sequence[Any], 
     """
     nbytes = sum(map(_nbytes, avals_in)) + sum(map(_nbytes, avals_out))
     spec = params.get("spec")
-    if name == "ts_matmul":
+    if name in ("ts_matmul", "ts_matmul_with_derivative"):
         a = avals_in[0]
         k = a.shape[-2] if spec.transpose_a else a.shape[-1]
         return 2 * _size(avals_out[0]) * k, nbytes

@@ -213,3 +213,19 @@ def skip_unsampled_twin(request, k: int) -> None:
     ]
     if node.callspec.id not in sample(ids, k):
         pytest.skip(f"interpret twin not in this run's sample of {k} (TESSERA_TEST_FULL=1)")
+
+
+def np_activation_derivative(z, activation):
+    """The derivative of :func:`np_activation`'s activations in float64 NumPy (relu's is 0
+    at 0)."""
+    import scipy.special
+
+    if activation == "relu":
+        return (z > 0).astype(np.float64)
+    if activation == "gelu":
+        return 0.5 * (1 + scipy.special.erf(z / np.sqrt(2))) + z * np.exp(-0.5 * z * z) / np.sqrt(
+            2 * np.pi
+        )
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (z + 0.044715 * z**3))
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)

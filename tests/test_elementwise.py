@@ -8,7 +8,7 @@ import scipy.special
 from jax.test_util import check_grads
 
 import tessera_jax as ts
-from tests._util import assert_close, f64, rand, sample, sample_grid
+from tests._util import assert_close, f64, np_activation_derivative, rand, sample, sample_grid
 
 
 def _gelu_tanh(x):
@@ -97,3 +97,14 @@ def test_integer_input_is_rejected(fn):
 def test_gelu_approximate_must_be_bool():
     with pytest.raises(TypeError, match="gelu: approximate='tanh' must be a bool"):
         ts.gelu(rand((3,)), approximate="tanh")
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_gradient_of_bf16_is_rounded_once(approximate):
+    # The derivative is computed in f32 and rounded once to bf16: within half a bf16 ulp
+    # (2**-8 relative) of the float64 derivative, where bf16 arithmetic would round each step.
+    x = rand((256,), jnp.bfloat16, scale=3.0)
+    g = jax.grad(lambda x: jnp.sum(ts.gelu(x, approximate=approximate).astype(jnp.float32)))(x)
+    assert g.dtype == jnp.bfloat16
+    want = np_activation_derivative(f64(x), "gelu_tanh" if approximate else "gelu")
+    np.testing.assert_array_less(np.abs(f64(g) - want), 2.0**-8 * np.abs(want) + 1e-5)

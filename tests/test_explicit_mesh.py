@@ -150,6 +150,27 @@ def test_sum_is_mesh_invariant_on_both_axis_types(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(AXIS_TYPES))
+def test_differentiated_linear_activation_on_both_axis_types(kind):
+    """A layer with an activation under jax.grad binds the two-output form: on either kind
+    of mesh its values and gradients are jnp's, and under Explicit axes so are its types."""
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu_tanh")
+    g = lambda x, w, b: jax.nn.gelu(x @ w + b[None, :], approximate=True)
+    mesh = _mesh(kind)
+    xs = _operands(mesh, [((8, 16), P("dp", None)), ((16, 4), P(None, "tp")), ((4,), P())])
+    with jax.set_mesh(mesh):
+        grad = lambda h: jax.jit(jax.value_and_grad(_loss(h), argnums=(0, 1, 2)))
+        jaxpr = jax.make_jaxpr(grad(f))(*xs)
+        assert "ts_matmul_with_derivative" in str(jaxpr)
+        (out, gout), (ref, gref) = grad(f)(*xs), grad(g)(*xs)
+        if kind == "explicit":
+            for a, b in zip(gout, gref):
+                assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5)
+    for a, b in zip(gout, gref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(AXIS_TYPES))
 def test_matmul_kernel_path_on_sharded_operands(kind):
     """The kernel path (interpret mode) runs on local shards on either kind of mesh.
 

@@ -25,6 +25,7 @@ from tests._util import (
     chosen_kernels,
     f64,
     np_activation,
+    np_activation_derivative,
     np_tree,
     rand,
     skip_unsampled_twin,
@@ -73,6 +74,31 @@ class _KernelCases:
         assert _chosen(g, x, w, bias, res) == ["mosaic_gpu"]
         out = jax.jit(g)(x, w, bias, res)
         assert_close(out, _ref_linear(x, w, bias, res, activation), factor=2)
+
+    @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+    def test_hopper_differentiated_activation(self, activation):
+        """Under jax.grad the forward is the two-output form on the kernel: y with the bits
+        of the undifferentiated forward, and act'(z) in bf16 for the backward."""
+        m, k, n = SHAPES[1]
+        x, w = rand((m, k), jnp.bfloat16), rand((k, n), jnp.bfloat16, scale=0.3)
+        bias, ct = rand((n,), jnp.bfloat16), rand((m, n), jnp.bfloat16)
+        f = functools.partial(ts.op.linear, activation=activation)
+
+        def fwd_bwd(x, w, bias):
+            y, f_vjp = jax.vjp(f, x, w, bias)
+            return y, f_vjp(ct)
+
+        chosen = chosen_kernels(fwd_bwd, x, w, bias, ops=("matmul", "matmul_with_derivative"))
+        assert ("matmul_with_derivative", "mosaic_gpu") in chosen
+        assert {impl for _, impl in chosen} == {"mosaic_gpu"}
+        y, (dx, dw, db) = jax.jit(fwd_bwd)(x, w, bias)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(f)(x, w, bias)))
+        z = f64(x) @ f64(w) + f64(bias)
+        g = f64(ct) * np_activation_derivative(z, activation)
+        assert_close(y, _ref_linear(x, w, bias, activation=activation), factor=2)
+        assert_close(dx, g @ f64(w).T, factor=2)
+        assert_close(dw, f64(x).T @ g, factor=2)
+        assert_close(db, g.sum(0), factor=2)
 
     def test_hopper_gradients(self):
         """The backward products carry transpose flags: the kernel runs them too."""

@@ -19,8 +19,20 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.context import accumulation
-from tessera_jax.primitives.matmul import matmul_op, matmul_reference
-from tests._util import f64, np_activation, rand, rel_err, sample, sample_grid
+from tessera_jax.primitives.matmul import (
+    matmul_op,
+    matmul_reference,
+    matmul_with_derivative_op,
+)
+from tests._util import (
+    f64,
+    np_activation,
+    np_activation_derivative,
+    rand,
+    rel_err,
+    sample,
+    sample_grid,
+)
 
 F8E4, F8E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = np.dtype(np.float32)
@@ -315,8 +327,8 @@ def test_interpret_mode_runs_the_portable_kernel_through_the_operator():
 
 
 def test_grad_through_the_portable_kernel_in_interpret_mode():
-    # linear with bias + gelu in f32 (a portable-kernel case): the forward, the recomputed
-    # pre-activation and the transposed products of the backward all run the kernel.
+    # linear with bias + gelu in f32 (a portable-kernel case): the two-output forward (y and
+    # gelu'(z)) and the transposed products of the backward all run the kernel.
     x, w, b = rand((48, 32)), rand((32, 40), scale=0.2), rand((40,))
 
     def loss(x, w, b):
@@ -325,8 +337,9 @@ def test_grad_through_the_portable_kernel_in_interpret_mode():
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with ts.kernel_mode("interpret"):
         eqns = _matmul_eqns(grad, x, w, b)
-        names = {matmul_op.select("cpu", *_avals_params(e))[0] for e in eqns}
+        names = {_OPS[e.primitive].select("cpu", *_avals_params(e))[0] for e in eqns}
         got = grad(x, w, b)
+    assert [e.primitive for e in eqns].count(matmul_with_derivative_op.prim) == 1
     assert len(eqns) >= 3 and names == {"pallas_portable"}
     with ts.kernel_mode("xla"):
         want = grad(x, w, b)
@@ -335,13 +348,16 @@ def test_grad_through_the_portable_kernel_in_interpret_mode():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+_OPS = {op.prim: op for op in (matmul_op, matmul_with_derivative_op)}
+
+
 def _matmul_eqns(f, *args):
-    """The ts_matmul equations of ``f``'s jaxpr, nested ones included."""
+    """The ts_matmul (and two-output form) equations of ``f``'s jaxpr, nested ones included."""
     out = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
-            if e.primitive.name == "ts_matmul":
+            if e.primitive in _OPS:
                 out.append(e)
             for p in e.params.values():  # a jit's ClosedJaxpr
                 if isinstance(p, ClosedJaxpr):
@@ -662,9 +678,74 @@ def test_check_grads_fused_mlp(x64, activation):
 
 
 def test_second_order_linear_without_kinks(x64):
-    args = [rand(s, jnp.float64) for s in [(6, 5), (5, 4), (4,)]]
-    f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
+    # Second order differentiates the two-output form (its JVP recomputes z), residual too.
+    args = [rand(s, jnp.float64) for s in [(6, 5), (5, 4), (4,), (6, 4)]]
+    f = lambda x, w, b, r: ts.op.linear(x, w, b, activation="gelu", residual=r)
     check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
+
+
+# --- the two-output form of a differentiated layer with an activation ---------------------
+
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh"]
+# The derivative is rounded to the output dtype: bf16 ~4e-3 relative, f32 ~1e-7.
+DERIV_TOL = {np.dtype(jnp.bfloat16): 1e-2, F32: 1e-5}
+
+
+def _bits(x) -> bytes:
+    return np.asarray(x).tobytes()
+
+
+@pytest.mark.parametrize(
+    *sample_grid(4, dtype=[jnp.bfloat16, jnp.float32], activation=ACTIVATIONS, vmapped=[0, 1])
+)
+def test_with_derivative_outputs_match_float64(dtype, activation, vmapped):
+    # y = act(x@w + b) + res and act'(x@w + b), both in the output dtype; y has the bits of
+    # the one-output ts_matmul. ``vmapped``: under jax.vmap with a per-example bias (the
+    # batching rule's epilogue after a batched product).
+    x, w = rand((2, 24, 40), dtype), rand((40, 56), dtype, scale=0.2)
+    b, res = rand((2, 56) if vmapped else (56,), dtype), rand((2, 24, 56), dtype)
+    spec = MatmulSpec(dtype, F32, activation=activation, has_bias=True, has_residual=True)
+
+    def both(x, b, res):
+        return tuple(matmul_with_derivative_op.bind(x, w, b, res, spec=spec)), matmul_op.bind(
+            x, w, b, res, spec=spec
+        )
+
+    (y, d), y1 = jax.jit(jax.vmap(both, in_axes=(0, 0 if vmapped else None, 0)))(x, b, res)
+    z = f64(x) @ f64(w) + f64(b)[:, None, :] if vmapped else f64(x) @ f64(w) + f64(b)
+    assert y.dtype == d.dtype == dtype and y.shape == d.shape == res.shape
+    tol = DERIV_TOL[np.dtype(dtype)]
+    assert rel_err(y, np_activation(z, activation) + f64(res)) <= tol
+    assert rel_err(d, np_activation_derivative(z, activation)) <= tol
+    assert _bits(y) == _bits(y1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_differentiated_layer_saves_the_derivative_in_the_output_dtype(dtype):
+    # The backward keeps act'(z) in the layer's dtype (no f32 pre-activation for bf16), and
+    # the primal of the differentiated layer has the bits of the forward.
+    x, w, b = rand((32, 16), dtype), rand((16, 48), dtype, scale=0.3), rand((48,), dtype)
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation="gelu")
+    y, f_vjp = jax.vjp(f, x, w, b)
+    assert _bits(y) == _bits(jax.jit(f)(x, w, b))
+    saved = [r for r in jax.tree.leaves(f_vjp) if getattr(r, "shape", None) == (32, 48)]
+    assert [r.dtype for r in saved] == [dtype]
+    z = f64(x) @ f64(w) + f64(b)
+    assert rel_err(saved[0], np_activation_derivative(z, "gelu")) <= DERIV_TOL[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize(*sample_grid(3, dtype=[jnp.bfloat16, jnp.float32], activation=ACTIVATIONS))
+def test_linear_activation_gradients_match_float64(dtype, activation):
+    # dz = ct · act'(z) with the saved derivative; dx = dz·wᵀ, dw = xᵀ·dz, db = Σ dz.
+    x, w, b = rand((40, 24), dtype), rand((24, 32), dtype, scale=0.3), rand((32,), dtype)
+    ct = rand((40, 32), dtype)
+    f = lambda x, w, b: ts.op.linear(x, w, b, activation=activation)
+    _, f_vjp = jax.vjp(f, x, w, b)
+    dx, dw, db = jax.jit(f_vjp)(ct)
+    g = f64(ct) * np_activation_derivative(f64(x) @ f64(w) + f64(b), activation)
+    for got, want in ((dx, g @ f64(w).T), (dw, f64(x).T @ g), (db, g.sum(0))):
+        assert got.dtype == dtype
+        assert rel_err(got, want) <= 2 * DERIV_TOL[np.dtype(dtype)]
 
 
 @pytest.mark.parametrize("sa,sb", sample(ONE_D_SHAPES[:5] + BROADCAST_SHAPES, 2))

@@ -25,7 +25,15 @@ from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
-from tests._util import cuda_lowering, f64, mosaic_gpu_calls, np_activation, rand, sample
+from tests._util import (
+    cuda_lowering,
+    f64,
+    mosaic_gpu_calls,
+    np_activation,
+    np_activation_derivative,
+    rand,
+    sample,
+)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -236,6 +244,49 @@ def test_mgpu_large_default_config_bias_gelu():
     a, b, bias = rand((512, 128), BF16), rand((128, 256), BF16), rand((256,), BF16)
     spec = spec_of(has_bias=True, activation="gelu_tanh")
     check(run_mgpu(spec, a, b, bias, config=cfg), reference(spec, a, b, bias), BF16)
+
+
+@pytest.mark.parametrize(
+    "activation,out,residual",
+    sample([("gelu", BF16, True), ("gelu_tanh", F32, False), ("relu", BF16, True)], 1),
+)
+def test_mgpu_with_derivative(activation, out, residual):
+    # The two-output epilogue: y and act'(z) through the second staging buffer (that y has
+    # the one-output kernel's bits: tests/test_gpu_kernels.py, through the operator). An
+    # f32 output with a residual needs three 32-bit staging buffers: over shared memory at
+    # the default tile.
+    a, b = rand((128, 64), BF16), rand((64, 128), BF16, scale=0.2)
+    extras = [rand((128,), BF16)] + ([rand((128, 128), BF16)] if residual else [])
+    spec = spec_of(out, has_bias=True, has_residual=residual, activation=activation)
+    y, d = run_mgpu(spec, a, b, *extras, with_derivative=True)
+    assert y.dtype == d.dtype == out
+    factor = 100 if out == F32 else 1
+    check(y, reference(spec, a, b, *extras), out, factor=factor)
+    z = f64(a) @ f64(b) + f64(extras[0])
+    check(d, np_activation_derivative(z, activation), out, factor=factor)
+
+
+def test_portable_with_derivative():
+    a, b = rand((2, 40, 48), F32), rand((2, 48, 24), F32)
+    bias, res = rand((24,), F32), rand((2, 40, 24), F32)
+    spec = spec_of(F32, has_bias=True, has_residual=True, activation="gelu_tanh")
+    run = jax.jit(lambda *x: mp.matmul(spec, *x, interpret=True, with_derivative=True))
+    y, d = run(a, b, bias, res)
+    check(y, reference(spec, a, b, bias, res), F32)
+    check(d, np_activation_derivative(f64(a) @ f64(b) + f64(bias), "gelu_tanh"), F32)
+
+
+def test_supports_the_derivative_output_only_with_an_activation():
+    avals = _avals(((256, 128), BF16), ((128, 256), BF16))
+    assert "needs an activation" in mg.supports(spec_of(), avals, with_derivative=True)
+    assert mg.supports(spec_of(activation="relu"), avals, with_derivative=True) is None
+    assert "needs an activation" in mp.supports(spec_of(), avals, with_derivative=True)
+    # The second staging buffer counts against shared memory.
+    cfg = mc.CANDIDATES["bf16_128x256x64_s4"]
+    one = mc.smem_bytes(cfg, BF16, BF16, BF16)
+    assert mc.smem_bytes(cfg, BF16, BF16, BF16, outputs=2) - one == mc.epilogue_smem_bytes(
+        cfg, BF16, None, False
+    )
 
 
 def test_mgpu_user_tile_shape():

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
-from tests._util import np_tree, rand, sample
+from tests._util import np_activation, np_activation_derivative, np_tree, rand, sample
 
 
 def _params_of(spec):
@@ -221,6 +221,28 @@ def test_row_parallel_matmul_reduces_deterministically(tp):
     ]
     np.testing.assert_allclose(
         out, np.maximum(np_tree(np.stack(parts)) + np.asarray(bias), 0), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_row_parallel_two_output_form_reduces_then_finishes():
+    """K sharded under jax.grad: the two-output form's partial products are added by the
+    deterministic all-reduce, then both outputs come from one epilogue (the contract's)."""
+    mesh = ts.dist.Mesh(axes=["dp", "tp"], devices=range(8), shape=(4, 2)).jax_mesh
+    a = put(mesh, rand((64, 32)), None, "tp")
+    b = put(mesh, rand((32, 256), scale=0.3), "tp", None)
+    bias = put(mesh, rand((256,)))
+    f = lambda a, b, bias: ts.op.linear(a, b, bias, activation="gelu")
+    grad = jax.grad(lambda *xs: jnp.sum(f(*xs) ** 2), argnums=(0, 1, 2))
+    expect = jax.jit(grad)(a, b, bias)
+    with pallas_kernel("matmul_with_derivative"):
+        assert collectives(grad, a, b, bias)["all-gather"] == 0
+        got = jax.jit(grad)(a, b, bias)
+    for g, e in zip(got, expect):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+    z = np.asarray(a, np.float64) @ np.asarray(b, np.float64) + np.asarray(bias)
+    y = np_activation(z, "gelu")
+    np.testing.assert_allclose(
+        got[2], (2 * y * np_activation_derivative(z, "gelu")).sum(0), rtol=1e-4, atol=1e-4
     )
 
 

@@ -12,6 +12,10 @@ output's shape) and ``scale`` (an f32 scalar), in that order, each present only 
 spec says so. The epilogue runs in :attr:`MatmulSpec.epilogue_dtype`; a product without
 an epilogue is cast straight from the accumulator (exact int32 for int8).
 
+``ts_matmul_with_derivative(a, b, *extras, spec=...)``, the forward of a differentiated
+product with an activation, returns ``out`` and ``cast(act'(scale·acc + bias),
+spec.out_dtype)`` from the same accumulator (:func:`epilogue_with_derivative`).
+
 This module is the one owner of that contract. The operator module
 (``primitives/matmul.py``) builds a :class:`MatmulSpec` once per bind; the reference and
 the Pallas kernels (``pallas_kernels/``) receive the spec and the operands and import the
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tessera_jax.contracts.activations import gelu
+from tessera_jax.contracts.activations import gelu, gelu_derivative
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
 _F32 = np.dtype(np.float32)
@@ -130,6 +134,29 @@ def apply_activation(x, activation: str | None, erf=lax.erf):
     raise ValueError(f"matmul: activation={activation!r} must be one of {ACTIVATIONS}")
 
 
+def activation_derivative(x, activation: str, erf=lax.erf):
+    """``act'(x)`` of the fused epilogue's activation, in ``x``'s dtype (relu's is 0 at 0,
+    as ``ts.relu``'s). ``erf`` as in :func:`apply_activation`."""
+    if activation == "relu":
+        return (x > 0).astype(x.dtype)
+    if activation in ("gelu", "gelu_tanh"):
+        return gelu_derivative(x, approximate=activation == "gelu_tanh", erf=erf)
+    raise ValueError(
+        f"matmul: activation={activation!r} must be one of {ACTIVATIONS[1:]} for a derivative"
+    )
+
+
+def _pre_activation(acc, bias, scale):
+    """``scale·acc + bias`` in :func:`epilogue_dtype` of ``acc.dtype``."""
+    ep = epilogue_dtype(acc.dtype)
+    z = acc.astype(ep)
+    if scale is not None:
+        z = z * scale.astype(ep)
+    if bias is not None:
+        z = z + bias.astype(ep).reshape(*([1] * (z.ndim - bias.ndim)), *bias.shape)
+    return z
+
+
 def epilogue(
     acc,
     bias=None,
@@ -147,13 +174,33 @@ def epilogue(
     """
     if bias is None and residual is None and scale is None and activation is None:
         return acc.astype(out_dtype)
-    ep = epilogue_dtype(acc.dtype)
-    z = acc.astype(ep)
-    if scale is not None:
-        z = z * scale.astype(ep)
-    if bias is not None:
-        z = z + bias.astype(ep).reshape(*([1] * (z.ndim - bias.ndim)), *bias.shape)
-    z = apply_activation(z, activation)
+    z = apply_activation(_pre_activation(acc, bias, scale), activation)
     if residual is not None:
-        z = z + residual.astype(ep)
+        z = z + residual.astype(z.dtype)
     return z.astype(out_dtype)
+
+
+def epilogue_with_derivative(
+    acc,
+    bias=None,
+    residual=None,
+    scale=None,
+    *,
+    activation: str,
+    out_dtype: Any,
+):
+    """``(epilogue(...), cast(act'(z), out_dtype))`` with ``z = scale·acc + bias``: the
+    output of :func:`epilogue`, computed by the same operations (the same bits), and the
+    activation's derivative at the pre-activation, both from one accumulator.
+
+    This is the ``ts_matmul_with_derivative`` contract: the forward of a differentiated
+    fused linear layer saves ``act'(z)`` for the backward, which multiplies it into the
+    cotangent. The derivative is rounded to ``out_dtype`` (bf16 for a bf16 layer, about
+    3 significant digits) from ``z`` in the epilogue dtype, so that the backward needs no
+    activation of its own and can read half the bytes of an f32 pre-activation.
+    """
+    z = _pre_activation(acc, bias, scale)
+    y = apply_activation(z, activation)
+    if residual is not None:
+        y = y + residual.astype(y.dtype)
+    return y.astype(out_dtype), activation_derivative(z, activation).astype(out_dtype)

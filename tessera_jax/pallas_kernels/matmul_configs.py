@@ -188,12 +188,17 @@ def _itemsize(dtype: Any) -> int:
 
 
 def epilogue_smem_bytes(
-    cfg: MatmulConfig, out_dtype: Any, res_dtype: Any | None, has_vec: bool
+    cfg: MatmulConfig,
+    out_dtype: Any,
+    res_dtype: Any | None,
+    has_vec: bool,
+    outputs: int = 1,
 ) -> int:
-    """Epilogue staging: two output slots per warpgroup (+ residual slots, + scale/bias rows)."""
+    """Epilogue staging: two slots per warpgroup for each of ``outputs`` outputs (+ residual
+    slots, + scale/bias rows)."""
     epi = cfg.epi_tile_m * cfg.epi_tile_n
     slots = min(2, math.prod(cfg.wg_tile) // epi)
-    b = NUM_COMPUTE_WGS * slots * epi * _itemsize(out_dtype)
+    b = outputs * NUM_COMPUTE_WGS * slots * epi * _itemsize(out_dtype)
     if res_dtype is not None:
         b += NUM_COMPUTE_WGS * slots * epi * _itemsize(res_dtype)
     if has_vec:
@@ -213,10 +218,12 @@ def smem_bytes(
     out_dtype: Any,
     res_dtype: Any | None = None,
     has_vec: bool = False,
+    *,
+    outputs: int = 1,
 ) -> int:
     return (
         cfg.num_stages * stage_smem_bytes(cfg, dtype_a, dtype_b)
-        + epilogue_smem_bytes(cfg, out_dtype, res_dtype, has_vec)
+        + epilogue_smem_bytes(cfg, out_dtype, res_dtype, has_vec, outputs)
         + SMEM_RESERVED
     )
 
@@ -239,17 +246,23 @@ def fit_stages(
     out_dtype: Any,
     res_dtype: Any | None = None,
     has_vec: bool = False,
+    *,
+    outputs: int = 1,
 ) -> MatmulConfig:
-    """``cfg`` with ``num_stages`` lowered until it fits shared memory; ValueError if 2 don't
-    (or if ``block_k`` is not a whole swizzled row of the operand dtype)."""
+    """``cfg`` with ``num_stages`` lowered until it fits shared memory with ``outputs``
+    output staging buffers; ValueError if 2 don't (or if ``block_k`` is not a whole swizzled
+    row of the operand dtype)."""
     check_block_k(cfg.block_k, dtype_a, dtype_b)
+    extra = (res_dtype, has_vec)
     stages = cfg.num_stages
     while stages >= 2:
         c = cfg.replace(num_stages=stages)
-        if smem_bytes(c, dtype_a, dtype_b, out_dtype, res_dtype, has_vec) <= SMEM_BYTES:
+        if smem_bytes(c, dtype_a, dtype_b, out_dtype, *extra, outputs=outputs) <= SMEM_BYTES:
             return c
         stages -= 1
-    need = smem_bytes(cfg.replace(num_stages=2), dtype_a, dtype_b, out_dtype, res_dtype, has_vec)
+    need = smem_bytes(
+        cfg.replace(num_stages=2), dtype_a, dtype_b, out_dtype, *extra, outputs=outputs
+    )
     raise ValueError(
         f"matmul: tile_shape={cfg.tile_shape} needs {need} bytes of shared memory with 2 "
         f"pipeline stages ({np.dtype(dtype_a).name} x {np.dtype(dtype_b).name} -> "

@@ -12,7 +12,9 @@ Structure of one CTA (see :mod:`.matmul_configs` for the tile parameters):
   (optionally in 2-CTA clusters that TMA-multicast their shared operand tile);
 * the epilogue runs on the registers of the accumulator: ``scale · acc + bias``,
   the activation, ``+ residual`` (staged into shared memory with TMA), the cast to
-  ``out_dtype``, and a double-buffered TMA store — one pass over C. Outside the
+  ``out_dtype``, and a double-buffered TMA store — one pass over C. The two-output form
+  (``ts_matmul_with_derivative``) also writes the activation's derivative at the
+  pre-activation, through a second staging buffer, from the same registers. Outside the
   ``ts_matmul`` contract, an ``(M,)`` row scale may multiply the accumulator's rows first
   (``ts.rmsnorm_matmul``'s ``1/rms(x)``, see :func:`matmul`).
 
@@ -56,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat, autotune
-from tessera_jax.contracts.matmul import MatmulSpec, apply_activation
+from tessera_jax.contracts.matmul import MatmulSpec, activation_derivative, apply_activation
 from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 from tessera_jax.pallas_kernels.matmul_configs import FP8_DTYPES, MatmulConfig
@@ -126,6 +128,8 @@ class Problem:
         epilogue (the fused rmsnorm prologue's ``1/rms(x)``; not part of ``ts_matmul``).
       activation: the epilogue activation.
       num_sms: SMs the persistent grid may span (``device.sm_counts(...).grid``).
+      with_derivative: a second output, ``act'(z)`` at the pre-activation ``z``, in
+        ``out_dtype`` (the ``ts_matmul_with_derivative`` contract).
     """
 
     config: MatmulConfig
@@ -146,6 +150,7 @@ class Problem:
     activation: str | None
     num_sms: int
     has_row_scale: bool = False
+    with_derivative: bool = False
 
     @property
     def has_vec(self) -> bool:
@@ -207,7 +212,9 @@ class _Refs(NamedTuple):
     res: Any  # residual, or None
     rows: Any  # (M,) f32 row scale, or None
     out: Any
+    deriv: Any  # the derivative output (two-output form), or None
     out_smem: Any  # (wgs, slots, epi_m, epi_n) output staging
+    deriv_smem: Any  # the derivative's staging like out_smem, or None
     res_smem: Any  # residual staging like out_smem, or None
     vec_smem: Any  # (wgs, 2, wn) a warpgroup's scale/bias columns, or None
     epi_barrier: Any  # per warpgroup: [scale/bias, residual slot 0, slot 1], or None
@@ -222,7 +229,10 @@ def _unpack_refs(p: Problem, refs: Sequence[Any]) -> _Refs:
     vec = refs.pop(0) if p.has_vec else None
     res = refs.pop(0) if p.has_res else None
     rows = refs.pop(0) if p.has_row_scale else None
-    out, out_smem = refs.pop(0), refs.pop(0)
+    out = refs.pop(0)
+    deriv = refs.pop(0) if p.with_derivative else None
+    out_smem = refs.pop(0)
+    deriv_smem = refs.pop(0) if p.with_derivative else None
     res_smem = refs.pop(0) if p.has_res else None
     vec_smem = refs.pop(0) if p.has_vec else None
     epi_barrier = refs.pop(0) if (p.has_res or p.has_vec) else None
@@ -234,7 +244,9 @@ def _unpack_refs(p: Problem, refs: Sequence[Any]) -> _Refs:
         res,
         rows,
         out,
+        deriv,
         out_smem,
+        deriv_smem,
         res_smem,
         vec_smem,
         epi_barrier,
@@ -400,6 +412,7 @@ def _accumulate_and_store(acc_ref, *, eval_pipeline, p: Problem, r: _Refs, t: _T
     if p.has_row_scale:
         plgpu.barrier_wait(r.rows_barrier.at[t.wg])
     out_wg = r.out.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n]
+    deriv_wg = r.deriv.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n] if p.with_derivative else None
     res_wg = r.res.at[t.batch].at[t.m, t.n].at[t.wg_m, t.wg_n] if p.has_res else None
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
     for ei in range(wm // epi_m):
@@ -420,13 +433,23 @@ def _accumulate_and_store(acc_ref, *, eval_pipeline, p: Problem, r: _Refs, t: _T
             if p.has_bias:
                 brow = r.vec_smem[t.wg, 1, esl_n]
                 v = v + lax.broadcast_in_dim(brow, (epi_m, epi_n), (1,))
-            v = apply_activation(v, p.activation, erf=_erf)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store
+            z = v
+            v = apply_activation(z, p.activation, erf=_erf)
+            # One bulk-copy group per sub-tile (both stores of the two-output form), so
+            # waiting for all but the last group frees this slot's buffers.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous stores
             if p.has_res:
                 plgpu.barrier_wait(bar)
                 v = v + r.res_smem[t.wg, slot].astype(jnp.float32)
             r.out_smem[t.wg, slot] = v.astype(p.out_dtype)
+            if p.with_derivative:
+                d = activation_derivative(z, p.activation, erf=_erf)
+                r.deriv_smem[t.wg, slot] = d.astype(p.out_dtype)
             plgpu.commit_smem()
+            if p.with_derivative:
+                plgpu.copy_smem_to_gmem(
+                    r.deriv_smem.at[t.wg, slot], deriv_wg.at[esl_m, esl_n], commit_group=False
+                )
             plgpu.copy_smem_to_gmem(r.out_smem.at[t.wg, slot], out_wg.at[esl_m, esl_n])
 
 
@@ -435,9 +458,10 @@ def _scratch_types(p: Problem) -> list[Any]:
     cfg = p.config
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     slots = (mc.NUM_COMPUTE_WGS, p.num_out_slots, epi_m, epi_n)
-    scratch = [
-        plgpu.SMEM(slots, p.out_dtype, transforms=_smem_transforms(p.out_dtype, epi_n)),
-    ]
+    out_tf = _smem_transforms(p.out_dtype, epi_n)
+    scratch = [plgpu.SMEM(slots, p.out_dtype, transforms=out_tf)]
+    if p.with_derivative:
+        scratch.append(plgpu.SMEM(slots, p.out_dtype, transforms=out_tf))
     if p.has_res:
         scratch.append(
             plgpu.SMEM(slots, p.res_dtype, transforms=_smem_transforms(p.res_dtype, epi_n))
@@ -453,10 +477,12 @@ def _scratch_types(p: Problem) -> list[Any]:
 
 
 def _build(p: Problem) -> Any:
-    """The ``plgpu.kernel`` computing ``p``: ``a, b[, vec][, res][, rows]`` -> ``(batch, m, n)``."""
+    """The ``plgpu.kernel`` computing ``p``: ``a, b[, vec][, res][, rows]`` -> ``(batch, m, n)``
+    (and, with ``p.with_derivative``, a second such array, the derivative)."""
+    out = jax.ShapeDtypeStruct((p.batch, p.m, p.n), p.out_dtype)
     return plgpu.kernel(
         functools.partial(_kernel, p=p),
-        out_type=jax.ShapeDtypeStruct((p.batch, p.m, p.n), p.out_dtype),
+        out_type=(out, out) if p.with_derivative else out,
         scratch_types=_scratch_types(p),
         grid=(p.grid,),
         grid_names=("sm",),
@@ -489,7 +515,7 @@ def _run_interpret(call, operands):
 
     def host(*xs):
         with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params):
-            return np.asarray(jitted(*xs))
+            return jax.tree.map(np.asarray, jitted(*xs))
 
     return jax.pure_callback(host, out_aval, *operands)
 
@@ -517,10 +543,12 @@ def _config(
     tuned_sms: int,
     config: MatmulConfig | None = None,
     row_scaled: bool = False,
+    outputs: int = 1,
 ) -> MatmulConfig:
     """The tile config of a product of ``(m, n, k)`` (M with a folded batch): ``config`` if
     given, else ``spec.tile_shape``'s, else the heuristic's; its pipeline shortened until it
-    fits shared memory with this epilogue. ValueError, naming the sm_90 limit, if it can't.
+    fits shared memory with this epilogue (``outputs`` staging buffers of ``out_dtype``).
+    ValueError, naming the sm_90 limit, if it can't.
     A row scale's ``(wgs, wm)`` f32 block is budgeted as the ``(wgs, 2, wn)`` scale/bias
     block, which it must not exceed (so it runs without a scale or bias)."""
     if config is None:
@@ -536,7 +564,9 @@ def _config(
                 f"warpgroup tile {config.wg_tile} (the kernel takes it alone, rows <= 2 * cols)"
             )
     has_vec = spec.has_bias or spec.has_scale or row_scaled
-    return mc.fit_stages(config, dtype_a, dtype_b, spec.out_dtype, res_dtype, has_vec)
+    return mc.fit_stages(
+        config, dtype_a, dtype_b, spec.out_dtype, res_dtype, has_vec, outputs=outputs
+    )
 
 
 def tuned_config(spec: MatmulSpec, avals: Sequence[Any]) -> MatmulConfig | None:
@@ -605,7 +635,8 @@ def matmul(
     config: MatmulConfig | None = None,
     num_sms: int | None = None,
     row_scale: jax.Array | None = None,
-) -> jax.Array:
+    with_derivative: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``cast(act(scale · op(a) @ op(b) + bias) + residual, spec.out_dtype)`` on Hopper.
 
     The ``ts_matmul`` contract of :mod:`tessera_jax.contracts.matmul`: ``extras`` are
@@ -619,9 +650,17 @@ def matmul(
     ``a.shape[:-1]`` (untransposed ``a``, shared ``b``, no scale or bias) multiplying the
     accumulator's rows before the epilogue: ``diag(row_scale) · (a @ b)``, the fused
     rmsnorm prologue of ``primitives/rmsnorm_matmul.py``.
+    ``with_derivative``: the ``ts_matmul_with_derivative`` contract
+    (``contracts/matmul.py``'s ``epilogue_with_derivative``): returns ``(out, act'(z))``,
+    both ``spec.out_dtype``, the first computed exactly as without it.
     A case :func:`supports` declines is a ValueError naming the reason.
     """
-    reason = supports(spec, (a, b, *extras), row_scaled=row_scale is not None)
+    reason = supports(
+        spec,
+        (a, b, *extras),
+        row_scaled=row_scale is not None,
+        with_derivative=with_derivative,
+    )
     if reason is not None:
         raise ValueError(f"matmul_mgpu.matmul: this kernel cannot run the case: {reason}")
     if config is None and row_scale is None:  # tuned for the plain product: not this one
@@ -657,6 +696,7 @@ def matmul(
         tuned_sms=sms.tuned,
         config=config,
         row_scaled=row_scale is not None,
+        outputs=2 if with_derivative else 1,
     )
     if interpret and cfg.cluster_dimension is not None:
         # The interpreter has no cluster-collective (multicast) allocations: same tiles, no pair.
@@ -680,6 +720,7 @@ def matmul(
         activation=spec.activation,
         num_sms=sms.grid,
         has_row_scale=row_scale is not None,
+        with_derivative=with_derivative,
     )
     a3, b3, mp, np_, kp = _pad_for_kernel(p, a3, b3, mm, n, k, interpret=interpret)
     p = dataclasses.replace(p, m=mp, n=np_, k=kp)
@@ -696,12 +737,14 @@ def matmul(
         operands.append(mc.pad_to(rows, 0, cfg.cluster_tile[0]))
 
     call = _build(p)
-    out = _run_interpret(call, operands) if interpret else call(*operands)
-    if (mp, np_) != (mm, n):
-        out = out[:, :mm, :n]
-    if fold or lead:
-        return out.reshape((*lead, m, n))
-    return out[0]
+    outs = _run_interpret(call, operands) if interpret else call(*operands)
+
+    def result(out):
+        if (mp, np_) != (mm, n):
+            out = out[:, :mm, :n]
+        return out.reshape((*lead, m, n)) if fold or lead else out[0]
+
+    return tuple(map(result, outs)) if with_derivative else result(outs)
 
 
 # --- dispatch ----------------------------------------------------------------------------------
@@ -716,12 +759,23 @@ def hardware(platform: str) -> str | None:
     return None
 
 
-def supports(spec: MatmulSpec, avals: Sequence[Any], *, row_scaled: bool = False) -> str | None:
+def supports(
+    spec: MatmulSpec,
+    avals: Sequence[Any],
+    *,
+    row_scaled: bool = False,
+    with_derivative: bool = False,
+) -> str | None:
     """None if this kernel can run the case, else why not (never raises): the operand
     dtypes, the parts of the contract it does not cover, and a tile (``spec.tile_shape``, or
     the heuristic's) that sm_90 cannot run with this epilogue (and a row scale, with
-    ``row_scaled``: see :func:`matmul`)."""
+    ``row_scaled``, or the derivative output, with ``with_derivative``: see :func:`matmul`)."""
     a, b = avals[0], avals[1]
+    if with_derivative and (spec.activation is None or row_scaled):
+        return (
+            f"a derivative output with activation={spec.activation!r} and "
+            f"row_scaled={row_scaled} (it needs an activation, and no row scale)"
+        )
     if row_scaled and (spec.transpose_a or b.ndim != 2 or spec.has_bias or spec.has_scale):
         return (
             f"a row scale with transpose_a={spec.transpose_a}, b of rank {b.ndim}, "
@@ -750,6 +804,7 @@ def supports(spec: MatmulSpec, avals: Sequence[Any], *, row_scaled: bool = False
             tuned_sms=device.sm_counts(interpret=False).tuned,
             config=None if row_scaled else tuned_config(spec, avals),
             row_scaled=row_scaled,
+            outputs=2 if with_derivative else 1,
         )
     except ValueError as e:
         return str(e)

@@ -5,9 +5,11 @@ Each program computes one ``(BM, BN)`` tile of one batch element: its BlockSpecs
 bring a ``(BM, K)`` row panel of A and a ``(K, BN)`` column panel of B (as stored,
 transposed or not), a loop walks K in ``BK`` slices into an f32 accumulator, and the
 contract's epilogue (:func:`tessera_jax.contracts.matmul.epilogue`: scale, bias,
-activation, residual, cast) runs before the single store. On a GPU this lowers through
-Pallas' Triton backend (deprecated in jax 0.11 and used here only as this fallback);
-block sizes are powers of two, and ragged M/N/K are zero-padded to whole tiles.
+activation, residual, cast) runs before the single store (with ``with_derivative``, also
+the activation's derivative: ``epilogue_with_derivative``, a second output). On a GPU
+this lowers through Pallas' Triton backend (deprecated in jax 0.11 and used here only as
+this fallback); block sizes are powers of two, and ragged M/N/K are zero-padded to whole
+tiles.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tessera_jax.contracts.matmul import MatmulSpec, epilogue
+from tessera_jax.contracts.matmul import MatmulSpec, epilogue, epilogue_with_derivative
 from tessera_jax.pallas_kernels import matmul_configs as mc
 
 __all__ = ["PortableConfig", "hardware", "matmul", "prefer", "supports"]
@@ -59,8 +61,8 @@ def _kernel(*refs, k_steps, bk, spec: MatmulSpec, has_vec: bool, precision):
     a_ref, b_ref = refs.pop(0), refs.pop(0)
     vec_ref = refs.pop(0) if has_vec else None
     res_ref = refs.pop(0) if spec.has_residual else None
-    (o_ref,) = refs
-    bm, bn = o_ref.shape
+    out_refs = refs  # the output, and the derivative in the two-output form
+    bm, bn = out_refs[0].shape
     ta, tb = spec.transpose_a, spec.transpose_b
 
     def body(i, acc):
@@ -76,9 +78,10 @@ def _kernel(*refs, k_steps, bk, spec: MatmulSpec, has_vec: bool, precision):
     scale = vec_ref[0:1, :] if spec.has_scale else None
     bias = vec_ref[1:2, :] if spec.has_bias else None
     residual = res_ref[...] if spec.has_residual else None
-    o_ref[...] = epilogue(
-        acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
-    )
+    finish = epilogue_with_derivative if len(out_refs) == 2 else epilogue
+    outs = finish(acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype)
+    for ref, v in zip(out_refs, outs if len(out_refs) == 2 else (outs,)):
+        ref[...] = v
 
 
 def matmul(
@@ -88,8 +91,10 @@ def matmul(
     *extras: jax.Array,
     interpret: bool = False,
     config: PortableConfig | None = None,
-) -> jax.Array:
-    """``ts_matmul`` of ``spec`` with BlockSpecs (a case :func:`supports` accepts).
+    with_derivative: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``ts_matmul`` of ``spec`` with BlockSpecs (a case :func:`supports` accepts), or with
+    ``with_derivative`` its two-output form ``(out, act'(z))``.
 
     ``config`` overrides the blocks (benchmarks); else ``spec.tile_shape``, else the
     default :class:`PortableConfig`.
@@ -131,21 +136,28 @@ def matmul(
     kern = functools.partial(
         _kernel, k_steps=kp // bk, bk=bk, spec=spec, has_vec=has_vec, precision=precision
     )
-    out = pl.pallas_call(
+    n_out = 2 if with_derivative else 1
+    outs = pl.pallas_call(
         kern,
         grid=(batch, mp // bm, np_ // bn),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, mp, np_), spec.out_dtype),
+        out_specs=[pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j))] * n_out,
+        out_shape=[jax.ShapeDtypeStruct((batch, mp, np_), spec.out_dtype)] * n_out,
         interpret=interpret,
     )(*operands)
-    out = out[:, :m, :n]
-    return out.reshape((*lead, m, n)) if lead else out[0]
+    outs = [o[:, :m, :n] for o in outs]
+    outs = [o.reshape((*lead, m, n)) if lead else o[0] for o in outs]
+    return tuple(outs) if with_derivative else outs[0]
 
 
-def supports(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
+def supports(
+    spec: MatmulSpec, avals: Sequence[Any], *, with_derivative: bool = False
+) -> str | None:
     """None if this kernel can run the case, else why not: f16/bf16/f32 pairs, the
-    contract parts both matmul kernels cover, and power-of-two blocks >= 16."""
+    contract parts both matmul kernels cover, power-of-two blocks >= 16, and with
+    ``with_derivative`` an activation to differentiate."""
+    if with_derivative and spec.activation is None:
+        return "a derivative output with activation=None (it needs an activation)"
     da, db = np.dtype(avals[0].dtype), np.dtype(avals[1].dtype)
     if da != db or da not in _FLOATS:
         return f"operand dtypes {da} x {db} (the portable kernel takes f16/bf16/f32 pairs)"

@@ -1,19 +1,20 @@
 """Elementwise operators: relu, gelu, tanh, exp, sqrt, abs, round.
 
 Each is a primitive whose JVP is ``t · f'(x)`` with ``f'`` written in ts
-operators and jax.numpy, so derivatives of any order exist. 8- and 16-bit
-inputs are computed in f32 and rounded once to the input dtype.
+operators and jax.numpy (gelu's: the formula of ``contracts/activations.py``), so
+derivatives of any order exist. 8- and 16-bit inputs are computed in f32 and rounded
+once to the input dtype, and so are their derivatives.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from tessera_jax.contracts.activations import gelu as gelu_formula
+from tessera_jax.contracts.activations import gelu_derivative
 from tessera_jax.primitives._core import (
     Operator,
     ad,
@@ -70,20 +71,14 @@ sqrt_op, _sqrt = _unary("sqrt", jnp.sqrt, lambda x, y: 0.5 / y, kinds=_INEXACT)
 abs_op, _abs = _unary("abs", jnp.abs, lambda x, y: jnp.sign(x))
 round_op, _round = _unary("round", jnp.round, None)
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-
 
 def _gelu_deriv(x, y, *, approximate):
-    if approximate:
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
-        th = tanh(inner)
-        return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * _SQRT_2_OVER_PI * (
-            1 + 3 * 0.044715 * x**2
-        )
-    cdf = 0.5 * (1 + jax.lax.erf(x * _INV_SQRT_2))
-    pdf = exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
-    return cdf + x * pdf
+    """The contract's derivative formula in the compute dtype, rounded once: for 16-bit
+    inputs each operation would otherwise round to 16 bits (XLA keeps those roundings),
+    and the formula shares gelu's expression (its tanh or erf) with the forward."""
+    del y
+    xc = x.astype(compute_dtype(x.dtype))
+    return gelu_derivative(xc, approximate=approximate).astype(x.dtype)
 
 
 gelu_op, _gelu = _unary("gelu", gelu_formula, _gelu_deriv)

@@ -55,9 +55,12 @@ derivatives of every order stay in the operator vocabulary. A shared (2-D) opera
 cotangent sums over the batch: folded into the contraction when that is a free reshape
 (``x (…, M, K) @ W``: ``dW = x₂ᵀ·dC₂`` on the flattened rows), otherwise a batched
 product in the accumulate dtype followed by ``ts.op.sum`` over the batch axes.
-With an activation, the derivative recomputes the pre-activation ``z = scale·acc + bias``
-with ``ts_matmul`` (in the epilogue dtype) and applies the activation with the ts
-elementwise operators, whose JVPs give ``act'(z)``.
+With an activation, the differentiated forward is the two-output form
+``ts_matmul_with_derivative`` (defined below ``ts_matmul``'s reference): one product
+writes y, with the bits of the undifferentiated forward, and ``act'(z)`` at the
+pre-activation ``z = scale·acc + bias`` in the output dtype (bf16 for a bf16 layer); the
+backward multiplies that saved derivative into the cotangent. Its own JVP (second and
+higher derivatives) recomputes ``z`` with ``ts_matmul`` in the epilogue dtype.
 
 Batching: ``jax.vmap`` over any operands and ``in_axes`` moves the mapped axes to the
 front and makes them a leading batch dimension (broadcasting an operand only when the
@@ -83,7 +86,14 @@ from jax import lax
 
 from tessera_jax import autotune
 from tessera_jax._config import get_kernel_mode, kernel_mode
-from tessera_jax.contracts.matmul import ACTIVATIONS, MatmulSpec, epilogue, epilogue_dtype
+from tessera_jax.contracts.matmul import (
+    ACTIVATIONS,
+    MatmulSpec,
+    activation_derivative,
+    epilogue,
+    epilogue_dtype,
+    epilogue_with_derivative,
+)
 from tessera_jax.numerics import context as _numerics_context
 from tessera_jax.numerics.dtypes import FP8_DTYPES, as_np_dtype
 from tessera_jax.numerics.policy import QuantizedTensor, fp8_scaled_values
@@ -136,14 +146,15 @@ def _bind(
     bias: jax.Array | None = None,
     residual: jax.Array | None = None,
     scale: jax.Array | None = None,
-) -> jax.Array:
-    """Binds ``ts_matmul`` with the extras given (the spec's flags follow from which are
-    present)."""
+    op: Operator = matmul_op,
+) -> Any:
+    """Binds ``ts_matmul`` (or ``op``, its two-output form) with the extras given (the
+    spec's flags follow from which are present)."""
     spec = spec.replace(
         has_bias=bias is not None, has_residual=residual is not None, has_scale=scale is not None
     )
     extras = [x for x in (bias, residual, scale) if x is not None]
-    return matmul_op.bind(a, b, *extras, spec=spec)
+    return op.bind(a, b, *extras, spec=spec)
 
 
 # --- the public functions -----------------------------------------------------------------
@@ -291,7 +302,9 @@ def linear(
       ``(..., N)`` array.
 
     Gradients (first and higher order) flow to ``x``, ``w``, ``b`` and ``residual``; with
-    an activation the backward pass recomputes the pre-activation with ``ts_matmul``.
+    an activation the differentiated forward also writes ``act'(x @ w + b)`` in the
+    output dtype (bf16 for a bf16 layer: about 3 significant digits), which the backward
+    multiplies into the cotangent.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r} must be one of {ACTIVATIONS}")
@@ -627,7 +640,9 @@ def _product_spec(spec: MatmulSpec, out_dtype: Any) -> MatmulSpec:
     )
 
 
-def _matmul_batch(args, dims, *, spec: MatmulSpec):
+def _matmul_batch(args, dims, *, spec: MatmulSpec, op: Operator = matmul_op):
+    """The batching rule of ``ts_matmul`` and (``op``) of its two-output form."""
+    multiple = op.prim.multiple_results
     a, b, *extras = args
     da, db, *dextras = dims
     bias, residual, scale = spec.split(extras)
@@ -645,7 +660,8 @@ def _matmul_batch(args, dims, *, spec: MatmulSpec):
             residual = _to_front(residual, dres)
             if dres is not_mapped:
                 residual = jnp.broadcast_to(residual, out_shape)
-        return _bind(a, b, spec, bias=bias, residual=residual, scale=scale), 0
+        out = _bind(a, b, spec, bias=bias, residual=residual, scale=scale, op=op)
+        return out, ([0] * len(out) if multiple else 0)
     # A per-example bias or scale has no fused form, and a product shared by every
     # example (only extras mapped) is computed once: product, then the contract's epilogue.
     acc = _bind(a, b, _product_spec(spec, spec.epilogue_dtype))
@@ -662,10 +678,15 @@ def _matmul_batch(args, dims, *, spec: MatmulSpec):
         residual = _to_front(residual, dres)
         if dres is not_mapped:
             residual = residual[None]
-    out = epilogue(acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype)
-    if out.shape[0] != size:
-        out = jnp.broadcast_to(out, (size, *out.shape[1:]))
-    return out, 0
+    finish = epilogue_with_derivative if multiple else epilogue
+    out = finish(acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype)
+
+    def full(x):
+        return x if x.shape[0] == size else jnp.broadcast_to(x, (size, *x.shape[1:]))
+
+    if multiple:
+        return [full(x) for x in out], [0] * len(out)
+    return full(out), 0
 
 
 batching.primitive_batchers[matmul_op.prim] = _matmul_batch
@@ -710,6 +731,12 @@ def _ts_activation(z: jax.Array, activation: str) -> jax.Array:
     return _ew.gelu(z, approximate=activation == "gelu_tanh")
 
 
+def _activation_and_derivative(z: jax.Array, activation: str) -> tuple[jax.Array, jax.Array]:
+    """``(act(z), act'(z))``, differentiable to any order (the ts operators' JVPs, and
+    jax's of the contract's derivative formula)."""
+    return _ts_activation(z, activation), activation_derivative(z, activation)
+
+
 def _matmul_jvp(primals, tangents, *, spec: MatmulSpec):
     a, b, *extras = primals
     ta, tb, *textras = tangents
@@ -729,22 +756,17 @@ def _matmul_jvp(primals, tangents, *, spec: MatmulSpec):
             terms.append(tres.astype(out_dtype))
         dy = _add_all(terms)
         return y, zero_tangent(y) if dy is None else dy
-    # With an activation: recompute the pre-activation z (epilogue dtype) with ts_matmul.
-    ep = spec.epilogue_dtype
-    p = _product_spec(spec, ep)
-    z = _bind(a, b, p, bias=bias, scale=scale)
-    dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, z.shape)
-    if dz is None:
-        h, dh = _ts_activation(z, spec.activation), None
-    else:
-        act = functools.partial(_ts_activation, activation=spec.activation)
-        h, dh = jax.jvp(act, (z,), (dz,))
-    if residual is not None:
-        h = h + residual.astype(ep)
-        if not _is_zero(tres):
-            dh = tres.astype(ep) if dh is None else dh + tres.astype(ep)
-    y = h.astype(out_dtype)
-    return y, zero_tangent(y) if dh is None else dh.astype(out_dtype)
+    # With an activation: one product writes y (the bits of the undifferentiated forward)
+    # and act'(z) in out_dtype; the tangent is dz · act'(z), which the backward pass turns
+    # into the cotangent times the saved derivative. The product is taken in out_dtype:
+    # any operation on act'(z) alone (a cast to f32) would be saved in its place.
+    y, deriv = matmul_with_derivative_op.bind(*primals, spec=spec)
+    p = _product_spec(spec, spec.epilogue_dtype)
+    dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, y.shape)
+    dy = None if dz is None else dz.astype(out_dtype) * deriv
+    if residual is not None and not _is_zero(tres):
+        dy = tres.astype(out_dtype) if dy is None else dy + tres.astype(out_dtype)
+    return y, zero_tangent(y) if dy is None else dy
 
 
 def _cotangent_for(ct: jax.Array, other: jax.Array) -> jax.Array:
@@ -906,6 +928,97 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
     return epilogue(acc, bias, residual, scale, activation=spec.activation, out_dtype=out_dtype)
 
 
+# --- the two-output form: ts_matmul_with_derivative ----------------------------------------
+# The forward of a differentiated product with an activation: ``ts_matmul``'s output y and
+# the activation's derivative ``act'(z)`` at the pre-activation ``z = scale·acc + bias``,
+# both in ``spec.out_dtype``, from one product and one epilogue
+# (``contracts/matmul.py``'s ``epilogue_with_derivative``). ``_matmul_jvp`` binds it; the
+# backward pass multiplies the saved ``act'(z)`` into the cotangent.
+#
+# Why ``act'(z)`` rather than ``z`` is saved: the backward then needs one multiply and no
+# activation of its own, and the derivative is rounded once from ``z`` in the epilogue
+# dtype, where recomputing it from a saved ``z`` would start from ``z`` already rounded to
+# out_dtype. For a bf16 layer the saved derivative is bf16 (relu's 0/1 exactly, gelu's to
+# about 3 significant digits), as plain JAX saves bf16 there; an f32 layer's is exact f32.
+# y is computed by the operations of ``ts_matmul``'s epilogue and on the implementation
+# ``ts_matmul`` picks for the same spec (the kernel's ``prefer`` is shared), so the primal
+# of a differentiated layer has the bits of the undifferentiated one. (A tile whose second
+# staging buffer does not fit shared memory runs the reference instead: an f32 output with
+# a residual at the large default tiles.) The Hopper kernel writes both outputs from its
+# registers; on XLA's path the product is written in f32 first, and XLA may compute
+# ``act'(z)`` inside the backward's multiply from it (as it does in the training step:
+# benchmarks/results/linear-grad-h100.json has the forward forms' times).
+
+
+def _with_derivative_abstract_eval(a, b, *extras, spec: MatmulSpec):
+    if spec.activation is None:
+        raise ValueError(
+            "ts_matmul_with_derivative: spec.activation=None; the derivative output needs "
+            f"one of {ACTIVATIONS[1:]}"
+        )
+    y = _matmul_abstract_eval(a, b, *extras, spec=spec)
+    return [y, y]
+
+
+matmul_with_derivative_op = Operator(
+    "matmul_with_derivative",
+    reference=lambda *args, **params: matmul_with_derivative_reference(*args, **params),
+    abstract_eval=_with_derivative_abstract_eval,
+    multiple_results=True,
+    spec=lambda params: params["spec"],
+)
+
+
+def matmul_with_derivative_reference(
+    a: jax.Array, b: jax.Array, *extras: jax.Array, spec: MatmulSpec
+) -> tuple[jax.Array, jax.Array]:
+    """The XLA lowering of ``ts_matmul_with_derivative`` and the oracle of its kernels:
+    the product of :func:`matmul_reference`, then both outputs from one epilogue."""
+    bias, residual, scale = spec.split(extras)
+    acc = _dot(
+        a,
+        b,
+        transpose_a=spec.transpose_a,
+        transpose_b=spec.transpose_b,
+        accumulate_dtype=spec.accumulate_dtype,
+        out_sharding=spec.out_sharding,
+    )
+    return epilogue_with_derivative(
+        acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
+    )
+
+
+def _with_derivative_jvp(primals, tangents, *, spec: MatmulSpec):
+    """Second and higher derivatives: the outputs' tangents from the pre-activation
+    recomputed with ``ts_matmul`` in the epilogue dtype, through differentiable formulas of
+    ``act`` and ``act'`` (first-order gradients never reach this rule)."""
+    a, b, *extras = primals
+    ta, tb, *textras = tangents
+    bias, residual, scale = spec.split(extras)
+    tbias, tres, tscale = spec.split(textras)
+    y, deriv = matmul_with_derivative_op.bind(*primals, spec=spec)
+    ep, out_dtype = spec.epilogue_dtype, spec.out_dtype
+    p = _product_spec(spec, ep)
+    dz = _affine_tangent(a, b, bias, scale, ta, tb, tbias, tscale, p, y.shape)
+    if dz is None:
+        dh, dd = None, None
+    else:
+        z = _bind(a, b, p, bias=bias, scale=scale)
+        both = functools.partial(_activation_and_derivative, activation=spec.activation)
+        _, (dh, dd) = jax.jvp(both, (z,), (dz,))
+    if residual is not None and not _is_zero(tres):
+        dh = tres.astype(ep) if dh is None else dh + tres.astype(ep)
+    dy = zero_tangent(y) if dh is None else dh.astype(out_dtype)
+    dderiv = zero_tangent(deriv) if dd is None else dd.astype(out_dtype)
+    return [y, deriv], [dy, dderiv]
+
+
+ad.primitive_jvps[matmul_with_derivative_op.prim] = _with_derivative_jvp
+batching.primitive_batchers[matmul_with_derivative_op.prim] = functools.partial(
+    _matmul_batch, op=matmul_with_derivative_op
+)
+
+
 # --- kernels ------------------------------------------------------------------------------
 # The Hopper Mosaic GPU kernel first (sm_90 only; ``prefer`` routes a case to it in ``auto``
 # mode only where it measured at least as fast as cuBLAS), then the portable BlockSpec kernel
@@ -913,6 +1026,21 @@ def matmul_reference(a: jax.Array, b: jax.Array, *extras: jax.Array, spec: Matmu
 # takes the first kernel that supports the case, on any platform.
 matmul_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.matmul))
 matmul_op.add_kernel(Kernel.from_module("pallas_portable", _portable, _portable.matmul))
+# The two-output form on the same kernels, with ts_matmul's ``prefer``: a differentiated
+# layer runs where its undifferentiated forward runs (the same bits of y). Where no kernel
+# is preferred, the reference.
+for _name, _module in (("mosaic_gpu", _mgpu), ("pallas_portable", _portable)):
+    matmul_with_derivative_op.add_kernel(
+        Kernel(
+            name=_name,
+            fn=functools.partial(_module.matmul, with_derivative=True),
+            supports=functools.partial(_module.supports, with_derivative=True),
+            prefer=_module.prefer,
+            platforms=getattr(_module, "PLATFORMS", ("cuda",)),
+            hardware=_module.hardware,
+            interpretable=getattr(_module, "INTERPRETABLE", True),
+        )
+    )
 
 
 # --- autotuning ---------------------------------------------------------------------------

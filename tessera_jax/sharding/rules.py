@@ -79,7 +79,7 @@ from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat
 from tessera_jax._config import get_kernel_mode, kernel_mode
-from tessera_jax.contracts.matmul import MatmulSpec, epilogue
+from tessera_jax.contracts.matmul import MatmulSpec, epilogue, epilogue_with_derivative
 from tessera_jax.primitives import _core
 from tessera_jax.primitives import collectives as _coll
 from tessera_jax.primitives.collectives import partition_entry
@@ -186,9 +186,10 @@ class Rule:
 
 
 def _local_impl(op: Any, platform: str | None, mode: str, params: dict[str, Any]):
-    """The implementation to run on local shards: selected again for the local shapes."""
+    """The implementation to run on local shards: selected again for the local shapes
+    (with ``op=``, another operator's, for a product a rule computes on the way)."""
 
-    def run(*xs, **override):
+    def run(*xs, op=op, **override):
         p = {**params, **override}
         with kernel_mode(mode):
             _, fn = op.select(platform, [jax.typeof(x) for x in xs], p)
@@ -461,10 +462,17 @@ def matmul_factors(avals_in, params) -> Factors:
     return Factors((a_m, b_m, *extras), (out,), sizes, reduction=("k",))
 
 
-def _matmul_local(local_impl, xs, assign, factors, params):
+def matmul_with_derivative_factors(avals_in, params) -> Factors:
+    """``ts_matmul_with_derivative``: ``ts_matmul``'s factors, and two results of the
+    output's shape (y and the activation's derivative)."""
+    f = matmul_factors(avals_in, params)
+    return dataclasses.replace(f, results=f.results * 2)
+
+
+def _matmul_local(local_impl, xs, assign, factors, params, finish=epilogue):
     """Local shards; a sharded K: partial products in the accumulate dtype, the
     deterministic all-reduce, then the contract's epilogue (scale, bias, activation,
-    residual, cast)."""
+    residual, cast; ``finish``: the two-output form's)."""
     if not assign.get("k"):
         return local_impl(*xs)
     spec: MatmulSpec = params["spec"]
@@ -477,14 +485,19 @@ def _matmul_local(local_impl, xs, assign, factors, params):
         has_residual=False,
         has_scale=False,
     )
-    acc = _coll.tree_all_reduce(local_impl(a, b, spec=product), assign["k"])
-    return epilogue(
-        acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype
-    )
+    # The partial products are plain ts_matmul products: the local implementation of the
+    # plain operator computes them.
+    matmul_impl = functools.partial(local_impl, op=_core.OPERATORS["matmul"])
+    acc = _coll.tree_all_reduce(matmul_impl(a, b, spec=product), assign["k"])
+    return finish(acc, bias, residual, scale, activation=spec.activation, out_dtype=spec.out_dtype)
 
 
 RULES: dict[str, Rule] = {
     "matmul": Rule(matmul_factors, local=_matmul_local),
+    "matmul_with_derivative": Rule(
+        matmul_with_derivative_factors,
+        local=functools.partial(_matmul_local, finish=epilogue_with_derivative),
+    ),
     "sum": Rule(_sum_factors, local=_sum_local, always=True),
     "mse": Rule(_mse_factors, local=_mse_local, always=True),
     "max": Rule(reduction_factors, combine=_reduce_combine("max")),
