@@ -263,6 +263,8 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
 
     fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
+    if feature in ("short", "decode"):  # the kernels take the case, but auto may not
+        fns["mosaic_gpu"] = (ts_fn(), "pallas")
     for blk in ref_blocks:
         cfg = FlashAttentionConfig(block_kv=blk or skv)
         fns[f"ts_reference[block_kv={blk or 'all'}]"] = (ts_fn(cfg), "xla")
