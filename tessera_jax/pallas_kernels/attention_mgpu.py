@@ -21,14 +21,20 @@ No atomics anywhere: every output element is written by exactly one warpgroup af
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
-Masking: causal (bottom-right aligned, as the operator defines it) loops run three ranges
-per warpgroup — blocks that need no mask, blocks on the diagonal that are masked, and
-blocks past the diagonal that are skipped (their data still streams for the other
-warpgroup, so both keep the same barrier phases). Sequences are zero-padded to whole
-tiles (128 rows, or the key block where it is longer); the forward masks the padded keys of
-the last block, the backward gives padded and fully masked query rows ``lse = +inf`` so
-their probabilities are exactly 0 (the dQ pass masks padded keys too; they reach only
-padded dK/dV rows, which are cut off).
+Masking: every mask the kernels apply is computed from indices — causal (bottom-right
+aligned, as the operator defines it), a local window ``(left, right)`` around the same
+diagonal, and per-sequence key lengths read from an int32 ``(B,)`` operand. Each
+warpgroup's loop runs up to five ranges: blocks before its band that it skips, masked
+blocks on the band's left edge, blocks that need no mask, masked blocks on the right edge
+(the diagonal, the last key) and blocks past them that it skips (skipped blocks inside the
+CTA's range still stream for the other warpgroup, so both keep the same barrier phases;
+the CTA streams only its own range). Query lengths need no loop of their own: padded
+queries are zeroed after the forward with ``lse = -inf``, which zeroes their gradients.
+Sequences are zero-padded to whole tiles (128 rows, or the key block where it is longer);
+the forward masks the padded keys of the last block, the backward gives padded and fully
+masked query rows ``lse = +inf`` so their probabilities are exactly 0 (the dQ pass masks
+padded keys too; they reach only padded dK/dV rows, which are cut off, as are the dK/dV
+rows past a key length).
 
 In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
 shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
@@ -100,6 +106,11 @@ class Problem:
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
         released early in a step, K only at its end); None: as many as K.
+      window: ``(left, right)``: query ``i`` sees keys ``i + offset − left`` to
+        ``i + offset + right`` (the operator's ``local_window_size``); None: no window.
+      kv_lengths: the forward and dQ kernels read each batch entry's key count from an
+        int32 ``(B,)`` operand (keys from it on are masked, their blocks skipped);
+        False: all ``seq_kv`` keys (the operand is then not read).
     """
 
     batch: int
@@ -116,6 +127,19 @@ class Problem:
     dkv_stages: int = 2
     dq_v_stages: int | None = None
     dkv_paired: bool = False
+    window: tuple[int, int] | None = None
+    kv_lengths: bool = False
+
+    @property
+    def left(self) -> int | None:
+        """How far before its diagonal a query sees keys; None: from the first key."""
+        return None if self.window is None else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        """How far after its diagonal a query sees keys (0 when causal); None: to the last."""
+        bounds = ([0] if self.causal else []) + ([] if self.window is None else [self.window[1]])
+        return min(bounds) if bounds else None
 
     @property
     def v_stages(self) -> int:
@@ -261,6 +285,11 @@ def _clip(x, hi: int):
     return lax.min(x, jnp.int32(hi))
 
 
+def _i32(x):
+    """An int32 scalar of a Python int or a traced scalar."""
+    return jnp.asarray(x, jnp.int32)
+
+
 def _slot(step, stages: int):
     return lax.rem(step, jnp.int32(stages))
 
@@ -370,32 +399,60 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
             plgpu.barrier_wait(consumed.at[_slot(step, n)])
 
 
-def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_tail: bool):
+def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None):
     """Which scores of a tile are visible: rows from ``row0``, columns from ``col0``;
-    queries along rows (forward, dQ) or columns (dK/dV)."""
+    queries along rows (forward, dQ) or columns (dK/dV); keys from ``kv_len`` on (an int32
+    scalar, or None: no key limit) are hidden, and those outside the band of
+    ``p.left``/``p.right`` around the diagonal."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     q_pos, kv_pos = (rows, cols) if rows_are_q else (cols, rows)
-    vis = None
-    if kv_tail:
-        vis = kv_pos < p.seq_kv
-    if p.causal:
-        c = kv_pos <= q_pos + p.offset
-        vis = c if vis is None else vis & c
-    return vis
+    conds = [] if kv_len is None else [kv_pos < kv_len]
+    if p.right is not None:
+        conds.append(kv_pos <= q_pos + (p.offset + p.right))
+    if p.left is not None:
+        conds.append(kv_pos >= q_pos + (p.offset - p.left))
+    return functools.reduce(lambda a, b: a & b, conds) if conds else None
 
 
-def _kv_ranges(p: Problem, q_base):
-    """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)``: the first
-    ``full`` need no mask, ``[full, steps)`` are masked, the rest see nothing."""
-    nkv = p.seq_kv_pad // p.block_kv
-    whole = p.seq_kv // p.block_kv  # blocks with no padded key
-    if not p.causal:
-        return jnp.int32(whole), jnp.int32(-(-p.seq_kv // p.block_kv))
-    steps = _clip(_cdiv(q_base + WG_ROWS + p.offset, p.block_kv), nkv)
-    steps = _clip(steps, -(-p.seq_kv // p.block_kv))
-    full = _clip(_fdiv(q_base + p.offset + 1, p.block_kv), whole)
-    return lax.min(full, steps), steps
+def _kv_len(p: Problem, kv_len_ref, b):
+    """Batch entry ``b``'s key count: read from the lengths operand (clipped to
+    ``[0, seq_kv]``, as the reference's masks clip it) or ``seq_kv``."""
+    if not p.kv_lengths:
+        return jnp.int32(p.seq_kv)
+    return lax.clamp(jnp.int32(0), kv_len_ref[b], jnp.int32(p.seq_kv))
+
+
+def _kv_ranges(p: Problem, q_base, kv_len):
+    """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)`` and ``kv_len``
+    keys: ``(first, lo, hi, steps)``: blocks before ``first`` and from ``steps`` on hold no
+    visible key (skipped); ``[first, lo)`` and ``[hi, steps)`` are masked, ``[lo, hi)`` are
+    visible whole. ``first`` and ``lo`` are 0 without a window."""
+    bkv = p.block_kv
+    steps, hi = _cdiv(kv_len, bkv), _fdiv(kv_len, bkv)  # blocks with a key / only keys
+    first = lo = 0
+    if p.right is not None:
+        steps = lax.min(steps, _cdiv(q_base + (WG_ROWS + p.offset + p.right), bkv))
+        hi = lax.min(hi, _fdiv(q_base + (p.offset + p.right + 1), bkv))
+    if p.left is not None:
+        first = lax.min(_fdiv(q_base + (p.offset - p.left), bkv), steps)
+        lo = lax.min(lax.max(_cdiv(q_base + (WG_ROWS - 1 + p.offset - p.left), bkv), first), steps)
+    return first, lo, lax.min(lax.max(hi, lo), steps), steps
+
+
+def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
+    """One warpgroup's loop over the CTA's kv blocks ``[cta_first, cta_steps)``:
+    ``step(j, carry, masked)`` on the blocks its ``ranges`` (:func:`_kv_ranges`) see,
+    ``flush(j, None)`` on the others (they stream for the other warpgroup; both keep the
+    same barrier phases)."""
+    first, lo, hi, steps = ranges
+    if p.left is not None:
+        lax.fori_loop(cta_first, first, flush, None)
+        carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(hi, steps, functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps, cta_steps, flush, None)
+    return carry
 
 
 def _q_tile(p: Problem):
@@ -411,15 +468,20 @@ def _q_tile(p: Problem):
 # --- forward --------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, interpret: bool):
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, kv_len_ref, out_ref, lse_ref, *scratch, p: Problem, interpret: bool
+):
     qo_smem, k_smem, v_smem, lse_smem, stage = scratch[:5]
     k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
     tile0 = _q_tile(p) * TILE
-    # The CTA's loop length is its second warpgroup's (the later rows see the most keys).
-    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    kv_len = _kv_len(p, kv_len_ref, b)
+    # The CTA's loop runs from its first warpgroup's first block to its second warpgroup's
+    # last (the later rows see later keys).
+    cta_first = _kv_ranges(p, tile0, kv_len)[0]
+    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     def schedule():
@@ -433,7 +495,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        full, steps = _kv_ranges(p, q_base)
+        ranges = _kv_ranges(p, q_base, kv_len)
         qs = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -445,13 +507,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
         def wait_next_k(j):
             # Each step waits for the next step's K block while its P·V product runs (the
             # first block before the loop), so the barrier wait hides behind the tensor cores.
-            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1, p.stages)]])
+            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1 - cta_first, p.stages)]])
 
-        wait_next_k(jnp.int32(-1))()
+        wait_next_k(cta_first - 1)()
 
         def step(j, carry, masked: bool):
             acc, m, l_ = carry
-            slot = _slot(j, p.stages)
+            slot = _slot(j - cta_first, p.stages)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
@@ -461,7 +523,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_done.at[slot])
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len)
                 s = jnp.where(vis, s, -jnp.inf)
             # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
             # one fused multiply-add per score.
@@ -495,7 +557,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
 
         def flush(j, _):
             # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
-            slot = _slot(j, p.stages)
+            slot = _slot(j - cta_first, p.stages)
             plgpu.barrier_arrive(k_done.at[slot])
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
@@ -503,10 +565,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             wait_next_k(j)()
             plgpu.barrier_arrive(v_done.at[slot])
 
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l_))
-        carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-        lax.fori_loop(steps, cta_steps, flush, None)
-        acc, m, l_ = carry
+        acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
         pl.when(wg == 0)(schedule)
         empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
         l_safe = jnp.where(empty, 1.0, l_)
@@ -521,10 +580,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
         def kv(ref):
-            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+            return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
         _producer(
-            cta_steps,
+            cta_steps - cta_first,
             p.stages,
             [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
@@ -567,14 +626,18 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
 # --- backward: dQ ---------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, p, interpret):
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_ref, *scratch, p, interpret
+):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
     q_bar, k_bar, v_bar, k_done, v_done = scratch[7:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
     tile0 = lax.axis_index("q_seq") * TILE
-    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    kv_len = _kv_len(p, kv_len_ref, b)
+    cta_first = _kv_ranges(p, tile0, kv_len)[0]
+    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -582,7 +645,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        full, steps = _kv_ranges(p, q_base)
+        ranges = _kv_ranges(p, q_base, kv_len)
         rows = pl.ds(q_base, bq)
         qs, dos = q_smem.at[wg], do_smem.at[wg]
         bars = [q_bar.at[wg * 4 + i] for i in range(4)]
@@ -597,7 +660,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         dq = jnp.zeros((bq, d), jnp.float32)
 
         def step(j, dq, masked: bool):
-            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
+            slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
             plgpu.barrier_wait(v_bar.at[vslot])
@@ -605,7 +668,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             plgpu.barrier_arrive(v_done.at[vslot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len)
                 pr = jnp.where(vis, pr, 0.0)
             ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
@@ -613,15 +676,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             return dq
 
         def flush(j, _):
-            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
+            slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[vslot])
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
-        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-        dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
-        lax.fori_loop(steps, cta_steps, flush, None)
+        dq = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq)
         qs[...] = (dq * p.scale).astype(p.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
@@ -630,10 +691,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
         def kv(ref):
-            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+            return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
         _producer(
-            cta_steps,
+            cta_steps - cta_first,
             (p.stages, p.v_stages),
             [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
@@ -674,18 +735,36 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
 
 
 def _q_ranges(p: Problem, kv_base):
-    """Query blocks for the keys ``[kv_base, kv_base + 64)``: none before ``start``, masked in
-    ``[start, full)``, unmasked from ``full`` on."""
+    """Query blocks for the keys ``[kv_base, kv_base + 64)``: ``(start, lo, hi, stop)``:
+    blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
+    ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them."""
     nq = p.seq_q_pad // WG_ROWS
-    if not p.causal:
-        return jnp.int32(0), jnp.int32(0)
-    start = _clip(_fdiv(kv_base - p.offset, WG_ROWS), nq)
-    full = _clip(_cdiv(kv_base + WG_ROWS - 1 - p.offset, WG_ROWS), nq)
-    return start, lax.max(full, start)
+    start, lo, hi, stop = 0, 0, nq, nq
+    if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
+        stop = _clip(_cdiv(kv_base + (WG_ROWS - p.offset + p.left), WG_ROWS), nq)
+        hi = _fdiv(kv_base + (1 - p.offset + p.left), WG_ROWS)
+    if p.right is not None:  # ... and if i >= j - offset - right: start, lo
+        start = lax.min(_clip(_fdiv(kv_base - (p.offset + p.right), WG_ROWS), nq), stop)
+        lo = _clip(_cdiv(kv_base + (WG_ROWS - 1 - p.offset - p.right), WG_ROWS), nq)
+        lo = lax.min(lax.max(lo, start), stop)
+    if p.left is not None:
+        hi = lax.min(lax.max(hi, lo), stop)
+    return start, lo, hi, stop
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    kv_len_ref,
+    dk_ref,
+    dv_ref,
+    *scratch,
+    p,
+    interpret,
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:]
@@ -693,9 +772,15 @@ def _dkv_kernel(
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile0 = lax.axis_index("kv_seq") * p.dkv_rows
-    nq = p.seq_q_pad // WG_ROWS
-    cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
-    per_head = nq - cta_start
+    # The CTA's query blocks: from its first key rows' first to its last key rows' last.
+    cta_start = _q_ranges(p, tile0)[0]
+    cta_stop = _q_ranges(p, tile0 + p.dkv_rows - WG_ROWS)[3]
+    # Key rows past the batch entry's length (whole CTAs of them) see no query: the CTA's
+    # loops are empty (the wrapper zeroes such rows' gradients).
+    alive = tile0 < _kv_len(p, kv_len_ref, b) if p.kv_lengths else None
+    if alive is not None:
+        cta_stop = lax.select(alive, _i32(cta_stop), _i32(cta_start))
+    per_head = cta_stop - cta_start
     bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -705,7 +790,11 @@ def _dkv_kernel(
         # Each warpgroup owns 64 key rows, or (roles) both share the CTA's 64 rows.
         r = 0 if roles else wg
         kv_base = tile0 + r * bkv
-        start, full = _q_ranges(p, kv_base)
+        start, lo, hi, stop = _q_ranges(p, kv_base)
+        if alive is not None:
+            start, lo, hi, stop = (
+                lax.select(alive, _i32(x), _i32(cta_start)) for x in (start, lo, hi, stop)
+            )
         rows = pl.ds(kv_base, bkv)
         ks, vs = k_smem.at[r], v_smem.at[r]
         for i, (ref, tile) in enumerate(((k_ref, ks), (v_ref, vs))):
@@ -727,7 +816,7 @@ def _dkv_kernel(
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
-                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
+                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p)
                 pt = jnp.where(vis, pt, 0.0)
             return pt
 
@@ -802,11 +891,15 @@ def _dkv_kernel(
             def head(g, carry):
                 # The group's query heads in a fixed order: their dK/dV sum in the
                 # accumulator.
-                if p.causal:
+                masked = functools.partial(body, g=g, masked=True)
+                if p.right is not None:
                     lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
-                    masked = functools.partial(body, g=g, masked=True)
-                    carry = lax.fori_loop(start, full, masked, carry)
-                return lax.fori_loop(full, nq, functools.partial(body, g=g, masked=False), carry)
+                    carry = lax.fori_loop(start, lo, masked, carry)
+                carry = lax.fori_loop(lo, hi, functools.partial(body, g=g, masked=False), carry)
+                if p.left is not None:
+                    carry = lax.fori_loop(hi, stop, masked, carry)
+                    lax.fori_loop(stop, cta_stop, functools.partial(skip, g=g), None)
+                return carry
 
             return lax.fori_loop(0, p.group, head, carry)
 
@@ -946,9 +1039,27 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
     return bool(spec.causal), float(spec.scale)
 
 
-def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = None):
+def _with_features(p: Problem, spec: AttentionSpec) -> Problem:
+    """``p`` with the spec's index-based masks: its window, and whether lengths are read."""
+    return dataclasses.replace(p, window=spec.local_window_size, kv_lengths=spec.has_kv_lengths)
+
+
+def _kv_len_operand(kv_lengths, batch: int, seq_kv: int) -> jax.Array:
+    """The kernels' int32 ``(B,)`` key counts: the user's, or ``seq_kv`` (then not read)."""
+    return jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
+
+
+def _positions_below(lengths, seq: int) -> jax.Array:
+    """``(B, seq)`` bool: position ``i`` of batch entry ``b`` is below ``lengths[b]``."""
+    return jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | None = None):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
+    ``extras``: the spec's query/key lengths (:data:`FEATURES`). Padded queries (from
+    ``query_seq_lengths`` on) run through the kernel like the others and are zeroed after
+    it, with ``lse = -inf`` (which zeroes their gradients in :func:`flash_bwd`).
     ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
     (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
     """
@@ -963,11 +1074,18 @@ def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = 
             f"two K/V slots fitting shared memory at head_dim {q.shape[-1]}"
         )
     causal, scale = _decode(spec)
-    p = _fwd_problem(q, k, causal, scale, block_kv)
+    ex = spec.split(extras)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv), spec)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp), interpret=interpret)
-    return out[:, : p.seq_q], lse[:, :, : p.seq_q]
+    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
+    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp, kv_len), interpret=interpret)
+    out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
+    if ex.q_lengths is not None:
+        real = _positions_below(ex.q_lengths, p.seq_q)
+        out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(real[:, None, :], lse, -jnp.inf)
+    return out, lse
 
 
 def flash_bwd(
@@ -978,13 +1096,16 @@ def flash_bwd(
     out,
     lse,
     dout,
-    *,
+    *extras,
     interpret: bool = False,
     dq_block_kv: int | None = None,
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
+
+    ``extras``: the spec's query/key lengths, then the ``lse`` cotangent if it has one
+    (:data:`FEATURES`). Keys past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
 
     ``dq_block_kv``, ``dkv_stages`` and ``dkv_paired`` (benchmarks, tests) replace the dQ
     kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots
@@ -1017,10 +1138,13 @@ def flash_bwd(
             "split roles, with a schedule of their own)"
         )
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired)
+    ex = spec.split(extras[: spec.num_extras])
+    p = _with_features(_bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired), spec)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
+    if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
+        delta = delta - extras[spec.num_extras].astype(jnp.float32)
     # The kernels work in the exp2 domain. Rows that saw no key (lse = -inf) and padded rows
     # get +inf, so their probabilities exp2(s - inf) are exactly 0: zero gradients.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
@@ -1028,10 +1152,16 @@ def flash_bwd(
     delta = _pad_last(delta, p.seq_q_pad, 0.0)
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    operands = (qp, kp, vp, dop, lse2, delta)
+    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
+    operands = (qp, kp, vp, dop, lse2, delta, kv_len)
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
-    return dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+    dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+    if ex.kv_lengths is not None:  # the dK/dV kernel ran past the length in its last CTA
+        real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
+        dk = jnp.where(real, dk, jnp.zeros((), dk.dtype))
+        dv = jnp.where(real, dv, jnp.zeros((), dv.dtype))
+    return dq, dk, dv
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -1050,15 +1180,22 @@ def _default_config(spec: AttentionSpec) -> bool:
     return spec.config is None or spec.config == FlashAttentionConfig()
 
 
+# The spec features the kernels run: the index-based masks (an iota compare per tile, and
+# whole kv blocks skipped outside the lengths and the window) and the lse cotangent (it
+# only shifts Δ). A mask, bias or segment ids would need their values per tile.
+FEATURES = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size", "dlse")
+
+
 def supports(spec, avals: Sequence[Any]) -> str | None:
     """None if the kernels can run the case, else why not (never raises).
 
     ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward).
     """
-    if spec.features:
+    declined = [f for f in spec.features if f not in FEATURES]
+    if declined:
         return (
-            f"{', '.join(spec.features)} (the kernels run plain attention, causal or not; "
-            "the blocked reference runs the rest)"
+            f"{', '.join(declined)} (the kernels run causal or not attention with "
+            f"{', '.join(FEATURES)}; the blocked reference runs the rest)"
         )
     q, k = avals[0], avals[1]
     dt = np.dtype(q.dtype)
