@@ -15,6 +15,11 @@ blocked reference, what ``auto`` mode lowers to where the kernels are not prefer
 ``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
 (``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
 FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
+The feature cases (``fwd-noncausal-kvlen-…``, ``…-window-…``, ``…-decode-…``, short
+sequences, head dims 96/80: :data:`FEATURE_CASES`) run ``ts.flash_attention`` in ``auto``
+mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
+(``baseline = "xla"``), cuDNN where it takes the case, and on short and decode shapes
+the kernels forced (``mosaic_gpu``); ``--ref-blocks`` adds the reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved``. Prints a table last and writes JSON

@@ -314,6 +314,16 @@ def test_prefer_from_the_measured_sequence_lengths():
     assert am.prefer(_spec(), _avals(2, 4096, 4096, 16, 16, 128, jnp.bfloat16))
     assert am.prefer(_spec(), _avals(1, 512, 2048, 8, 2, 64, jnp.bfloat16, backward=True))
     assert not am.prefer(_spec(), _avals(1, 128, 4096, 8, 8, 128, jnp.bfloat16))
+    assert not am.prefer(_spec(), _avals(4, 256, 256, 16, 16, 128, jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "sq, skv, preferred", [(1, 32768, True), (16, 4096, True), (17, 4096, False), (16, 2048, False)]
+)
+def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
+    """A few queries against a long kv cache run the kernels (their padded query tile costs
+    little beside streaming the cache); the measured region only."""
+    assert am.prefer(_spec(), _avals(4, sq, skv, 16, 16, 128, jnp.bfloat16)) is preferred
 
 
 @pytest.mark.parametrize(

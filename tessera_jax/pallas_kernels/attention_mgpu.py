@@ -1217,13 +1217,18 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
 # operator's blocked XLA reference, which the kernels beat 4-20x at every measured shape
 # (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
-# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
+# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured. Decoding
+# (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys or more runs the kernels too:
+# the padded tile costs little beside streaming the cache (the ``…-decode-…`` cases: as
+# fast as the one-block reference at one query, faster at 16).
 PREFER_MIN_SEQ = 512
+DECODE_MAX_Q = 16
+DECODE_MIN_KV = 4096
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
     """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
-    from :data:`PREFER_MIN_SEQ` queries and keys. Asked only of cases :func:`supports`
-    accepts."""
-    q, k = avals[0], avals[1]
-    return min(q.shape[1], k.shape[1]) >= PREFER_MIN_SEQ
+    from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`,
+    :data:`DECODE_MIN_KV`). Asked only of cases :func:`supports` accepts."""
+    sq, skv = avals[0].shape[1], avals[1].shape[1]
+    return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)

@@ -94,9 +94,9 @@ what it cannot run (by ``spec.features``, dtype, head_dim); the reference then r
 case. Registered today: ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
 query/key lengths, a local window and an ``lse`` cotangent — the masks computed from
 indices — bf16 and f16, head_dim 64, 128 and 256, forward and backward; in ``auto`` mode
-from 512 queries and keys). A ``mask``, ``bias`` or segment ids, other dtypes and head dims,
-an explicit ``config``, and short or decode shapes run the reference, whose block size is
-chosen per shape (:func:`reference_block_kv`).
+from 512 queries and keys, and for decoding against a long cache). A ``mask``, ``bias`` or
+segment ids, other dtypes and head dims, an explicit ``config``, and short sequences run
+the reference, whose block size is chosen per shape (:func:`reference_block_kv`).
 """
 
 from __future__ import annotations
@@ -846,12 +846,12 @@ def flash_attention(
     ``jax.jvp``, ``jax.jacfwd``), with respect to ``q``, ``k``, ``v`` and ``bias``.
 
     Where it runs (``auto`` mode): on a Hopper GPU, bf16/f16 with head_dim 64, 128 or 256
-    and at least 512 queries and keys, the Mosaic GPU kernels run the forward and backward,
-    causal or not, with ``query_seq_lengths``, ``key_value_seq_lengths`` and
-    ``local_window_size``. Everything else — ``mask``, ``bias``, segment ids, other dtypes
-    or head dims, shorter or decode shapes, an explicit ``config`` — runs the blocked XLA
-    reference. Both paths are deterministic: bitwise identical outputs and gradients run
-    to run (no atomics); there is no cuDNN path.
+    and at least 512 queries and keys (or decoding: at most 16 queries against 4096 keys or
+    more), the Mosaic GPU kernels run the forward and backward, causal or not, with
+    ``query_seq_lengths``, ``key_value_seq_lengths`` and ``local_window_size``. Everything
+    else — ``mask``, ``bias``, segment ids, other dtypes or head dims, shorter sequences,
+    an explicit ``config`` — runs the blocked XLA reference. Both paths are deterministic:
+    bitwise identical outputs and gradients run to run (no atomics); there is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
