@@ -23,7 +23,15 @@ from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
 from tessera_jax.primitives.attention import flash_attention_fwd, reference_block_kv
-from tests._util import assert_close, chosen_kernels, f64, rand, sample
+from tests._util import (
+    assert_close,
+    chosen_kernels,
+    cuda_lowering,
+    f64,
+    mosaic_gpu_calls,
+    rand,
+    sample,
+)
 from tests.test_attention import np_attention, np_attention_grads, np_visible
 
 
@@ -121,16 +129,17 @@ def _check_index_masks(dims, opts, dtype, *, repeat: int = 1):
 
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim) and the options: a two-sided window
 # (masked blocks before and after the visible ones) with padded queries and keys; a causal
-# window over a kv cache longer than the queries, keys cut by a length (whole CTAs past it).
+# window over a kv cache longer than the queries (the forward skips its first key block),
+# keys cut by a length (the dK/dV kernel's CTAs past it run empty).
 INDEX_MASKS = [
     pytest.param(
-        (1, 200, 200, 2, 1, 64),
-        dict(local_window_size=(70, 9), query_seq_lengths=[180], key_value_seq_lengths=[150]),
+        (1, 100, 200, 2, 1, 64),
+        dict(local_window_size=(60, 9), query_seq_lengths=[90], key_value_seq_lengths=[150]),
         id="window-lengths",
     ),
     pytest.param(
-        (1, 72, 300, 2, 1, 64),
-        dict(causal=True, local_window_size=(100, 5), key_value_seq_lengths=[120]),
+        (1, 72, 440, 1, 1, 64),
+        dict(causal=True, local_window_size=(100, 5), key_value_seq_lengths=[430]),
         id="causal-window-kvcache",
     ),
 ]
@@ -231,6 +240,27 @@ class TestAttentionKernelsGPU:
         assert _chosen(f, q, k, v) == ["mosaic_gpu"]
         want = np_attention(f64(q), f64(k), f64(v), causal)
         assert_close(jax.jit(f)(q, k, v), want, factor=2)
+
+
+@pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))
+def test_index_masks_lower_for_cuda(head_dim):
+    """The kernels with both lengths, a window and an lse cotangent go through the real
+    Mosaic GPU lowering (layouts, the lengths' scalar loads) at each head_dim's tiles."""
+    spec = AttentionSpec(
+        causal=True,
+        scale=0.1,
+        config=FlashAttentionConfig(),
+        local_window_size=(300, 0),
+        has_q_lengths=True,
+        has_kv_lengths=True,
+    )
+    q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((300, 4), (700, 2)))
+    lse, n = jnp.zeros((2, 4, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, n, n)
+    bwd = cuda_lowering(
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)), q, k, k, q, lse, q, n, n, lse
+    )
+    assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
 # --- what the kernels decline (no kernel runs: fast) ----------------------------------------
