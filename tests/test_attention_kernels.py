@@ -117,7 +117,9 @@ def _check_index_masks(dims, opts, dtype, *, repeat: int = 1):
     for later in runs[1:]:
         for x, y in zip(runs[0], later):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    np_opts = {n: np.asarray(x) if n.endswith("lengths") else x for n, x in opts.items()}
+    np_opts = {
+        n: x if n == "causal" or n.endswith("size") else np.asarray(x) for n, x in opts.items()
+    }
     out, lse, grads = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), np_opts)
     got_lse = f64(runs[0][1])
     np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(lse))  # unseen queries
@@ -141,6 +143,15 @@ INDEX_MASKS = [
         (1, 72, 440, 1, 1, 64),
         dict(causal=True, local_window_size=(100, 5), key_value_seq_lengths=[430]),
         id="causal-window-kvcache",
+    ),
+    pytest.param(
+        (1, 100, 130, 2, 1, 64),
+        dict(
+            causal=True,
+            q_segment_ids=[[0] * 40 + [1] * 25 + [2] * 35],
+            kv_segment_ids=[[0] * 60 + [1] * 30 + [2] * 40],
+        ),
+        id="causal-segments",
     ),
 ]
 
@@ -177,10 +188,14 @@ class TestAttentionKernelsInterpret:
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
-    # Lengths, a window and an lse cotangent in the kernels. One case per run.
+    # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
+
+
+# Packed sequences: per batch entry, segments of unequal lengths (one of them 1024 long).
+SEGMENTS = [[0] * 300 + [1] * 200 + [2] * 524, [7] * 1024]
 
 
 @pytest.mark.gpu
@@ -228,6 +243,11 @@ class TestAttentionKernelsGPU:
                 (1, 333, 1100, 4, 4, 256),
                 dict(local_window_size=(100, 50), key_value_seq_lengths=[900]),
             ),
+            ((2, 1024, 1024, 8, 2, 128), dict(q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS)),
+            (
+                (2, 1024, 1024, 4, 1, 64),
+                dict(causal=True, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
+            ),
         ],
     )
     def test_index_masks(self, dims, opts):
@@ -244,8 +264,9 @@ class TestAttentionKernelsGPU:
 
 @pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))
 def test_index_masks_lower_for_cuda(head_dim):
-    """The kernels with both lengths, a window and an lse cotangent go through the real
-    Mosaic GPU lowering (layouts, the lengths' scalar loads) at each head_dim's tiles."""
+    """The kernels with both lengths, a window, segment ids and an lse cotangent go through
+    the real Mosaic GPU lowering (layouts, the lengths' scalar loads, shared memory) at each
+    head_dim's tiles."""
     spec = AttentionSpec(
         causal=True,
         scale=0.1,
@@ -253,12 +274,17 @@ def test_index_masks_lower_for_cuda(head_dim):
         local_window_size=(300, 0),
         has_q_lengths=True,
         has_kv_lengths=True,
+        has_segment_ids=head_dim != 256,  # (the kernels decline them at 256)
     )
     q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((300, 4), (700, 2)))
     lse, n = jnp.zeros((2, 4, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
-    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, n, n)
+    extras = (n, n) + (jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32)) * (
+        spec.has_segment_ids
+    )
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
     bwd = cuda_lowering(
-        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)), q, k, k, q, lse, q, n, n, lse
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        *(q, k, k, q, lse, q, *extras, lse),
     )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
@@ -286,6 +312,11 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
         (_avals(1, 128, 128, 2, 2, 96, jnp.bfloat16), _spec(), "head_dim 96"),
         (_avals(0, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(), "an empty operand"),
         (_avals(1, 128, 128, 2, 2, 192, jnp.bfloat16, True), _spec(), "head_dim 192"),
+        (
+            _avals(1, 128, 128, 2, 2, 256, jnp.bfloat16, True),
+            _spec(has_segment_ids=True),
+            "segment_ids at head_dim 256",
+        ),
         (
             _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16),
             _spec(config=FlashAttentionConfig(64, 64)),
@@ -318,15 +349,16 @@ def test_hardware_names_the_platform():
     [
         (dict(has_mask=True, local_window_size=(128, 0)), "mask"),
         (dict(has_bias=True, bias_grad=True), "bias, bias_grad"),
-        (dict(has_segment_ids=True, has_kv_lengths=True), "segment_ids"),
+        (dict(has_mask=True, has_segment_ids=True, has_kv_lengths=True), "mask"),
     ],
 )
 def test_supports_declines_features_it_does_not_implement(features, name):
-    """Masks, bias and segment ids (values per score) run the blocked reference; the
-    reason names them and not the features the kernels run."""
+    """A mask or bias (values per score) runs the blocked reference; the reason names them
+    and not the features the kernels run."""
     why = am.supports(_spec(**features), _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16))
     assert why is not None and name in why.split(" (")[0]
-    assert "local_window_size" not in why.split(" (")[0]
+    for runs in am.FEATURES:
+        assert runs not in why.split(" (")[0]
 
 
 def test_supports_the_index_based_masks():
@@ -335,6 +367,7 @@ def test_supports_the_index_based_masks():
         local_window_size=(64, 0),
         has_q_lengths=True,
         has_kv_lengths=True,
+        has_segment_ids=True,
         has_dlse=True,
     )
     assert am.supports(spec, _avals(2, 256, 256, 2, 1, 128, jnp.bfloat16, backward=True)) is None

@@ -21,9 +21,10 @@ No atomics anywhere: every output element is written by exactly one warpgroup af
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
-Masking: every mask the kernels apply is computed from indices — causal (bottom-right
-aligned, as the operator defines it), a local window ``(left, right)`` around the same
-diagonal, and per-sequence key lengths read from an int32 ``(B,)`` operand. Each
+Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
+the operator defines it), a local window ``(left, right)`` around the same diagonal, and
+per-sequence key lengths read from an int32 ``(B,)`` operand — and from segment ids,
+which stream beside the blocks they label (then every block is masked). Each
 warpgroup's loop runs up to five ranges: blocks before its band that it skips, masked
 blocks on the band's left edge, blocks that need no mask, masked blocks on the right edge
 (the diagonal, the last key) and blocks past them that it skips (skipped blocks inside the
@@ -111,6 +112,8 @@ class Problem:
       kv_lengths: the forward and dQ kernels read each batch entry's key count from an
         int32 ``(B,)`` operand (keys from it on are masked, their blocks skipped);
         False: all ``seq_kv`` keys (the operand is then not read).
+      segments: queries see only keys of their segment id: every kernel streams the ids
+        of the keys (or queries) it loops over beside them, and masks every block.
     """
 
     batch: int
@@ -129,6 +132,7 @@ class Problem:
     dkv_paired: bool = False
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
+    segments: bool = False
 
     @property
     def left(self) -> int | None:
@@ -211,10 +215,17 @@ DQ_BLOCK_KV_CHOICES = (64, 128)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
-def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
-    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles,
-    at most two each; K gets the second slot first (it is held to the end of a step)."""
+# Shared memory the segment ids take beside a kernel's tiles: the query tiles' ids, a ring
+# of key blocks' ids, their barriers, and the allocator's alignment of each.
+SEGMENT_SMEM_BYTES = 3072
+
+
+def _dq_stages(d: int, block_kv: int, extra: int = 0) -> tuple[int, int]:
+    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles
+    (and ``extra`` bytes), at most two each; K gets the second slot first (it is held to
+    the end of a step)."""
     fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
+    fixed += extra
     blocks = (SMEM_BYTES - fixed) // (block_kv * d * 2)
     if blocks >= 4:
         return 2, 2
@@ -399,15 +410,21 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
             plgpu.barrier_wait(consumed.at[_slot(step, n)])
 
 
-def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None):
+def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None, segs=None):
     """Which scores of a tile are visible: rows from ``row0``, columns from ``col0``;
     queries along rows (forward, dQ) or columns (dK/dV); keys from ``kv_len`` on (an int32
-    scalar, or None: no key limit) are hidden, and those outside the band of
-    ``p.left``/``p.right`` around the diagonal."""
+    scalar, or None: no key limit) are hidden, those outside the band of
+    ``p.left``/``p.right`` around the diagonal, and where ``segs`` (the rows' and the
+    columns' segment ids) is given, those of another segment."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     q_pos, kv_pos = (rows, cols) if rows_are_q else (cols, rows)
     conds = [] if kv_len is None else [kv_pos < kv_len]
+    if segs is not None:
+        row_ids, col_ids = segs
+        conds.append(
+            lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+        )
     if p.right is not None:
         conds.append(kv_pos <= q_pos + (p.offset + p.right))
     if p.left is not None:
@@ -427,7 +444,7 @@ def _kv_ranges(p: Problem, q_base, kv_len):
     """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)`` and ``kv_len``
     keys: ``(first, lo, hi, steps)``: blocks before ``first`` and from ``steps`` on hold no
     visible key (skipped); ``[first, lo)`` and ``[hi, steps)`` are masked, ``[lo, hi)`` are
-    visible whole. ``first`` and ``lo`` are 0 without a window."""
+    visible whole (none with segment ids). ``first`` and ``lo`` are 0 without a window."""
     bkv = p.block_kv
     steps, hi = _cdiv(kv_len, bkv), _fdiv(kv_len, bkv)  # blocks with a key / only keys
     first = lo = 0
@@ -437,7 +454,7 @@ def _kv_ranges(p: Problem, q_base, kv_len):
     if p.left is not None:
         first = lax.min(_fdiv(q_base + (p.offset - p.left), bkv), steps)
         lo = lax.min(lax.max(_cdiv(q_base + (WG_ROWS - 1 + p.offset - p.left), bkv), first), steps)
-    return first, lo, lax.min(lax.max(hi, lo), steps), steps
+    return first, lo, lo if p.segments else lax.min(lax.max(hi, lo), steps), steps
 
 
 def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
@@ -455,6 +472,48 @@ def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
     return carry
 
 
+def _segment_scratch(p: Problem, q_tiles: int, stages: int, kv_rows: int) -> list:
+    """Shared memory and barriers for segment ids (None each without them): the query
+    tiles' ids (loaded once) and a ring of the streamed key blocks' ids."""
+    if not p.segments:
+        return [None] * 4
+    return [
+        plgpu.SMEM((q_tiles, WG_ROWS), jnp.int32),
+        plgpu.SMEM((stages, kv_rows), jnp.int32),
+        plgpu.Barrier(num_barriers=q_tiles),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+
+
+def _load_q_segments(p: Problem, q_seg_ref, qseg_smem, qseg_bar, b, q_base, i):
+    """The segment ids of the query rows ``[q_base, q_base + 64)`` (None without them)."""
+    if not p.segments:
+        return None
+    plgpu.copy_gmem_to_smem(
+        q_seg_ref.at[b, pl.ds(q_base, WG_ROWS)], qseg_smem.at[i], qseg_bar.at[i]
+    )
+    plgpu.barrier_wait(qseg_bar.at[i])
+    return qseg_smem[i]
+
+
+def _kv_segments(p: Problem, q_seg, kseg_smem, kseg_bar, slot):
+    """``(query ids, key ids)`` of a streamed kv block in ring ``slot`` (None without
+    segment ids). Its barrier is awaited even where the ids go unused (a skipped block):
+    every phase is observed."""
+    if not p.segments:
+        return None
+    plgpu.barrier_wait(kseg_bar.at[slot])
+    return q_seg, kseg_smem[slot]
+
+
+def _kv_segment_loads(p: Problem, kv_seg_ref, kseg_smem, kseg_bar, b, first) -> list:
+    """The producer's load of step ``n``'s key ids (block ``first + n``), beside K."""
+    if not p.segments:
+        return []
+    rows = kseg_smem.shape[-1]
+    return [(lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)]
+
+
 def _q_tile(p: Problem):
     """The forward CTA's 128-row query tile. Causal loops grow with the tile index, so the
     grid runs the tiles last to first: the longest CTAs start first and the shortest fill
@@ -469,10 +528,21 @@ def _q_tile(p: Problem):
 
 
 def _fwd_kernel(
-    q_ref, k_ref, v_ref, kv_len_ref, out_ref, lse_ref, *scratch, p: Problem, interpret: bool
+    q_ref,
+    k_ref,
+    v_ref,
+    kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    out_ref,
+    lse_ref,
+    *scratch,
+    p: Problem,
+    interpret: bool,
 ):
     qo_smem, k_smem, v_smem, lse_smem, stage = scratch[:5]
-    k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:]
+    k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:11]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[11:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
@@ -499,6 +569,7 @@ def _fwd_kernel(
         qs = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
+        q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
         m = jnp.full((bq,), -jnp.inf, jnp.float32)
         l_ = jnp.zeros((bq,), jnp.float32)
         acc = jnp.zeros((bq, d), jnp.float32)
@@ -521,9 +592,12 @@ def _fwd_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len)
+                vis = _mask(
+                    (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
+                )
                 s = jnp.where(vis, s, -jnp.inf)
             # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
             # one fused multiply-add per score.
@@ -558,6 +632,7 @@ def _fwd_kernel(
         def flush(j, _):
             # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
             slot = _slot(j - cta_first, p.stages)
+            _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_arrive(k_done.at[slot])
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
@@ -582,10 +657,12 @@ def _fwd_kernel(
         def kv(ref):
             return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
+        k_loads = [(kv(k_ref), k_smem, k_bar)]
+        k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
         _producer(
             cta_steps - cta_first,
             p.stages,
-            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+            [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
 
@@ -604,6 +681,7 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+        *_segment_scratch(p, NUM_COMPUTE_WGS, p.stages, bkv),
     ]
     out_type = (
         jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
@@ -627,10 +705,23 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_ref, *scratch, p, interpret
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    dq_ref,
+    *scratch,
+    p,
+    interpret,
 ):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
-    q_bar, k_bar, v_bar, k_done, v_done = scratch[7:]
+    q_bar, k_bar, v_bar, k_done, v_done = scratch[7:12]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[12:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
@@ -657,6 +748,7 @@ def _dq_kernel(
             plgpu.barrier_wait(bar)
         lse = lse_smem[wg]
         delta = delta_smem[wg]
+        q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
         dq = jnp.zeros((bq, d), jnp.float32)
 
         def step(j, dq, masked: bool):
@@ -668,7 +760,10 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_done.at[vslot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len)
+                segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
+                vis = _mask(
+                    (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
+                )
                 pr = jnp.where(vis, pr, 0.0)
             ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
@@ -678,6 +773,7 @@ def _dq_kernel(
         def flush(j, _):
             slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
+            _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_wait(v_bar.at[vslot])
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
@@ -693,10 +789,12 @@ def _dq_kernel(
         def kv(ref):
             return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
+        k_loads = [(kv(k_ref), k_smem, k_bar)]
+        k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
         _producer(
             cta_steps - cta_first,
             (p.stages, p.v_stages),
-            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+            [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
 
@@ -716,6 +814,7 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_barriers=p.v_stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
+        *_segment_scratch(p, w, p.stages, bkv),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -737,7 +836,8 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
 def _q_ranges(p: Problem, kv_base):
     """Query blocks for the keys ``[kv_base, kv_base + 64)``: ``(start, lo, hi, stop)``:
     blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
-    ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them."""
+    ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them
+    (none with segment ids)."""
     nq = p.seq_q_pad // WG_ROWS
     start, lo, hi, stop = 0, 0, nq, nq
     if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
@@ -749,7 +849,7 @@ def _q_ranges(p: Problem, kv_base):
         lo = lax.min(lax.max(lo, start), stop)
     if p.left is not None:
         hi = lax.min(lax.max(hi, lo), stop)
-    return start, lo, hi, stop
+    return start, lo, lo if p.segments else hi, stop
 
 
 def _dkv_kernel(
@@ -760,6 +860,8 @@ def _dkv_kernel(
     lse_ref,
     delta_ref,
     kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
     dk_ref,
     dv_ref,
     *scratch,
@@ -767,7 +869,9 @@ def _dkv_kernel(
     interpret,
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:]
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
+    # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
+    kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:]
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -806,17 +910,26 @@ def _dkv_kernel(
             # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
             pl.when(wg == i)(load) if roles else load()
 
+        if p.segments:  # the key rows' ids, read by the warpgroup(s) computing Pᵀ
+
+            def load_ids():
+                plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[r], kseg_bar.at[r])
+                plgpu.barrier_wait(kseg_bar.at[r])
+
+            pl.when(wg == 0)(load_ids) if roles else load_ids()
+
         zeros = jnp.zeros((bkv, p.head_dim), jnp.float32)
 
         def wait(slot):
-            for bars in (q_bar, do_bar, lse_bar, delta_bar):
+            for bars in (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if p.segments else ()):
                 plgpu.barrier_wait(bars.at[slot])
 
         def probs(st, slot, qi, masked: bool):
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
-                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p)
+                segs = (kseg_smem[r], qseg_smem[slot]) if p.segments else None
+                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, segs=segs)
                 pt = jnp.where(vis, pt, 0.0)
             return pt
 
@@ -896,8 +1009,9 @@ def _dkv_kernel(
                     lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
                     carry = lax.fori_loop(start, lo, masked, carry)
                 carry = lax.fori_loop(lo, hi, functools.partial(body, g=g, masked=False), carry)
-                if p.left is not None:
+                if p.left is not None or p.segments:
                     carry = lax.fori_loop(hi, stop, masked, carry)
+                if p.left is not None:
                     lax.fori_loop(stop, cta_stop, functools.partial(skip, g=g), None)
                 return carry
 
@@ -949,12 +1063,17 @@ def _dkv_kernel(
 
             return src
 
+        def ids_of(step):
+            return q_seg_ref.at[b, pl.ds(qh(step)[1], bq)]
+
         loads = [
             (rows_of(q_ref), q_smem, q_bar),
             (rows_of(do_ref), do_smem, do_bar),
             (vec_of(lse_ref), lse_smem, lse_bar),
             (vec_of(delta_ref), delta_smem, delta_bar),
         ]
+        if p.segments:
+            loads.append((ids_of, qseg_smem, qseg_bar))
         _producer(p.group * per_head, s, [(done, loads)])
 
 
@@ -981,6 +1100,7 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         plgpu.SMEM((WG_ROWS, WG_ROWS), jnp.float32) if roles else None,
         plgpu.Barrier() if roles else None,
         plgpu.Barrier() if roles else None,
+        *_segment_scratch(p, groups, s, WG_ROWS),
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
@@ -1040,8 +1160,22 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
 
 
 def _with_features(p: Problem, spec: AttentionSpec) -> Problem:
-    """``p`` with the spec's index-based masks: its window, and whether lengths are read."""
-    return dataclasses.replace(p, window=spec.local_window_size, kv_lengths=spec.has_kv_lengths)
+    """``p`` with the spec's masks: its window, and whether lengths and segment ids are read."""
+    return dataclasses.replace(
+        p,
+        window=spec.local_window_size,
+        kv_lengths=spec.has_kv_lengths,
+        segments=spec.has_segment_ids,
+    )
+
+
+def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
+    """The kernels' int32 segment ids of queries and keys, padded to whole tiles (padded
+    rows are masked by position); without segment ids, placeholders that are not read."""
+    if ex.q_segment_ids is None:
+        unread = jnp.zeros((1, 1), jnp.int32)
+        return unread, unread
+    return _pad_seq(ex.q_segment_ids, p.seq_q_pad), _pad_seq(ex.kv_segment_ids, p.seq_kv_pad)
 
 
 def _kv_len_operand(kv_lengths, batch: int, seq_kv: int) -> jax.Array:
@@ -1079,7 +1213,8 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp, kv_len), interpret=interpret)
+    segs = _segment_operands(p, ex)
+    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp, kv_len, *segs), interpret=interpret)
     out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
     if ex.q_lengths is not None:
         real = _positions_below(ex.q_lengths, p.seq_q)
@@ -1140,6 +1275,9 @@ def flash_bwd(
     causal, scale = _decode(spec)
     ex = spec.split(extras[: spec.num_extras])
     p = _with_features(_bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired), spec)
+    if p.segments:  # their ids take shared memory too (checked by the cuda lowering test)
+        stages, v_stages = _dq_stages(p.head_dim, p.block_kv, SEGMENT_SMEM_BYTES)
+        p = dataclasses.replace(p, stages=stages, dq_v_stages=v_stages)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
@@ -1153,7 +1291,7 @@ def flash_bwd(
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    operands = (qp, kp, vp, dop, lse2, delta, kv_len)
+    operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
     dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
@@ -1181,9 +1319,16 @@ def _default_config(spec: AttentionSpec) -> bool:
 
 
 # The spec features the kernels run: the index-based masks (an iota compare per tile, and
-# whole kv blocks skipped outside the lengths and the window) and the lse cotangent (it
-# only shifts Δ). A mask, bias or segment ids would need their values per tile.
-FEATURES = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size", "dlse")
+# whole kv blocks skipped outside the lengths and the window), segment ids (streamed beside
+# the blocks they label, every block masked) and the lse cotangent (it only shifts Δ). A
+# mask or bias would need an (Sq, Skv) tile of values per block.
+FEATURES = (
+    "query_seq_lengths",
+    "key_value_seq_lengths",
+    "local_window_size",
+    "segment_ids",
+    "dlse",
+)
 
 
 def supports(spec, avals: Sequence[Any]) -> str | None:
@@ -1204,6 +1349,12 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         return f"head_dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
+    if spec.has_segment_ids and _dkv_roles(d):
+        # The role-split dK/dV kernel with a ring of query ids deadlocks in the Mosaic GPU
+        # interpreter on causal cases; until that is understood it does not run them.
+        return (
+            f"segment_ids at head_dim {d} (the kernels take them up to {DKV_ROLES_HEAD_DIM // 2})"
+        )
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if not _default_config(spec):
