@@ -15,6 +15,11 @@ blocked reference, what ``auto`` mode lowers to where the kernels are not prefer
 ``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
 (``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
 FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
+The feature cases (``fwd-noncausal-kvlen-…``, ``…-window-…``, ``…-decode-…``, short
+sequences, head dims 96/80: :data:`FEATURE_CASES`) run ``ts.flash_attention`` in ``auto``
+mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
+(``baseline = "xla"``), cuDNN where it takes the case, and on short and decode shapes
+the kernels forced (``mosaic_gpu``); ``--ref-blocks`` adds the reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved``. Prints a table last and writes JSON
@@ -63,6 +68,21 @@ SHAPES = [
     (2, 512, 8, 128),
 ]
 BASELINE = "cudnn"
+
+# The cases behind the promise that ``ts.flash_attention`` is never slower than
+# ``jax.nn.dot_product_attention``'s default (XLA): each optional feature, decode shapes
+# (a few queries against a long kv cache), short sequences and head dims the kernels do
+# not take. Their baseline is XLA; cuDNN runs beside it where it accepts the case.
+# (batch, seq_q, seq_kv, heads, head_dim, feature); every case runs fwd and fwd+bwd, and
+# causal and not except decode (jax.nn aligns a causal mask top-left, we bottom-right).
+FEATURES = ("mask", "bias", "kvlen", "qkvlen", "window", "segments")
+FEATURE_CASES = [
+    *((4, s, s, 16, 128, f) for s in (1024, 4096) for f in FEATURES),
+    *((4, sq, skv, 16, 128, "decode") for sq in (1, 8, 16) for skv in (4096, 32768)),
+    *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),
+    *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
+]
+FEATURE_BASELINE = "xla"
 
 
 def _ts(q, k, v, causal):
@@ -176,6 +196,126 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
         print(
             f"   {case} {name:11s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s {ratio} "
             f"err {r['rel_err']:.1e} repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
+            flush=True,
+        )
+    return recs
+
+
+def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: bool) -> dict:
+    """The keyword arguments of one feature case, under jax.nn's names (segment ids under
+    ours; jax.nn gets the equivalent ``mask``). Lengths and segments are ragged per batch."""
+    frac = np.array([1.0, 0.75, 0.5, 0.875])[np.arange(b) % 4]
+    kv_len = jnp.asarray(np.maximum(1, (frac * skv).astype(np.int32)))
+    if feature == "mask":
+        keep = jax.random.bernoulli(jax.random.key(7), 0.9, (b, 1, sq, skv))
+        return dict(mask=keep)
+    if feature == "bias":
+        return dict(bias=rand(8, (1, h, sq, skv), BF16))
+    if feature == "kvlen":
+        return dict(key_value_seq_lengths=kv_len)
+    if feature == "qkvlen":
+        q_len = jnp.asarray(np.maximum(1, (frac * sq).astype(np.int32)))
+        return dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+    if feature == "window":
+        return dict(local_window_size=(256, 0 if causal else 256))
+    if feature == "segments":
+        # Four packed sequences per row, of unequal lengths.
+        def ids(n):
+            bounds = np.array([0, 0.4, 0.55, 0.8]) * n
+            seg = np.searchsorted(bounds, np.arange(n), side="right").astype(np.int32)
+            return jnp.broadcast_to(jnp.asarray(seg), (b, n))
+
+        return dict(q_segment_ids=ids(sq), kv_segment_ids=ids(skv))
+    return {}
+
+
+def _jax_nn_kwargs(kw: dict) -> dict:
+    """``kw`` for jax.nn.dot_product_attention: segment ids become the mask they mean."""
+    kw = dict(kw)
+    if "q_segment_ids" in kw:
+        qs, ks = kw.pop("q_segment_ids"), kw.pop("kv_segment_ids")
+        kw["mask"] = qs[:, None, :, None] == ks[:, None, None, :]
+    return kw
+
+
+def feature_case_name(case, causal: bool, backward: bool) -> str:
+    b, sq, skv, h, d, feature = case
+    seq = f"s{sq}" if sq == skv else f"sq{sq}-skv{skv}"
+    tag = "" if feature in ("short", "headdim") else f"{feature}-"
+    mode = "fwdbwd" if backward else "fwd"
+    return f"{mode}-{'causal' if causal else 'noncausal'}-{tag}b{b}-{seq}-h{h}-d{d}-bf16"
+
+
+def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[dict]:
+    """``ts.flash_attention`` in ``auto`` mode (``impl = "ts_auto"``) against jax.nn's
+    default (XLA, the baseline) and cuDNN where it accepts the case; ``ref_blocks`` adds
+    the blocked reference with those ``block_kv`` (0: one block of all keys)."""
+    b, sq, skv, h, d, feature = case
+    name = feature_case_name(case, causal, backward)
+    q = rand(0, (b, sq, h, d), BF16)
+    k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
+    do = rand(3, (b, sq, h, d), BF16)
+    kw = _feature_kwargs(feature, b, sq, skv, h, causal)
+    nn_kw = _jax_nn_kwargs(kw)
+
+    def ts_fn(config=None):
+        return lambda q, k, v: ts.flash_attention(q, k, v, causal=causal, config=config, **kw)
+
+    def nn_fn(implementation):
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation, **nn_kw
+        )
+
+    fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
+    fns["cudnn"] = (nn_fn("cudnn"), "auto")
+    if feature in ("short", "decode"):  # the kernels take the case, but auto may not
+        fns["mosaic_gpu"] = (ts_fn(), "pallas")
+    for blk in ref_blocks:
+        cfg = FlashAttentionConfig(block_kv=blk or skv)
+        fns[f"ts_reference[block_kv={blk or 'all'}]"] = (ts_fn(cfg), "xla")
+    wrap = _fwdbwd if backward else _fwd_only
+    args = (q, k, v, do)
+    ref = jax.jit(wrap(nn_fn("xla")))(*(x.astype(F32) for x in args))
+    ref = ref if backward else (ref,)
+    flops = 4.0 * b * sq * skv * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    jitted, errs, temp, repeat = {}, {}, {}, {}
+    for impl, (fn, mode) in fns.items():
+        try:
+            jitted[impl], temp[impl] = _compiled(wrap(fn), mode, args)
+            runs = [jitted[impl](*args) for _ in range(3)]
+            runs = [r if backward else (r,) for r in runs]
+            errs[impl] = max(_rel(o, r) for o, r in zip(runs[0], ref))
+            repeat[impl] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
+        except Exception as e:
+            jitted.pop(impl, None)
+            print(f"!! {name} {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    del ref
+    ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
+    base = ms.get(FEATURE_BASELINE)
+    recs = []
+    for impl in jitted:
+        recs.append(
+            dict(
+                suite="attention",
+                case=name,
+                device=device_name(family=True),
+                jax=jax.__version__,
+                impl=impl,
+                baseline=FEATURE_BASELINE,
+                ms=ms[impl],
+                baseline_ms=base,
+                ratio=(base / ms[impl]) if base else None,
+                tflops=flops / (ms[impl] * 1e-3) / 1e12,
+                rel_err=errs[impl],
+                bitwise_repeatable=repeat[impl],
+                temp_bytes=temp[impl],
+            )
+        )
+        r = recs[-1]
+        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
+        print(
+            f"   {name} {impl:28s} {r['ms']:8.3f} ms {ratio} err {r['rel_err']:.1e} "
+            f"repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
             flush=True,
         )
     return recs
@@ -319,6 +459,13 @@ def main():
     p.add_argument(
         "--impls", nargs="*", default=[], help="only these implementations (and the cudnn baseline)"
     )
+    p.add_argument(
+        "--ref-blocks",
+        nargs="*",
+        type=int,
+        default=[],
+        help="feature cases: also the blocked reference with these block_kv (0: all keys)",
+    )
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     args = p.parse_args()
@@ -338,15 +485,25 @@ def main():
                     f"{'fwdbwd' if backward else 'fwd'}-{'causal' if causal else 'noncausal'}"
                     f"-b{b}-s{s}-h{h}-d{d}-bf16"
                 )
-                cases[name] = (shape, causal, backward)
+                cases[name] = (run_case, shape, causal, backward)
+    for fcase in FEATURE_CASES:
+        for backward in (False, True):
+            for causal in (False,) if fcase[-1] == "decode" else (False, True):
+                cases[feature_case_name(fcase, causal, backward)] = (
+                    functools.partial(run_feature_case, ref_blocks=tuple(args.ref_blocks)),
+                    fcase,
+                    causal,
+                    backward,
+                )
     if args.only:  # in the order the patterns are given: the first ones run first
         names = [n for x in args.only for n in cases if x in n]
         cases = {n: cases[n] for n in dict.fromkeys(names)}
     path = Path(args.json or results_path(f"attention-{device_name(family=True)}.json"))
     recs = []
-    for name, (shape, causal, backward) in cases.items():
+    for name, (run, shape, causal, backward) in cases.items():
         try:
-            recs.extend(run_case(shape, causal, backward, tuple(args.impls)))
+            extra = (tuple(args.impls),) if run is run_case else ()
+            recs.extend(run(shape, causal, backward, *extra))
         except Exception as e:
             traceback.print_exc()
             print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)

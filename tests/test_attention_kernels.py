@@ -22,8 +22,17 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
-from tests._util import assert_close, chosen_kernels, f64, rand, sample
-from tests.test_attention import np_attention, np_attention_grads
+from tessera_jax.primitives.attention import flash_attention_fwd, reference_block_kv
+from tests._util import (
+    assert_close,
+    chosen_kernels,
+    cuda_lowering,
+    f64,
+    mosaic_gpu_calls,
+    rand,
+    sample,
+)
+from tests.test_attention import np_attention, np_attention_grads, np_visible
 
 
 def _chosen(f, *args) -> list[str]:
@@ -62,6 +71,90 @@ def _check(case, dtype, *, repeat: int = 1, factor: float = 2.0):
         assert_close(got, ref, factor=factor)
 
 
+def np_with_lse_cotangent(q, k, v, do, dl, opts):
+    """float64 ``out``, ``lse`` and the ``(dq, dk, dv)`` of the cotangents ``(do, dl)`` of
+    ``(out, lse)``: ``d lse / dS = P`` adds ``P·dl`` to ``dS``."""
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1:3]
+    scale = 1 / np.sqrt(d)
+    kv_head = np.arange(hq) // (hq // hkv)
+    kk, vv = k[:, :, kv_head], v[:, :, kv_head]
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    s = np.where(np_visible(b, sq, skv, hq, opts), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isneginf(m), 0.0, m))
+    den = np.sum(e, axis=-1, keepdims=True)
+    p = e / np.where(den == 0, 1.0, den)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vv)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True) + dl[..., None])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    dk_h = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv_h = np.einsum("bhqk,bqhd->bkhd", p, do)
+    for h in range(hq):
+        dk[:, :, kv_head[h]] += dk_h[:, :, h]
+        dv[:, :, kv_head[h]] += dv_h[:, :, h]
+    with np.errstate(divide="ignore"):
+        lse = (np.log(den) + np.where(np.isneginf(m), 0.0, m))[..., 0]
+    return np.einsum("bhqk,bkhd->bqhd", p, vv), lse, (dq, dk, dv)
+
+
+def _check_index_masks(dims, opts, dtype, *, repeat: int = 1):
+    """Forward and the gradients of ``(out, lse)``'s cotangents through the kernels, with
+    lengths and a window (``opts``), vs float64; ``repeat`` runs agree bit for bit."""
+    b, sq, skv, hq, hkv, d = dims
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    dl = rand((b, hq, sq), jnp.float32)
+
+    @jax.jit
+    def f(q, k, v, do, dl):
+        (out, lse), vjp = jax.vjp(lambda *a: flash_attention_fwd(*a, **opts), q, k, v)
+        return (out, lse, *vjp((do, dl)))
+
+    assert _chosen(f, q, k, v, do, dl) == ["mosaic_gpu", "mosaic_gpu"]
+    runs = [f(q, k, v, do, dl) for _ in range(repeat)]
+    for later in runs[1:]:
+        for x, y in zip(runs[0], later):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np_opts = {
+        n: x if n == "causal" or n.endswith("size") else np.asarray(x) for n, x in opts.items()
+    }
+    out, lse, grads = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), np_opts)
+    got_lse = f64(runs[0][1])
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(lse))  # unseen queries
+    seen = np.isfinite(lse)
+    np.testing.assert_allclose(got_lse[seen], lse[seen], rtol=0, atol=1e-4)
+    for got, want in zip((runs[0][0], *runs[0][2:]), (out, *grads)):
+        assert_close(got, want, factor=2.0)
+
+
+# (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim) and the options: a two-sided window
+# (masked blocks before and after the visible ones) with padded queries and keys; a causal
+# window over a kv cache longer than the queries (the forward skips its first key block),
+# keys cut by a length (the dK/dV kernel's CTAs past it run empty).
+INDEX_MASKS = [
+    pytest.param(
+        (1, 100, 200, 2, 1, 64),
+        dict(local_window_size=(60, 9), query_seq_lengths=[90], key_value_seq_lengths=[150]),
+        id="window-lengths",
+    ),
+    pytest.param(
+        (1, 72, 440, 1, 1, 64),
+        dict(causal=True, local_window_size=(100, 5), key_value_seq_lengths=[430]),
+        id="causal-window-kvcache",
+    ),
+    pytest.param(
+        (1, 100, 130, 2, 1, 64),
+        dict(
+            causal=True,
+            q_segment_ids=[[0] * 40 + [1] * 25 + [2] * 35],
+            kv_segment_ids=[[0] * 60 + [1] * 30 + [2] * 40],
+        ),
+        id="causal-segments",
+    ),
+]
+
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
@@ -95,6 +188,15 @@ class TestAttentionKernelsInterpret:
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
+    # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
+    @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
+    def test_index_masks_and_lse_cotangent(self, dims, opts):
+        _check_index_masks(dims, opts, jnp.bfloat16)
+
+
+# Packed sequences: per batch entry, segments of unequal lengths (one of them 1024 long).
+SEGMENTS = [[0] * 300 + [1] * 200 + [2] * 524, [7] * 1024]
+
 
 @pytest.mark.gpu
 class TestAttentionKernelsGPU:
@@ -121,6 +223,36 @@ class TestAttentionKernelsGPU:
     def test_forward_and_gradients(self, case, dtype):
         _check(case, dtype, repeat=3)
 
+    @pytest.mark.parametrize(
+        "dims, opts",
+        [
+            *INDEX_MASKS,
+            ((2, 1024, 1024, 8, 2, 128), dict(local_window_size=(256, 256))),
+            ((2, 1024, 1024, 8, 2, 128), dict(causal=True, local_window_size=(300, 0))),
+            ((4, 1000, 1000, 4, 4, 128), dict(key_value_seq_lengths=[1000, 513, 64, 0])),
+            (
+                (3, 1024, 1024, 4, 2, 64),
+                dict(
+                    causal=True,
+                    query_seq_lengths=[1024, 700, 5],
+                    key_value_seq_lengths=[9, 1024, 1000],
+                ),
+            ),
+            ((1, 1000, 1000, 2, 1, 256), dict(causal=True, local_window_size=(200, 0))),
+            (
+                (1, 333, 1100, 4, 4, 256),
+                dict(local_window_size=(100, 50), key_value_seq_lengths=[900]),
+            ),
+            ((2, 1024, 1024, 8, 2, 128), dict(q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS)),
+            (
+                (2, 1024, 1024, 4, 1, 64),
+                dict(causal=True, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
+            ),
+        ],
+    )
+    def test_index_masks(self, dims, opts):
+        _check_index_masks(dims, opts, jnp.bfloat16, repeat=3)
+
     @pytest.mark.parametrize("causal", [False, True])
     def test_forward_head_dim_256(self, causal):
         q, k, v = (rand((1, 512, 4, 256), jnp.bfloat16) for _ in range(3))
@@ -128,6 +260,33 @@ class TestAttentionKernelsGPU:
         assert _chosen(f, q, k, v) == ["mosaic_gpu"]
         want = np_attention(f64(q), f64(k), f64(v), causal)
         assert_close(jax.jit(f)(q, k, v), want, factor=2)
+
+
+@pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))
+def test_index_masks_lower_for_cuda(head_dim):
+    """The kernels with both lengths, a window, segment ids and an lse cotangent go through
+    the real Mosaic GPU lowering (layouts, the lengths' scalar loads, shared memory) at each
+    head_dim's tiles."""
+    spec = AttentionSpec(
+        causal=True,
+        scale=0.1,
+        config=FlashAttentionConfig(),
+        local_window_size=(300, 0),
+        has_q_lengths=True,
+        has_kv_lengths=True,
+        has_segment_ids=head_dim != 256,  # (the kernels decline them at 256)
+    )
+    q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((300, 4), (700, 2)))
+    lse, n = jnp.zeros((2, 4, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
+    extras = (n, n) + (jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32)) * (
+        spec.has_segment_ids
+    )
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
+    bwd = cuda_lowering(
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        *(q, k, k, q, lse, q, *extras, lse),
+    )
+    assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
 # --- what the kernels decline (no kernel runs: fast) ----------------------------------------
@@ -153,6 +312,11 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
         (_avals(1, 128, 128, 2, 2, 96, jnp.bfloat16), _spec(), "head_dim 96"),
         (_avals(0, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(), "an empty operand"),
         (_avals(1, 128, 128, 2, 2, 192, jnp.bfloat16, True), _spec(), "head_dim 192"),
+        (
+            _avals(1, 128, 128, 2, 2, 256, jnp.bfloat16, True),
+            _spec(has_segment_ids=True),
+            "segment_ids at head_dim 256",
+        ),
         (
             _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16),
             _spec(config=FlashAttentionConfig(64, 64)),
@@ -183,21 +347,75 @@ def test_hardware_names_the_platform():
 @pytest.mark.parametrize(
     "features, name",
     [
-        (dict(local_window_size=(128, 0)), "local_window_size"),
-        (dict(has_mask=True), "mask"),
-        (dict(has_dlse=True), "dlse"),
+        (dict(has_mask=True, local_window_size=(128, 0)), "mask"),
+        (dict(has_bias=True, bias_grad=True), "bias, bias_grad"),
+        (dict(has_mask=True, has_segment_ids=True, has_kv_lengths=True), "mask"),
     ],
 )
 def test_supports_declines_features_it_does_not_implement(features, name):
-    """Masks, windows, lengths… (the spec's ``features``) run the blocked reference."""
+    """A mask or bias (values per score) runs the blocked reference; the reason names them
+    and not the features the kernels run."""
     why = am.supports(_spec(**features), _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16))
-    assert why is not None and name in why
+    assert why is not None and name in why.split(" (")[0]
+    for runs in am.FEATURES:
+        assert runs not in why.split(" (")[0]
+
+
+def test_supports_the_index_based_masks():
+    spec = _spec(
+        causal=True,
+        local_window_size=(64, 0),
+        has_q_lengths=True,
+        has_kv_lengths=True,
+        has_segment_ids=True,
+        has_dlse=True,
+    )
+    assert am.supports(spec, _avals(2, 256, 256, 2, 1, 128, jnp.bfloat16, backward=True)) is None
 
 
 def test_prefer_from_the_measured_sequence_lengths():
     assert am.prefer(_spec(), _avals(2, 4096, 4096, 16, 16, 128, jnp.bfloat16))
     assert am.prefer(_spec(), _avals(1, 512, 2048, 8, 2, 64, jnp.bfloat16, backward=True))
     assert not am.prefer(_spec(), _avals(1, 128, 4096, 8, 8, 128, jnp.bfloat16))
+    assert not am.prefer(_spec(), _avals(4, 256, 256, 16, 16, 128, jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "sq, skv, preferred", [(1, 32768, True), (16, 4096, True), (17, 4096, False), (16, 2048, False)]
+)
+def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
+    """A few queries against a long kv cache run the kernels (their padded query tile costs
+    little beside streaming the cache); the measured region only."""
+    assert am.prefer(_spec(), _avals(4, sq, skv, 16, 16, 128, jnp.bfloat16)) is preferred
+
+
+@pytest.mark.parametrize(
+    "rows, seq_kv, block",
+    [
+        (1, 32768, 32768),  # decode: one block of the whole cache
+        (16, 32768, 32768),
+        (512, 512, 512),  # short: one block
+        (1024, 1024, 512),
+        (4096, 4096, 128),  # long: O(Sq·128) memory, as the memory tests check
+        (1 << 20, 1 << 20, 128),
+        (3, 100, 100),
+        (1, 0, 1),  # no keys: a block of one, never run
+    ],
+)
+def test_reference_block_per_shape(rows, seq_kv, block):
+    """Where the kernels do not run, the reference's default block grows for few query
+    rows (decode, short sequences), up to one block of all keys."""
+    assert reference_block_kv(rows, seq_kv) == block
+
+
+def test_decode_reference_runs_one_block():
+    """A decode shape compiles to no loop over kv blocks (one pair of matmuls)."""
+    q = jax.ShapeDtypeStruct((2, 4, 4, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 4096, 2, 64), jnp.float32)
+    hlo = jax.jit(ts.flash_attention).lower(q, kv, kv).compile().as_text()
+    assert " while(" not in hlo  # a while instruction (op names in metadata may say while)
+    one_by_one = functools.partial(ts.flash_attention, config=FlashAttentionConfig(block_kv=128))
+    assert " while(" in jax.jit(one_by_one).lower(q, kv, kv).compile().as_text()
 
 
 @pytest.mark.parametrize("block_kv", [32, 256])

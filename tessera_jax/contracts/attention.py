@@ -38,16 +38,21 @@ class FlashAttentionConfig:
       block_q: query rows per tile. Kernels tile queries by it; the reference
         processes all queries of a kv block at once and ignores it.
       block_kv: keys per block of the online softmax (forward) and of the
-        recompute (backward). Clipped to ``Skv`` for short sequences; a
-        sequence that is not a multiple of it has a padded, masked last block.
+        recompute (backward) in the reference. Clipped to ``Skv`` for short sequences; a
+        sequence that is not a multiple of it has a padded, masked last block. None (the
+        default): chosen per shape, so that one block's scores stay within a fixed
+        budget per kv head (``primitives/attention.py``: one block for short sequences
+        and decoding, O(S) memory for long ones).
     """
 
     block_q: int = 128
-    block_kv: int = 128
+    block_kv: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
+            if val is None and f.name == "block_kv":
+                continue
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool):
                 raise TypeError(f"FlashAttentionConfig: {f.name}={val!r} must be an int")
             if val < 1:

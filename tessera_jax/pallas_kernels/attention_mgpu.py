@@ -21,14 +21,21 @@ No atomics anywhere: every output element is written by exactly one warpgroup af
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
-Masking: causal (bottom-right aligned, as the operator defines it) loops run three ranges
-per warpgroup — blocks that need no mask, blocks on the diagonal that are masked, and
-blocks past the diagonal that are skipped (their data still streams for the other
-warpgroup, so both keep the same barrier phases). Sequences are zero-padded to whole
-tiles (128 rows, or the key block where it is longer); the forward masks the padded keys of
-the last block, the backward gives padded and fully masked query rows ``lse = +inf`` so
-their probabilities are exactly 0 (the dQ pass masks padded keys too; they reach only
-padded dK/dV rows, which are cut off).
+Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
+the operator defines it), a local window ``(left, right)`` around the same diagonal, and
+per-sequence key lengths read from an int32 ``(B,)`` operand — and from segment ids,
+which stream beside the blocks they label (then every block is masked). Each
+warpgroup's loop runs up to five ranges: blocks before its band that it skips, masked
+blocks on the band's left edge, blocks that need no mask, masked blocks on the right edge
+(the diagonal, the last key) and blocks past them that it skips (skipped blocks inside the
+CTA's range still stream for the other warpgroup, so both keep the same barrier phases;
+the CTA streams only its own range). Query lengths need no loop of their own: padded
+queries are zeroed after the forward with ``lse = -inf``, which zeroes their gradients.
+Sequences are zero-padded to whole tiles (128 rows, or the key block where it is longer);
+the forward masks the padded keys of the last block, the backward gives padded and fully
+masked query rows ``lse = +inf`` so their probabilities are exactly 0 (the dQ pass masks
+padded keys too; they reach only padded dK/dV rows, which are cut off, as are the dK/dV
+rows past a key length).
 
 In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
 shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
@@ -100,6 +107,13 @@ class Problem:
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
         released early in a step, K only at its end); None: as many as K.
+      window: ``(left, right)``: query ``i`` sees keys ``i + offset − left`` to
+        ``i + offset + right`` (the operator's ``local_window_size``); None: no window.
+      kv_lengths: the forward and dQ kernels read each batch entry's key count from an
+        int32 ``(B,)`` operand (keys from it on are masked, their blocks skipped);
+        False: all ``seq_kv`` keys (the operand is then not read).
+      segments: queries see only keys of their segment id: every kernel streams the ids
+        of the keys (or queries) it loops over beside them, and masks every block.
     """
 
     batch: int
@@ -116,6 +130,20 @@ class Problem:
     dkv_stages: int = 2
     dq_v_stages: int | None = None
     dkv_paired: bool = False
+    window: tuple[int, int] | None = None
+    kv_lengths: bool = False
+    segments: bool = False
+
+    @property
+    def left(self) -> int | None:
+        """How far before its diagonal a query sees keys; None: from the first key."""
+        return None if self.window is None else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        """How far after its diagonal a query sees keys (0 when causal); None: to the last."""
+        bounds = ([0] if self.causal else []) + ([] if self.window is None else [self.window[1]])
+        return min(bounds) if bounds else None
 
     @property
     def v_stages(self) -> int:
@@ -187,10 +215,17 @@ DQ_BLOCK_KV_CHOICES = (64, 128)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
-def _dq_stages(d: int, block_kv: int) -> tuple[int, int]:
-    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles,
-    at most two each; K gets the second slot first (it is held to the end of a step)."""
+# Shared memory the segment ids take beside a kernel's tiles: the query tiles' ids, a ring
+# of key blocks' ids, their barriers, and the allocator's alignment of each.
+SEGMENT_SMEM_BYTES = 3072
+
+
+def _dq_stages(d: int, block_kv: int, extra: int = 0) -> tuple[int, int]:
+    """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles
+    (and ``extra`` bytes), at most two each; K gets the second slot first (it is held to
+    the end of a step)."""
     fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
+    fixed += extra
     blocks = (SMEM_BYTES - fixed) // (block_kv * d * 2)
     if blocks >= 4:
         return 2, 2
@@ -259,6 +294,11 @@ def _fdiv(x, d: int):
 
 def _clip(x, hi: int):
     return lax.min(x, jnp.int32(hi))
+
+
+def _i32(x):
+    """An int32 scalar of a Python int or a traced scalar."""
+    return jnp.asarray(x, jnp.int32)
 
 
 def _slot(step, stages: int):
@@ -370,32 +410,108 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
             plgpu.barrier_wait(consumed.at[_slot(step, n)])
 
 
-def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_tail: bool):
+def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None, segs=None):
     """Which scores of a tile are visible: rows from ``row0``, columns from ``col0``;
-    queries along rows (forward, dQ) or columns (dK/dV)."""
+    queries along rows (forward, dQ) or columns (dK/dV); keys from ``kv_len`` on (an int32
+    scalar, or None: no key limit) are hidden, those outside the band of
+    ``p.left``/``p.right`` around the diagonal, and where ``segs`` (the rows' and the
+    columns' segment ids) is given, those of another segment."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     q_pos, kv_pos = (rows, cols) if rows_are_q else (cols, rows)
-    vis = None
-    if kv_tail:
-        vis = kv_pos < p.seq_kv
-    if p.causal:
-        c = kv_pos <= q_pos + p.offset
-        vis = c if vis is None else vis & c
-    return vis
+    conds = [] if kv_len is None else [kv_pos < kv_len]
+    if segs is not None:
+        row_ids, col_ids = segs
+        conds.append(
+            lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+        )
+    if p.right is not None:
+        conds.append(kv_pos <= q_pos + (p.offset + p.right))
+    if p.left is not None:
+        conds.append(kv_pos >= q_pos + (p.offset - p.left))
+    return functools.reduce(lambda a, b: a & b, conds) if conds else None
 
 
-def _kv_ranges(p: Problem, q_base):
-    """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)``: the first
-    ``full`` need no mask, ``[full, steps)`` are masked, the rest see nothing."""
-    nkv = p.seq_kv_pad // p.block_kv
-    whole = p.seq_kv // p.block_kv  # blocks with no padded key
-    if not p.causal:
-        return jnp.int32(whole), jnp.int32(-(-p.seq_kv // p.block_kv))
-    steps = _clip(_cdiv(q_base + WG_ROWS + p.offset, p.block_kv), nkv)
-    steps = _clip(steps, -(-p.seq_kv // p.block_kv))
-    full = _clip(_fdiv(q_base + p.offset + 1, p.block_kv), whole)
-    return lax.min(full, steps), steps
+def _kv_len(p: Problem, kv_len_ref, b):
+    """Batch entry ``b``'s key count: read from the lengths operand (clipped to
+    ``[0, seq_kv]``, as the reference's masks clip it) or ``seq_kv``."""
+    if not p.kv_lengths:
+        return jnp.int32(p.seq_kv)
+    return lax.clamp(jnp.int32(0), kv_len_ref[b], jnp.int32(p.seq_kv))
+
+
+def _kv_ranges(p: Problem, q_base, kv_len):
+    """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)`` and ``kv_len``
+    keys: ``(first, lo, hi, steps)``: blocks before ``first`` and from ``steps`` on hold no
+    visible key (skipped); ``[first, lo)`` and ``[hi, steps)`` are masked, ``[lo, hi)`` are
+    visible whole (none with segment ids). ``first`` and ``lo`` are 0 without a window."""
+    bkv = p.block_kv
+    steps, hi = _cdiv(kv_len, bkv), _fdiv(kv_len, bkv)  # blocks with a key / only keys
+    first = lo = 0
+    if p.right is not None:
+        steps = lax.min(steps, _cdiv(q_base + (WG_ROWS + p.offset + p.right), bkv))
+        hi = lax.min(hi, _fdiv(q_base + (p.offset + p.right + 1), bkv))
+    if p.left is not None:
+        first = lax.min(_fdiv(q_base + (p.offset - p.left), bkv), steps)
+        lo = lax.min(lax.max(_cdiv(q_base + (WG_ROWS - 1 + p.offset - p.left), bkv), first), steps)
+    return first, lo, lo if p.segments else lax.min(lax.max(hi, lo), steps), steps
+
+
+def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
+    """One warpgroup's loop over the CTA's kv blocks ``[cta_first, cta_steps)``:
+    ``step(j, carry, masked)`` on the blocks its ``ranges`` (:func:`_kv_ranges`) see,
+    ``flush(j, None)`` on the others (they stream for the other warpgroup; both keep the
+    same barrier phases)."""
+    first, lo, hi, steps = ranges
+    if p.left is not None:
+        lax.fori_loop(cta_first, first, flush, None)
+        carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(hi, steps, functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps, cta_steps, flush, None)
+    return carry
+
+
+def _segment_scratch(p: Problem, q_tiles: int, stages: int, kv_rows: int) -> list:
+    """Shared memory and barriers for segment ids (None each without them): the query
+    tiles' ids (loaded once) and a ring of the streamed key blocks' ids."""
+    if not p.segments:
+        return [None] * 4
+    return [
+        plgpu.SMEM((q_tiles, WG_ROWS), jnp.int32),
+        plgpu.SMEM((stages, kv_rows), jnp.int32),
+        plgpu.Barrier(num_barriers=q_tiles),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+
+
+def _load_q_segments(p: Problem, q_seg_ref, qseg_smem, qseg_bar, b, q_base, i):
+    """The segment ids of the query rows ``[q_base, q_base + 64)`` (None without them)."""
+    if not p.segments:
+        return None
+    plgpu.copy_gmem_to_smem(
+        q_seg_ref.at[b, pl.ds(q_base, WG_ROWS)], qseg_smem.at[i], qseg_bar.at[i]
+    )
+    plgpu.barrier_wait(qseg_bar.at[i])
+    return qseg_smem[i]
+
+
+def _kv_segments(p: Problem, q_seg, kseg_smem, kseg_bar, slot):
+    """``(query ids, key ids)`` of a streamed kv block in ring ``slot`` (None without
+    segment ids). Its barrier is awaited even where the ids go unused (a skipped block):
+    every phase is observed."""
+    if not p.segments:
+        return None
+    plgpu.barrier_wait(kseg_bar.at[slot])
+    return q_seg, kseg_smem[slot]
+
+
+def _kv_segment_loads(p: Problem, kv_seg_ref, kseg_smem, kseg_bar, b, first) -> list:
+    """The producer's load of step ``n``'s key ids (block ``first + n``), beside K."""
+    if not p.segments:
+        return []
+    rows = kseg_smem.shape[-1]
+    return [(lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)]
 
 
 def _q_tile(p: Problem):
@@ -411,15 +527,31 @@ def _q_tile(p: Problem):
 # --- forward --------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, interpret: bool):
+def _fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    out_ref,
+    lse_ref,
+    *scratch,
+    p: Problem,
+    interpret: bool,
+):
     qo_smem, k_smem, v_smem, lse_smem, stage = scratch[:5]
-    k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:]
+    k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:11]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[11:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
     tile0 = _q_tile(p) * TILE
-    # The CTA's loop length is its second warpgroup's (the later rows see the most keys).
-    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    kv_len = _kv_len(p, kv_len_ref, b)
+    # The CTA's loop runs from its first warpgroup's first block to its second warpgroup's
+    # last (the later rows see later keys).
+    cta_first = _kv_ranges(p, tile0, kv_len)[0]
+    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     def schedule():
@@ -433,10 +565,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        full, steps = _kv_ranges(p, q_base)
+        ranges = _kv_ranges(p, q_base, kv_len)
         qs = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
+        q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
         m = jnp.full((bq,), -jnp.inf, jnp.float32)
         l_ = jnp.zeros((bq,), jnp.float32)
         acc = jnp.zeros((bq, d), jnp.float32)
@@ -445,13 +578,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
         def wait_next_k(j):
             # Each step waits for the next step's K block while its P·V product runs (the
             # first block before the loop), so the barrier wait hides behind the tensor cores.
-            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1, p.stages)]])
+            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1 - cta_first, p.stages)]])
 
-        wait_next_k(jnp.int32(-1))()
+        wait_next_k(cta_first - 1)()
 
         def step(j, carry, masked: bool):
             acc, m, l_ = carry
-            slot = _slot(j, p.stages)
+            slot = _slot(j - cta_first, p.stages)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
@@ -459,9 +592,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                vis = _mask(
+                    (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
+                )
                 s = jnp.where(vis, s, -jnp.inf)
             # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
             # one fused multiply-add per score.
@@ -495,7 +631,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
 
         def flush(j, _):
             # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
-            slot = _slot(j, p.stages)
+            slot = _slot(j - cta_first, p.stages)
+            _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_arrive(k_done.at[slot])
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
@@ -503,10 +640,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
             wait_next_k(j)()
             plgpu.barrier_arrive(v_done.at[slot])
 
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l_))
-        carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-        lax.fori_loop(steps, cta_steps, flush, None)
-        acc, m, l_ = carry
+        acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
         pl.when(wg == 0)(schedule)
         empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
         l_safe = jnp.where(empty, 1.0, l_)
@@ -521,12 +655,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, p: Problem, int
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
         def kv(ref):
-            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+            return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
+        k_loads = [(kv(k_ref), k_smem, k_bar)]
+        k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
         _producer(
-            cta_steps,
+            cta_steps - cta_first,
             p.stages,
-            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+            [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
 
@@ -545,6 +681,7 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+        *_segment_scratch(p, NUM_COMPUTE_WGS, p.stages, bkv),
     ]
     out_type = (
         jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
@@ -567,14 +704,31 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
 # --- backward: dQ ---------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, p, interpret):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    dq_ref,
+    *scratch,
+    p,
+    interpret,
+):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
-    q_bar, k_bar, v_bar, k_done, v_done = scratch[7:]
+    q_bar, k_bar, v_bar, k_done, v_done = scratch[7:12]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[12:]
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
     tile0 = lax.axis_index("q_seq") * TILE
-    _, cta_steps = _kv_ranges(p, tile0 + WG_ROWS)
+    kv_len = _kv_len(p, kv_len_ref, b)
+    cta_first = _kv_ranges(p, tile0, kv_len)[0]
+    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -582,7 +736,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        full, steps = _kv_ranges(p, q_base)
+        ranges = _kv_ranges(p, q_base, kv_len)
         rows = pl.ds(q_base, bq)
         qs, dos = q_smem.at[wg], do_smem.at[wg]
         bars = [q_bar.at[wg * 4 + i] for i in range(4)]
@@ -594,10 +748,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             plgpu.barrier_wait(bar)
         lse = lse_smem[wg]
         delta = delta_smem[wg]
+        q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
         dq = jnp.zeros((bq, d), jnp.float32)
 
         def step(j, dq, masked: bool):
-            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
+            slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             s = _dot((bq, bkv), qs, k_smem.at[slot].transpose((1, 0)))
             plgpu.barrier_wait(v_bar.at[vslot])
@@ -605,7 +760,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             plgpu.barrier_arrive(v_done.at[vslot])
             pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
-                vis = _mask((bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_tail=True)
+                segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
+                vis = _mask(
+                    (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
+                )
                 pr = jnp.where(vis, pr, 0.0)
             ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
@@ -613,15 +771,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             return dq
 
         def flush(j, _):
-            slot, vslot = _slot(j, p.stages), _slot(j, p.v_stages)
+            slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
+            _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_wait(v_bar.at[vslot])
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
-        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-        dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
-        lax.fori_loop(steps, cta_steps, flush, None)
+        dq = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq)
         qs[...] = (dq * p.scale).astype(p.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
@@ -630,12 +787,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
         def kv(ref):
-            return lambda j: ref.at[b, pl.ds(j * bkv, bkv), kv_head]
+            return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
 
+        k_loads = [(kv(k_ref), k_smem, k_bar)]
+        k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
         _producer(
-            cta_steps,
+            cta_steps - cta_first,
             (p.stages, p.v_stages),
-            [(k_done, [(kv(k_ref), k_smem, k_bar)]), (v_done, [(kv(v_ref), v_smem, v_bar)])],
+            [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
         )
 
 
@@ -655,6 +814,7 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_barriers=p.v_stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
+        *_segment_scratch(p, w, p.stages, bkv),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -674,28 +834,57 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
 
 
 def _q_ranges(p: Problem, kv_base):
-    """Query blocks for the keys ``[kv_base, kv_base + 64)``: none before ``start``, masked in
-    ``[start, full)``, unmasked from ``full`` on."""
+    """Query blocks for the keys ``[kv_base, kv_base + 64)``: ``(start, lo, hi, stop)``:
+    blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
+    ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them
+    (none with segment ids)."""
     nq = p.seq_q_pad // WG_ROWS
-    if not p.causal:
-        return jnp.int32(0), jnp.int32(0)
-    start = _clip(_fdiv(kv_base - p.offset, WG_ROWS), nq)
-    full = _clip(_cdiv(kv_base + WG_ROWS - 1 - p.offset, WG_ROWS), nq)
-    return start, lax.max(full, start)
+    start, lo, hi, stop = 0, 0, nq, nq
+    if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
+        stop = _clip(_cdiv(kv_base + (WG_ROWS - p.offset + p.left), WG_ROWS), nq)
+        hi = _fdiv(kv_base + (1 - p.offset + p.left), WG_ROWS)
+    if p.right is not None:  # ... and if i >= j - offset - right: start, lo
+        start = lax.min(_clip(_fdiv(kv_base - (p.offset + p.right), WG_ROWS), nq), stop)
+        lo = _clip(_cdiv(kv_base + (WG_ROWS - 1 - p.offset - p.right), WG_ROWS), nq)
+        lo = lax.min(lax.max(lo, start), stop)
+    if p.left is not None:
+        hi = lax.min(lax.max(hi, lo), stop)
+    return start, lo, lo if p.segments else hi, stop
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, p, interpret
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    kv_len_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    dk_ref,
+    dv_ref,
+    *scratch,
+    p,
+    interpret,
 ):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:]
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
+    # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
+    kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:]
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     tile0 = lax.axis_index("kv_seq") * p.dkv_rows
-    nq = p.seq_q_pad // WG_ROWS
-    cta_start, _ = _q_ranges(p, tile0)  # the first warpgroup's keys come first
-    per_head = nq - cta_start
+    # The CTA's query blocks: from its first key rows' first to its last key rows' last.
+    cta_start = _q_ranges(p, tile0)[0]
+    cta_stop = _q_ranges(p, tile0 + p.dkv_rows - WG_ROWS)[3]
+    # Key rows past the batch entry's length (whole CTAs of them) see no query: the CTA's
+    # loops are empty (the wrapper zeroes such rows' gradients).
+    alive = tile0 < _kv_len(p, kv_len_ref, b) if p.kv_lengths else None
+    if alive is not None:
+        cta_stop = lax.select(alive, _i32(cta_stop), _i32(cta_start))
+    per_head = cta_stop - cta_start
     bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -705,7 +894,11 @@ def _dkv_kernel(
         # Each warpgroup owns 64 key rows, or (roles) both share the CTA's 64 rows.
         r = 0 if roles else wg
         kv_base = tile0 + r * bkv
-        start, full = _q_ranges(p, kv_base)
+        start, lo, hi, stop = _q_ranges(p, kv_base)
+        if alive is not None:
+            start, lo, hi, stop = (
+                lax.select(alive, _i32(x), _i32(cta_start)) for x in (start, lo, hi, stop)
+            )
         rows = pl.ds(kv_base, bkv)
         ks, vs = k_smem.at[r], v_smem.at[r]
         for i, (ref, tile) in enumerate(((k_ref, ks), (v_ref, vs))):
@@ -717,17 +910,26 @@ def _dkv_kernel(
             # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
             pl.when(wg == i)(load) if roles else load()
 
+        if p.segments:  # the key rows' ids, read by the warpgroup(s) computing Pᵀ
+
+            def load_ids():
+                plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[r], kseg_bar.at[r])
+                plgpu.barrier_wait(kseg_bar.at[r])
+
+            pl.when(wg == 0)(load_ids) if roles else load_ids()
+
         zeros = jnp.zeros((bkv, p.head_dim), jnp.float32)
 
         def wait(slot):
-            for bars in (q_bar, do_bar, lse_bar, delta_bar):
+            for bars in (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if p.segments else ()):
                 plgpu.barrier_wait(bars.at[slot])
 
         def probs(st, slot, qi, masked: bool):
             lse = lse_smem[slot]
             pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
-                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, kv_tail=False)
+                segs = (kseg_smem[r], qseg_smem[slot]) if p.segments else None
+                vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, segs=segs)
                 pt = jnp.where(vis, pt, 0.0)
             return pt
 
@@ -802,11 +1004,16 @@ def _dkv_kernel(
             def head(g, carry):
                 # The group's query heads in a fixed order: their dK/dV sum in the
                 # accumulator.
-                if p.causal:
+                masked = functools.partial(body, g=g, masked=True)
+                if p.right is not None:
                     lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
-                    masked = functools.partial(body, g=g, masked=True)
-                    carry = lax.fori_loop(start, full, masked, carry)
-                return lax.fori_loop(full, nq, functools.partial(body, g=g, masked=False), carry)
+                    carry = lax.fori_loop(start, lo, masked, carry)
+                carry = lax.fori_loop(lo, hi, functools.partial(body, g=g, masked=False), carry)
+                if p.left is not None or p.segments:
+                    carry = lax.fori_loop(hi, stop, masked, carry)
+                if p.left is not None:
+                    lax.fori_loop(stop, cta_stop, functools.partial(skip, g=g), None)
+                return carry
 
             return lax.fori_loop(0, p.group, head, carry)
 
@@ -856,12 +1063,17 @@ def _dkv_kernel(
 
             return src
 
+        def ids_of(step):
+            return q_seg_ref.at[b, pl.ds(qh(step)[1], bq)]
+
         loads = [
             (rows_of(q_ref), q_smem, q_bar),
             (rows_of(do_ref), do_smem, do_bar),
             (vec_of(lse_ref), lse_smem, lse_bar),
             (vec_of(delta_ref), delta_smem, delta_bar),
         ]
+        if p.segments:
+            loads.append((ids_of, qseg_smem, qseg_bar))
         _producer(p.group * per_head, s, [(done, loads)])
 
 
@@ -888,6 +1100,7 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         plgpu.SMEM((WG_ROWS, WG_ROWS), jnp.float32) if roles else None,
         plgpu.Barrier() if roles else None,
         plgpu.Barrier() if roles else None,
+        *_segment_scratch(p, groups, s, WG_ROWS),
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
@@ -946,9 +1159,41 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
     return bool(spec.causal), float(spec.scale)
 
 
-def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = None):
+def _with_features(p: Problem, spec: AttentionSpec) -> Problem:
+    """``p`` with the spec's masks: its window, and whether lengths and segment ids are read."""
+    return dataclasses.replace(
+        p,
+        window=spec.local_window_size,
+        kv_lengths=spec.has_kv_lengths,
+        segments=spec.has_segment_ids,
+    )
+
+
+def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
+    """The kernels' int32 segment ids of queries and keys, padded to whole tiles (padded
+    rows are masked by position); without segment ids, placeholders that are not read."""
+    if ex.q_segment_ids is None:
+        unread = jnp.zeros((1, 1), jnp.int32)
+        return unread, unread
+    return _pad_seq(ex.q_segment_ids, p.seq_q_pad), _pad_seq(ex.kv_segment_ids, p.seq_kv_pad)
+
+
+def _kv_len_operand(kv_lengths, batch: int, seq_kv: int) -> jax.Array:
+    """The kernels' int32 ``(B,)`` key counts: the user's, or ``seq_kv`` (then not read)."""
+    return jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
+
+
+def _positions_below(lengths, seq: int) -> jax.Array:
+    """``(B, seq)`` bool: position ``i`` of batch entry ``b`` is below ``lengths[b]``."""
+    return jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | None = None):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
+    ``extras``: the spec's query/key lengths (:data:`FEATURES`). Padded queries (from
+    ``query_seq_lengths`` on) run through the kernel like the others and are zeroed after
+    it, with ``lse = -inf`` (which zeroes their gradients in :func:`flash_bwd`).
     ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
     (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
     """
@@ -963,11 +1208,19 @@ def flash_fwd(spec, q, k, v, *, interpret: bool = False, block_kv: int | None = 
             f"two K/V slots fitting shared memory at head_dim {q.shape[-1]}"
         )
     causal, scale = _decode(spec)
-    p = _fwd_problem(q, k, causal, scale, block_kv)
+    ex = spec.split(extras)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv), spec)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp), interpret=interpret)
-    return out[:, : p.seq_q], lse[:, :, : p.seq_q]
+    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
+    segs = _segment_operands(p, ex)
+    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp, kv_len, *segs), interpret=interpret)
+    out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
+    if ex.q_lengths is not None:
+        real = _positions_below(ex.q_lengths, p.seq_q)
+        out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(real[:, None, :], lse, -jnp.inf)
+    return out, lse
 
 
 def flash_bwd(
@@ -978,13 +1231,16 @@ def flash_bwd(
     out,
     lse,
     dout,
-    *,
+    *extras,
     interpret: bool = False,
     dq_block_kv: int | None = None,
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
+
+    ``extras``: the spec's query/key lengths, then the ``lse`` cotangent if it has one
+    (:data:`FEATURES`). Keys past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
 
     ``dq_block_kv``, ``dkv_stages`` and ``dkv_paired`` (benchmarks, tests) replace the dQ
     kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots
@@ -1017,10 +1273,16 @@ def flash_bwd(
             "split roles, with a schedule of their own)"
         )
     causal, scale = _decode(spec)
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired)
+    ex = spec.split(extras[: spec.num_extras])
+    p = _with_features(_bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired), spec)
+    if p.segments:  # their ids take shared memory too (checked by the cuda lowering test)
+        stages, v_stages = _dq_stages(p.head_dim, p.block_kv, SEGMENT_SMEM_BYTES)
+        p = dataclasses.replace(p, stages=stages, dq_v_stages=v_stages)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
+    if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
+        delta = delta - extras[spec.num_extras].astype(jnp.float32)
     # The kernels work in the exp2 domain. Rows that saw no key (lse = -inf) and padded rows
     # get +inf, so their probabilities exp2(s - inf) are exactly 0: zero gradients.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
@@ -1028,10 +1290,16 @@ def flash_bwd(
     delta = _pad_last(delta, p.seq_q_pad, 0.0)
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    operands = (qp, kp, vp, dop, lse2, delta)
+    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
+    operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
-    return dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+    dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+    if ex.kv_lengths is not None:  # the dK/dV kernel ran past the length in its last CTA
+        real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
+        dk = jnp.where(real, dk, jnp.zeros((), dk.dtype))
+        dv = jnp.where(real, dv, jnp.zeros((), dv.dtype))
+    return dq, dk, dv
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -1050,15 +1318,29 @@ def _default_config(spec: AttentionSpec) -> bool:
     return spec.config is None or spec.config == FlashAttentionConfig()
 
 
+# The spec features the kernels run: the index-based masks (an iota compare per tile, and
+# whole kv blocks skipped outside the lengths and the window), segment ids (streamed beside
+# the blocks they label, every block masked) and the lse cotangent (it only shifts Δ). A
+# mask or bias would need an (Sq, Skv) tile of values per block.
+FEATURES = (
+    "query_seq_lengths",
+    "key_value_seq_lengths",
+    "local_window_size",
+    "segment_ids",
+    "dlse",
+)
+
+
 def supports(spec, avals: Sequence[Any]) -> str | None:
     """None if the kernels can run the case, else why not (never raises).
 
     ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward).
     """
-    if spec.features:
+    declined = [f for f in spec.features if f not in FEATURES]
+    if declined:
         return (
-            f"{', '.join(spec.features)} (the kernels run plain attention, causal or not; "
-            "the blocked reference runs the rest)"
+            f"{', '.join(declined)} (the kernels run causal or not attention with "
+            f"{', '.join(FEATURES)}; the blocked reference runs the rest)"
         )
     q, k = avals[0], avals[1]
     dt = np.dtype(q.dtype)
@@ -1067,6 +1349,12 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         return f"head_dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
+    if spec.has_segment_ids and _dkv_roles(d):
+        # The role-split dK/dV kernel with a ring of query ids deadlocks in the Mosaic GPU
+        # interpreter on causal cases; until that is understood it does not run them.
+        return (
+            f"segment_ids at head_dim {d} (the kernels take them up to {DKV_ROLES_HEAD_DIM // 2})"
+        )
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if not _default_config(spec):
@@ -1080,13 +1368,18 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
 # operator's blocked XLA reference, which the kernels beat 4-20x at every measured shape
 # (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
-# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured.
+# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured. Decoding
+# (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys or more runs the kernels too:
+# the padded tile costs little beside streaming the cache (the ``…-decode-…`` cases: as
+# fast as the one-block reference at one query, faster at 16).
 PREFER_MIN_SEQ = 512
+DECODE_MAX_Q = 16
+DECODE_MIN_KV = 4096
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
     """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
-    from :data:`PREFER_MIN_SEQ` queries and keys. Asked only of cases :func:`supports`
-    accepts."""
-    q, k = avals[0], avals[1]
-    return min(q.shape[1], k.shape[1]) >= PREFER_MIN_SEQ
+    from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`,
+    :data:`DECODE_MIN_KV`). Asked only of cases :func:`supports` accepts."""
+    sq, skv = avals[0].shape[1], avals[1].shape[1]
+    return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)

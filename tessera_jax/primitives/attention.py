@@ -90,11 +90,13 @@ Kernels
 interpret) -> (out, lse)`` and ``flash_attention_bwd_op`` with ``fn(spec, q, k, v, out,
 lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in the
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
-what it cannot run, e.g. ``spec.features`` not empty (masks, bias, lengths, window,
-segments, ``dlse``, ``bias_grad``); the reference then runs the case. Registered today:
-``pallas_kernels/attention_mgpu.py`` (Hopper; plain causal or non-causal attention, bf16 and
-f16, head_dim 64, 128 and 256, forward and backward; in ``auto`` mode from 512 queries and
-keys).
+what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
+case. Registered today: ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
+query/key lengths, a local window, segment ids (head_dim 64, 128) and an ``lse``
+cotangent, bf16 and f16, head_dim 64, 128 and 256, forward and backward; in ``auto`` mode
+from 512 queries and keys, and for decoding against a long cache). A ``mask`` or ``bias``,
+other dtypes and head dims, an explicit ``config``, and short sequences run the reference,
+whose block size is chosen per shape (:func:`reference_block_kv`).
 """
 
 from __future__ import annotations
@@ -134,6 +136,23 @@ _NAME = "flash_attention"
 # --- the blocked reference ----------------------------------------------------------------
 
 
+# The reference's keys per block where the config leaves it to the shape: one block's
+# scores for one kv head (its G·Sq query rows) hold at most REFERENCE_BLOCK_ELEMENTS, in a
+# power-of-two block of at least REFERENCE_MIN_BLOCK keys. Short sequences and decoding (a
+# few queries against a long cache) then run as one block — one pair of large matmuls
+# instead of a loop of small ones, which is what made them slower than XLA's dense path —
+# and long sequences keep O(Sq·block) memory.
+REFERENCE_BLOCK_ELEMENTS = 1 << 19
+REFERENCE_MIN_BLOCK = 128
+
+
+def reference_block_kv(rows: int, seq_kv: int) -> int:
+    """Keys per block of the reference for ``rows`` query rows per kv head and ``seq_kv``
+    keys (:data:`REFERENCE_BLOCK_ELEMENTS`)."""
+    block = max(REFERENCE_MIN_BLOCK, REFERENCE_BLOCK_ELEMENTS // max(rows, 1))
+    return max(1, min(1 << (block.bit_length() - 1), seq_kv))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
     """Static sizes of one attention call and its kv blocking."""
@@ -150,7 +169,11 @@ class _Geometry:
     def of(cls, q, k, config: FlashAttentionConfig) -> _Geometry:
         b, sq, hq, d = q.shape
         skv, hkv = k.shape[1], k.shape[2]
-        return cls(b, sq, skv, hq, hkv, d, max(1, min(config.block_kv, skv)))
+        if config.block_kv is None:
+            block = reference_block_kv(sq * (hq // hkv), skv)
+        else:
+            block = max(1, min(config.block_kv, skv))
+        return cls(b, sq, skv, hq, hkv, d, block)
 
     @property
     def group(self) -> int:
@@ -813,15 +836,23 @@ def flash_attention(
         ``i + seq_kv − seq_q``.
       q_segment_ids, kv_segment_ids: int ``(batch, seq_q)`` and ``(batch, seq_kv)``, both
         or neither: a query sees only keys with its segment id (packed sequences).
-      config: block sizes (:class:`FlashAttentionConfig`); default ``block_kv=128``.
+      config: block sizes (:class:`FlashAttentionConfig`); default: chosen per shape (an
+        explicit config runs the blocked reference, which honours it).
     Returns:
       ``(batch, seq_q, heads_q, head_dim)`` in ``q``'s dtype. A query that sees no key
       gives zeros.
 
     Differentiable in forward and reverse mode, first order (``jax.grad``, ``jax.vjp``,
     ``jax.jvp``, ``jax.jacfwd``), with respect to ``q``, ``k``, ``v`` and ``bias``.
-    Deterministic: the blocked reference and the Pallas kernels that run it give bitwise
-    identical outputs and gradients run to run (no atomics); there is no cuDNN path.
+
+    Where it runs (``auto`` mode): on a Hopper GPU, bf16/f16 with head_dim 64, 128 or 256
+    and at least 512 queries and keys (or decoding: at most 16 queries against 4096 keys or
+    more), the Mosaic GPU kernels run the forward and backward, causal or not, with
+    ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and (head_dim
+    64, 128) segment ids. Everything else — ``mask``, ``bias``, other dtypes or head dims, shorter
+    sequences, an explicit ``config`` — runs the blocked XLA reference. Both paths are
+    deterministic: bitwise identical outputs and gradients run to run (no atomics); there is
+    no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
@@ -880,7 +911,7 @@ def flash_attention_fwd(
 
 # --- kernels ------------------------------------------------------------------------------
 
-# Hopper (Mosaic GPU) forward and deterministic backward of plain (causal or not) attention;
-# a spec with ``features`` (masks, bias, lengths, segments, window, dlse) runs the reference.
+# Hopper (Mosaic GPU) forward and deterministic backward, causal or not, with lengths, a
+# window and segment ids; a mask or bias runs the reference.
 flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
 flash_attention_bwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_bwd))
