@@ -148,32 +148,27 @@ def _same_bits(a, b) -> bool:
     )
 
 
-def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -> list[dict]:
-    b, s, h, d = shape
-    mode = "fwdbwd" if backward else "fwd"
-    case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
-    args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
-    flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-    ref_fn = _impls(causal, backward)["xla"][0]
-    ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
-    ref = ref if backward else (ref,)
-    fns, errs, temp, repeat = {}, {}, {}, {}
-    for name, (fn, mode) in _impls(causal, backward, impls).items():
+def _measure(case, fns, args, ref, flops, baseline, backward) -> list[dict]:
+    """Records of each ``name: (fn, kernel mode)`` in ``fns`` on ``args``: error against
+    ``ref``, bitwise repeatability over 3 calls, compiled temporary memory, then the
+    times of all of them, interleaved, and ratios against ``baseline``."""
+    jitted, errs, temp, repeat = {}, {}, {}, {}
+    for name, (fn, mode) in fns.items():
         try:
-            jitted, temp[name] = _compiled(fn, mode, args)
-            runs = [jitted(*args) for _ in range(3)]
+            jitted[name], temp[name] = _compiled(fn, mode, args)
+            runs = [jitted[name](*args) for _ in range(3)]
             runs = [r if backward else (r,) for r in runs]
             errs[name] = max(_rel(o, r) for o, r in zip(runs[0], ref))
             repeat[name] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
-            fns[name] = jitted
         except Exception as e:
+            jitted.pop(name, None)
             traceback.print_exc()
             print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del ref
-    ms = time_interleaved(fns, args, repeats=5, target_ms=40)
-    base_ms = ms.get(BASELINE)
+    ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
+    base_ms = ms.get(baseline)
     recs = []
-    for name in fns:
+    for name in jitted:
         recs.append(
             dict(
                 suite="attention",
@@ -181,7 +176,7 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
                 device=device_name(family=True),
                 jax=jax.__version__,
                 impl=name,
-                baseline=BASELINE,
+                baseline=baseline,
                 ms=ms[name],
                 baseline_ms=base_ms,
                 ratio=(base_ms / ms[name]) if base_ms else None,
@@ -194,11 +189,23 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
         r = recs[-1]
         ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
         print(
-            f"   {case} {name:11s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s {ratio} "
+            f"   {case} {name:28s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s {ratio} "
             f"err {r['rel_err']:.1e} repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
             flush=True,
         )
     return recs
+
+
+def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -> list[dict]:
+    b, s, h, d = shape
+    mode = "fwdbwd" if backward else "fwd"
+    case = f"{mode}-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-bf16"
+    args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
+    flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    ref_fn = _impls(causal, backward)["xla"][0]
+    ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
+    ref = ref if backward else (ref,)
+    return _measure(case, _impls(causal, backward, impls), args, ref, flops, BASELINE, backward)
 
 
 def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: bool) -> dict:
@@ -278,47 +285,8 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
     ref = jax.jit(wrap(nn_fn("xla")))(*(x.astype(F32) for x in args))
     ref = ref if backward else (ref,)
     flops = 4.0 * b * sq * skv * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-    jitted, errs, temp, repeat = {}, {}, {}, {}
-    for impl, (fn, mode) in fns.items():
-        try:
-            jitted[impl], temp[impl] = _compiled(wrap(fn), mode, args)
-            runs = [jitted[impl](*args) for _ in range(3)]
-            runs = [r if backward else (r,) for r in runs]
-            errs[impl] = max(_rel(o, r) for o, r in zip(runs[0], ref))
-            repeat[impl] = _same_bits(runs[0], runs[1]) and _same_bits(runs[0], runs[2])
-        except Exception as e:
-            jitted.pop(impl, None)
-            print(f"!! {name} {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    del ref
-    ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
-    base = ms.get(FEATURE_BASELINE)
-    recs = []
-    for impl in jitted:
-        recs.append(
-            dict(
-                suite="attention",
-                case=name,
-                device=device_name(family=True),
-                jax=jax.__version__,
-                impl=impl,
-                baseline=FEATURE_BASELINE,
-                ms=ms[impl],
-                baseline_ms=base,
-                ratio=(base / ms[impl]) if base else None,
-                tflops=flops / (ms[impl] * 1e-3) / 1e12,
-                rel_err=errs[impl],
-                bitwise_repeatable=repeat[impl],
-                temp_bytes=temp[impl],
-            )
-        )
-        r = recs[-1]
-        ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
-        print(
-            f"   {name} {impl:28s} {r['ms']:8.3f} ms {ratio} err {r['rel_err']:.1e} "
-            f"repeat {r['bitwise_repeatable']} temp {r['temp_bytes']}",
-            flush=True,
-        )
-    return recs
+    fns = {impl: (wrap(fn), mode) for impl, (fn, mode) in fns.items()}
+    return _measure(name, fns, args, ref, flops, FEATURE_BASELINE, backward)
 
 
 def _jax_fa3(causal: bool, d: int):
