@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
 from tessera_jax.primitives._core import OPERATORS
 
@@ -110,8 +111,6 @@ def np_tree(stacked) -> np.ndarray:
 
 def np_activation(z, activation):
     """The epilogue activations (``None``, relu, gelu, gelu_tanh) in float64 NumPy."""
-    import scipy.special
-
     if activation is None:
         return z
     if activation == "relu":
@@ -218,8 +217,6 @@ def skip_unsampled_twin(request, k: int) -> None:
 def np_activation_derivative(z, activation):
     """The derivative of :func:`np_activation`'s activations in float64 NumPy (relu's is 0
     at 0)."""
-    import scipy.special
-
     if activation == "relu":
         return (z > 0).astype(np.float64)
     if activation == "gelu":
@@ -229,3 +226,13 @@ def np_activation_derivative(z, activation):
     c = np.sqrt(2 / np.pi)
     t = np.tanh(c * (z + 0.044715 * z**3))
     return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+
+
+def subjaxprs(params):
+    """The jaxprs nested in an equation's ``params`` (pjit, shard_map, scan, cond, remat,
+    custom rules)."""
+    for v in params.values():
+        for item in v if isinstance(v, (tuple, list)) else (v,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner

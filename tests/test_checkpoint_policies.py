@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tessera_jax as ts
-from tests._util import rand, sample_grid
+from tests._util import rand, sample_grid, subjaxprs
 
 POLICIES = [
     "dots_saveable",
@@ -29,20 +29,12 @@ def _model(mm):
     return f
 
 
-def _subjaxprs(params):
-    for v in params.values():
-        for item in v if isinstance(v, (tuple, list)) else (v,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield inner
-
-
 def _count(jaxpr, names):
     """Equations named in ``names``, nested jaxprs (pjit, remat, custom rules) included."""
     n = 0
     for eqn in jaxpr.eqns:
         n += eqn.primitive.name in names
-        n += sum(_count(sub, names) for sub in _subjaxprs(eqn.params))
+        n += sum(_count(sub, names) for sub in subjaxprs(eqn.params))
     return n
 
 

@@ -22,6 +22,7 @@ from tessera_jax import _compat, _config
 from tessera_jax.__main__ import main
 from tessera_jax.train import data, demo, model, step
 from tessera_jax.train.checkpoint import fingerprint
+from tests._util import subjaxprs
 
 ROOT = pathlib.Path(__file__).parent.parent
 # A model small enough for CI: a few steps compile and run in seconds.
@@ -213,6 +214,41 @@ def test_unrolled_step_is_mesh_invariant():
         state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 4))
         fps.add(fingerprint(state["params"]))
     assert len(fps) == 1
+
+
+def _operator_problems(jaxpr, names, out):
+    """Every ts operator bind in ``jaxpr`` (nested jaxprs included) as what its kernels'
+    ``supports``/``prefer`` see: the primitive, its operands' shapes and dtypes, its params."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            avals = tuple((v.aval.shape, str(v.aval.dtype)) for v in eqn.invars)
+            out.add((eqn.primitive.name, avals, repr(sorted(eqn.params.items()))))
+        for sub in subjaxprs(eqn.params):
+            _operator_problems(sub, names, out)
+    return out
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_every_operator_sees_the_same_problems_on_every_mesh(unroll):
+    """Kernel dispatch (``prefer``, tiles) and a kernel's bits depend on the per-device
+    shapes an operator sees, and a kernel and XLA round differently. The step's groups
+    have one shape on every mesh, so on a GPU too every operator takes the same path
+    whatever dp and tp are; this holds it (the CPU runs every operator's reference, so the
+    fingerprint tests cannot)."""
+    cfg = model.ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=8, chunks=2)
+    optim = step.OptimConfig()
+    window = data.batch(data.encode(data.corpus()), 0, batch_size=8, seq_len=8, seed=0)
+    names = {op.prim.name for op in ts.op.OPERATORS.values()}
+    problems = []
+    for dp, tp in ((1, 1), (2, 2), (4, 2)):
+        mesh = step.make_mesh(jax.devices()[: dp * tp], dp, tp)
+        f = step.make_train_step(cfg, optim, mesh, 4, unroll=unroll, deterministic=False)
+        state = step.init_state(cfg, optim, mesh, 0)
+        jaxpr = jax.make_jaxpr(f)(state, step.place_windows(mesh, window, 4)).jaxpr
+        problems.append(_operator_problems(jaxpr, names, set()))
+    assert problems[0] and {"ts_matmul", "ts_flash_attention_fwd"} <= {p[0] for p in problems[0]}
+    assert problems[1] == problems[0]
+    assert problems[2] == problems[0]
 
 
 def _loss_and_grads(cfg: model.ModelConfig, tp: int, window: np.ndarray):
