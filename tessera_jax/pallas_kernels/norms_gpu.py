@@ -431,8 +431,8 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all).
 # The forward kernels won at every row length measured, except rmsnorm's at 16384, whose
 # forward+backward then ran behind the reference. The backward kernels, which finish the
-# weight gradient with an XLA sum, won from 2²³ elements and rows up to 8192. Elsewhere the
-# reference runs until measured.
+# weight gradient with an XLA sum, won from 2²³ elements at rows up to 8192 (rmsnorm's tied
+# at 2²³) and lost below. Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
