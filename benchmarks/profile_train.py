@@ -4,7 +4,7 @@ group counts) and the same model in plain JAX (``benchmarks/train.py``'s), on on
 Shows where a step's device time goes, per ts operator and per XLA kernel, and the idle
 time between kernels: what bounds ``benchmarks/train.py``'s ratio. On the GPU machine::
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/profile_train.py [--groups 8 2] [--batch 8]
+    PYTHONUNBUFFERED=1 python3 benchmarks/profile_train.py [--groups 8 2] [--plain onehot]
 """
 
 from __future__ import annotations
@@ -23,12 +23,18 @@ import tessera_jax as ts
 from benchmarks.train import add_model_arguments, bench_config, make_plain_step
 from tessera_jax.train import data, step
 
+# benchmarks/train.py's plain variants: (layers unrolled, one-hot embedding).
+PLAIN = {"scan": (False, False), "unrolled": (True, False), "onehot": (True, True)}
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(p)
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8])
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument(
+        "--plain", nargs="*", choices=sorted(PLAIN), default=sorted(PLAIN), help="plain steps"
+    )
     args = p.parse_args(argv)
 
     devices = jax.devices()[:1]
@@ -47,11 +53,11 @@ def main(argv=None):
         print(ts.profile(f, state, windows, steps=args.steps))
     attn_impl = "cudnn" if devices[0].platform == "gpu" else None
     window = jax.device_put(host, NamedSharding(mesh, P(("dp", "tp"))))
-    for unroll in (False, True):
-        plain = make_plain_step(cfg, optim, mesh, attn_impl, unroll)
+    for name in args.plain:
+        unroll, onehot = PLAIN[name]
+        plain = make_plain_step(cfg, optim, mesh, attn_impl, unroll, onehot)
         state = step.init_state(cfg, optim, mesh, 0)
-        layers = "unrolled" if unroll else "in lax.scan"
-        print(f"=== plain jax (attention: {attn_impl or 'xla'}; layers {layers})")
+        print(f"=== plain jax, {name} (attention: {attn_impl or 'xla'})")
         print(ts.profile(plain, state, window, steps=args.steps))
 
 
