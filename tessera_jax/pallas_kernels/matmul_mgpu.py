@@ -813,13 +813,13 @@ def supports(
 
 # Dispatch rules: the classes of cases where the kernel measured at least as fast as XLA's
 # cuBLAS(Lt) path in the same process on the H100 (benchmarks/results/matmul-h100.json and
-# the edge-shape probes, benchmarks/results/matmul-edges-h100-*.txt):
+# the edge-shape probes, benchmarks/archive/matmul-edges-h100-*.txt):
 # * fp8 with one format for both operands, from PREFER_MIN_FP8 on each of M, N, K (ragged
 #   shapes included);
 # * 16-bit with a fused epilogue (bias / activation / residual / scale), from
 #   PREFER_MIN_EPILOGUE on each of M, N, K and whole tiles only (ragged shapes tie). A
 #   GELU layer alone is faster on the kernel from K = 1024 too (linear-grad-h100.json),
-#   but the training step (benchmarks/train.py) measured slower with those layers on it;
+#   but the training step (benchmarks/train.py) measured slower with those layers on it.
 # * 16-bit with M <= DECODE_M (decode; memory-bound): K in DECODE_K, N >= DECODE_MIN_N and one
 #   wave of 128-column tiles over N (longer K or wider N measured behind cuBLAS).
 # Everything else goes to XLA: plain 16-bit products are at parity with cuBLAS (not a win,
