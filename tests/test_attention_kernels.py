@@ -176,21 +176,25 @@ def _check_mask_bias(dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, emp
 
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim), the mask's and the bias's shapes,
 # the other options and the query rows the mask empties (each case has few CTAs: the
-# interpreter's time grows with them): a bias per batch entry and head; a key-padding mask
-# (B, 1, 1, Skv) and a bias broadcast over the batch, ragged and causal; a mask broadcast
-# over the GQA group's heads, emptying rows, beside a bias per head, key lengths and a
-# window.
+# interpreter's time grows with them). With a query dim of 1 the kernels stream a vector of
+# keys per block ("rows"), else a tile of the scores: a bias per batch entry and head
+# (tiles); a key-padding mask (B, 1, 1, Skv) with a bias broadcast over the batch, ragged
+# and causal (rows); a key bias per head of a GQA group (rows); a mask broadcast over the
+# group's heads, emptying rows, beside a bias per head, key lengths and a window (tiles).
 MASK_BIAS = [
     pytest.param(
-        (2, 128, 128, 2, 1, 64), None, (2, 2, 128, 128), {}, (), id="bias-per-batch-and-head"
+        (2, 128, 128, 2, 1, 64), None, (2, 2, 128, 128), {}, (), id="tiles-per-batch-and-head"
     ),
     pytest.param(
         (2, 100, 200, 1, 1, 64),
         (2, 1, 1, 200),
-        (1, 1, 100, 200),
+        (1, 1, 1, 200),
         dict(causal=True),
         (),
-        id="keypad-causal-ragged",
+        id="rows-keypad-causal-ragged",
+    ),
+    pytest.param(
+        (1, 100, 300, 2, 1, 64), None, (1, 2, 1, 300), dict(causal=True), (), id="rows-per-head"
     ),
     pytest.param(
         (1, 100, 200, 2, 1, 64),
@@ -198,7 +202,7 @@ MASK_BIAS = [
         (1, 2, 100, 200),
         dict(local_window_size=(90, 40), key_value_seq_lengths=[180]),
         (0, 77, 99),
-        id="empty-rows-window-lengths",
+        id="tiles-empty-rows-window-lengths",
     ),
 ]
 
@@ -364,6 +368,8 @@ class TestAttentionKernelsGPU:
         [
             *MASK_BIAS,
             ((2, 1024, 1024, 8, 2, 128), (2, 1, 1, 1024), (1, 8, 1024, 1024), {}, ()),
+            ((4, 1000, 1000, 8, 2, 128), (4, 1, 1, 1000), None, dict(causal=True), ()),
+            ((2, 1024, 1024, 4, 1, 64), (2, 1, 1, 1024), (1, 4, 1, 1024), {}, ()),
             ((2, 1000, 1000, 4, 4, 128), None, (2, 4, 1000, 1000), dict(causal=True), ()),
             ((1, 1024, 2048, 8, 1, 64), (1, 8, 1024, 2048), None, dict(causal=True), (3, 1000)),
             (
@@ -416,11 +422,14 @@ def test_index_masks_lower_for_cuda(head_dim):
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
-@pytest.mark.parametrize("head_dim", sample([64, 128], 1))
-def test_mask_and_bias_lower_for_cuda(head_dim):
-    """The kernels with a mask and a bias (broadcast over heads and batch), key lengths and
-    segment ids go through the real Mosaic GPU lowering: the bias tiles' TMA loads, their
-    register layout and the shared memory they take beside the K/V rings."""
+@pytest.mark.parametrize(
+    "head_dim, bias_rows", sample([(64, 1), (64, 300), (128, 1), (128, 300)], 1)
+)
+def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
+    """The kernels with a key-padding mask, a bias (with one query row: vectors of keys; or
+    a row per query: tiles, broadcast over the batch), key lengths, segment ids and an lse
+    cotangent go through the real Mosaic GPU lowering: the bias's TMA loads, its register
+    layout and the shared memory its ring takes beside the K/V rings."""
     spec = AttentionSpec(
         causal=True,
         scale=0.1,
@@ -432,10 +441,14 @@ def test_mask_and_bias_lower_for_cuda(head_dim):
     )
     q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((300, 4), (700, 2)))
     lse, n = jnp.zeros((2, 4, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
-    mask, bias = jnp.ones((2, 1, 1, 700), bool), jnp.zeros((1, 4, 300, 700), jnp.float32)
+    mask = jnp.ones((2, 1, 1, 700), bool)
+    bias = jnp.zeros((1, 4, bias_rows, 700), jnp.float32)
     extras = (mask, bias, n, jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32))
     fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
-    bwd = cuda_lowering(functools.partial(am.flash_bwd, spec), q, k, k, q, lse, q, *extras)
+    bwd = cuda_lowering(
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        *(q, k, k, q, lse, q, *extras, lse),
+    )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
@@ -445,6 +458,10 @@ def test_mask_and_bias_lower_for_cuda(head_dim):
 def _spec(causal=False, config=None, **features):
     config = FlashAttentionConfig() if config is None else config
     return AttentionSpec(causal=causal, scale=0.125, config=config, **features)
+
+
+def _aval(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
@@ -473,10 +490,16 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
             "config=",
         ),
         (
-            _avals(1, 128, 128, 2, 2, 256, jnp.bfloat16),
+            (*_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16), _aval((1, 1, 128, 128), bool)),
             _spec(has_mask=True),
-            "a mask or bias at head_dim 256",
+            "a mask or bias per query at head_dim 256 (the forward's ring",
         ),
+        (
+            (*_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16), _aval((1, 2, 1, 128), jnp.float32)),
+            _spec(has_bias=True),
+            "a key-padding mask or bias at head_dim 256 (the dQ kernel's ring",
+        ),
+        (_avals(1, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(has_bias=True), "1 extras"),
     ],
 )
 def test_supports_declines_with_a_reason(avals, spec, reason):
@@ -527,8 +550,13 @@ def test_supports_the_index_based_masks():
     )
     assert am.supports(spec, _avals(2, 256, 256, 2, 1, 128, jnp.bfloat16, backward=True)) is None
     with_bias = spec.replace(has_mask=True, has_bias=True)
+    lengths, ids = _aval((2,), jnp.int32), _aval((2, 256), jnp.int32)
     for d in (64, 128):
-        assert am.supports(with_bias, _avals(2, 256, 256, 2, 1, d, jnp.float16, True)) is None
+        for rows in (1, 256):
+            mask, bias = _aval((2, 1, 1, 256), bool), _aval((1, 2, rows, 256), jnp.float32)
+            extras = (mask, bias, lengths, lengths, ids, ids, _aval((2, 2, 256), jnp.float32))
+            avals = (*_avals(2, 256, 256, 2, 1, d, jnp.float16, True), *extras)
+            assert am.supports(with_bias, avals) is None
 
 
 def test_prefer_from_the_measured_sequence_lengths():

@@ -125,9 +125,12 @@ class Problem:
         False: all ``seq_kv`` keys (the operand is then not read).
       segments: queries see only keys of their segment id: every kernel streams the ids
         of the keys (or queries) it loops over beside them, and masks every block.
-      bias: a ``mask`` and/or ``bias`` folded into one additive tile per block (in the exp2
+      bias: a ``mask`` and/or ``bias`` folded into one additive array (in the exp2
         domain, ``-inf`` where masked, :func:`_bias_operand`): every kernel streams the
-        tile of the block it works on beside it, and masks every block.
+        part of it for the block it works on beside the block, and masks every block.
+        ``"tiles"``: a 16-bit tile per block; ``"rows"``: the array has one query row (a
+        key-padding mask), an f32 vector of the block's keys is streamed and broadcast
+        over the queries. None: no mask or bias.
       bias_batch, bias_heads: the bias operand has a batch (a head) dimension of its own;
         False: of size 1, read at index 0 for every batch entry (head).
     """
@@ -149,7 +152,7 @@ class Problem:
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     segments: bool = False
-    bias: bool = False
+    bias: str | None = None
     bias_batch: bool = False
     bias_heads: bool = False
 
@@ -157,7 +160,7 @@ class Problem:
     def every_block_masked(self) -> bool:
         """Whether values per key (segment ids, a bias) may hide any score of any block:
         no block is visible whole."""
-        return self.segments or self.bias
+        return self.segments or self.bias is not None
 
     @property
     def left(self) -> int | None:
@@ -216,34 +219,42 @@ FWD_BLOCK_KV = {64: 256, 128: 128, 256: 64}
 FWD_BLOCK_KV_CHOICES = (64, 128, 256)
 
 
-def _fwd_stages(d: int, block_kv: int, bias: bool = False) -> int:
+def _fwd_stages(d: int, block_kv: int, bias: str | None = None) -> int:
     """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3); with
-    a ``bias``, each slot also holds the CTA's (128, block_kv) 16-bit tile of it."""
-    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2
-    slot_bytes = 2 * block_kv * d * 2 + (_bias_tile_bytes(TILE, block_kv) if bias else 0)
+    a ``bias`` (:attr:`Problem.bias`), each slot also holds the CTA's part of it."""
+    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2 + _bias_ring_bytes(bias)
+    slot_bytes = 2 * block_kv * d * 2 + _bias_slot_bytes(bias, TILE, block_kv)
     return min(3, (227 * 1024 - q_bytes - 4096) // slot_bytes)
 
 
-def _bias_tile_bytes(rows: int, cols: int) -> int:
-    return rows * cols * 2
+def _bias_slot_bytes(bias: str | None, queries: int, keys: int) -> int:
+    """Shared memory of one ring slot of a bias (:attr:`Problem.bias`) for ``queries`` by
+    ``keys``: a 16-bit tile, or an f32 vector of the keys."""
+    return {None: 0, "tiles": queries * keys * 2, "rows": keys * 4}[bias]
 
 
-def _fwd_block_kv(d: int, bias: bool) -> int | None:
+def _bias_ring_bytes(bias: str | None) -> int:
+    """Shared memory a bias ring takes beside its slots: its barriers and the allocator's
+    alignment."""
+    return 0 if bias is None else 1024
+
+
+def _fwd_block_kv(d: int, bias: str | None) -> int | None:
     """The forward's keys per loop step: :data:`FWD_BLOCK_KV`, or with a bias the longest
-    choice up to it that leaves two ring slots (the bias tile grows with the block); None:
+    choice up to it that leaves two ring slots (a bias tile grows with the block); None:
     none does."""
-    if not bias:
+    if bias is None:
         return FWD_BLOCK_KV[d]
     fits = [
         bkv
         for bkv in FWD_BLOCK_KV_CHOICES
-        if bkv <= FWD_BLOCK_KV[d] and _fwd_stages(d, bkv, bias=True) >= 2
+        if bkv <= FWD_BLOCK_KV[d] and _fwd_stages(d, bkv, bias) >= 2
     ]
     return max(fits, default=None)
 
 
 def _fwd_problem(
-    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: bool = False
+    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: str | None = None
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -266,29 +277,30 @@ SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SEGMENT_SMEM_BYTES = 3072
 
 
-def _dq_stages(d: int, block_kv: int, extra: int = 0, bias: bool = False) -> tuple[int, int]:
+def _dq_stages(d: int, block_kv: int, extra: int = 0, bias: str | None = None) -> tuple[int, int]:
     """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles
     (and ``extra`` bytes), at most two each; K gets the second slot first (it is held to
-    the end of a step). With a ``bias``, each K slot also holds the CTA's bias tile."""
+    the end of a step). With a ``bias``, each K slot also holds the CTA's part of it."""
     fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
-    room = SMEM_BYTES - fixed - extra
+    room = SMEM_BYTES - fixed - extra - _bias_ring_bytes(bias)
     kv = block_kv * d * 2
-    k_slot = kv + (_bias_tile_bytes(TILE, block_kv) if bias else 0)
+    k_slot = kv + _bias_slot_bytes(bias, TILE, block_kv)
     for k_slots, v_slots in ((2, 2), (2, 1), (1, 1)):
         if k_slots * k_slot + v_slots * kv <= room:
             return k_slots, v_slots
     return 0, 0
 
 
-def _dq_block_kv(d: int, extra: int, bias: bool) -> int | None:
+def _dq_block_kv(d: int, extra: int, bias: str | None) -> int | None:
     """The dQ kernel's keys per loop step: :data:`DQ_BLOCK_KV`, or with a bias the longest
-    choice up to it whose K, V and bias rings keep two slots each (None: none does)."""
-    if not bias:
+    choice up to it whose rings keep the slots they have without one (None: none does)."""
+    if bias is None:
         return DQ_BLOCK_KV[d]
+    plain = _dq_stages(d, DQ_BLOCK_KV[d], extra)
     fits = [
         bkv
         for bkv in DQ_BLOCK_KV_CHOICES
-        if bkv <= DQ_BLOCK_KV[d] and _dq_stages(d, bkv, extra, bias=True) == (2, 2)
+        if bkv <= DQ_BLOCK_KV[d] and _dq_stages(d, bkv, extra, bias) == plain
     ]
     return max(fits, default=None)
 
@@ -301,14 +313,15 @@ def _dkv_rows(d: int) -> int:
     return WG_ROWS if _dkv_roles(d) else TILE
 
 
-def _dkv_smem(d: int, stages: int, bias: bool = False) -> int:
+def _dkv_smem(d: int, stages: int, bias: str | None = None) -> int:
     """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring (with
-    a ``bias``, each slot also holds the key rows' tile of it) and, where the warpgroups
+    a ``bias``, each slot also holds the key rows' part of it) and, where the warpgroups
     split roles, the f32 Pᵀ tile they hand over."""
     hand_over = WG_ROWS * WG_ROWS * 4 if _dkv_roles(d) else 0
     slot = 2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4
-    slot += _bias_tile_bytes(_dkv_rows(d), WG_ROWS) if bias else 0
-    return 2 * _dkv_rows(d) * d * 2 + stages * slot + hand_over + 4096
+    slot += _bias_slot_bytes(bias, WG_ROWS, _dkv_rows(d))
+    fixed = 2 * _dkv_rows(d) * d * 2 + hand_over + _bias_ring_bytes(bias) + 4096
+    return fixed + stages * slot
 
 
 def _bwd_problem(
@@ -320,7 +333,7 @@ def _bwd_problem(
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
     extra: int = 0,
-    bias: bool = False,
+    bias: str | None = None,
 ) -> Problem:
     """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
@@ -583,41 +596,47 @@ def _kv_segment_loads(p: Problem, kv_seg_ref, kseg_smem, kseg_bar, b, first) -> 
     return [(lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)]
 
 
-def _bias_scratch(p: Problem, stages: int, groups: int, cols: int) -> list:
-    """Shared memory and barriers for the bias (None each without one): a ring of tiles of
-    ``groups`` 64-row halves by ``cols``, 16-bit (as TMA and the register loads want them),
-    and a barrier per half and slot (each warpgroup waits for its own rows only)."""
-    if not p.bias:
+def _bias_scratch(p: Problem, stages: int, groups: int, n: int) -> list:
+    """Shared memory and barriers for the bias (None each without one): a ring of ``groups``
+    parts per slot, each 64 rows by ``n`` 16-bit columns (tiles, as TMA and the register
+    loads want them) or an f32 vector of ``n`` keys (rows), and a barrier per part and slot
+    (a warpgroup waits for its own part only)."""
+    if p.bias is None:
         return [None, None]
-    return [
-        _smem((stages, groups, WG_ROWS, cols), p.dtype),
-        plgpu.Barrier(num_barriers=stages * groups),
-    ]
+    if p.bias == "tiles":
+        ring = _smem((stages, groups, WG_ROWS, n), p.dtype)
+    else:
+        ring = plgpu.SMEM((stages, groups, n), jnp.float32)
+    return [ring, plgpu.Barrier(num_barriers=stages * groups)]
 
 
 def _bias_bar(bias_smem, bias_bar, slot, group):
     return bias_bar.at[slot * bias_smem.shape[1] + group]
 
 
-def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group):
-    """The f32 bias tile of ring ``slot`` for the 64 rows of ``group`` (None without a bias).
-    Its barrier is awaited here; :func:`_bias_flush` observes it for a skipped block."""
-    if not p.bias:
+def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int):
+    """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``) from part
+    ``group`` of ring ``slot`` (None without a bias): a tile as it is, a vector of keys
+    broadcast over the queries. Its barrier is awaited here; :func:`_bias_flush` observes
+    it for a skipped block."""
+    if p.bias is None:
         return None
     plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
-    return bias_smem[slot, group].astype(jnp.float32)
+    if p.bias == "tiles":
+        return bias_smem[slot, group].astype(jnp.float32)
+    return lax.broadcast_in_dim(bias_smem[slot, group], shape, [keys_dim])
 
 
 def _bias_flush(p: Problem, bias_smem, bias_bar, slot, group) -> None:
     """A skipped block's bias barrier, awaited so that every phase is observed."""
-    if p.bias:
+    if p.bias is not None:
         plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
 
 
 def _bias_loads(p: Problem, bias_smem, bias_bar, src) -> list:
-    """The producer's loads of step ``n``'s bias tile, one per 64-row half ``i``:
+    """The producer's loads of step ``n``'s bias, one per part ``i`` of a ring slot:
     ``src(n, i)`` is its source in global memory."""
-    if not p.bias:
+    if p.bias is None:
         return []
     return [
         (
@@ -629,15 +648,23 @@ def _bias_loads(p: Problem, bias_smem, bias_bar, src) -> list:
     ]
 
 
+def _bias_parts(p: Problem) -> int:
+    """Parts of a forward or dQ bias slot: a 64-row tile per warpgroup, or one vector of
+    keys that both read."""
+    return NUM_COMPUTE_WGS if p.bias == "tiles" else 1
+
+
 def _bias_src(p: Problem, bias_ref, b, h, row0, col0, cols: int):
-    """``src(n, i)`` of :func:`_bias_loads` for tiles of 64 rows from ``row0`` (half
-    ``i`` from ``row0 + 64·i``) by ``cols`` columns from ``col0 + n·cols``."""
+    """``src(n, i)`` of :func:`_bias_loads` for the forward and dQ kernels: tiles of 64
+    query rows from ``row0`` (part ``i`` from ``row0 + 64·i``), or the vector of keys, for
+    the ``cols`` keys from ``(col0 + n)·cols``."""
     bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
 
     def src(n, i):
-        return bias_ref.at[
-            bb, bh, pl.ds(row0 + i * WG_ROWS, WG_ROWS), pl.ds((col0 + n) * cols, cols)
-        ]
+        keys = pl.ds((col0 + n) * cols, cols)
+        if p.bias == "rows":
+            return bias_ref.at[bb, bh, keys]
+        return bias_ref.at[bb, bh, pl.ds(row0 + i * WG_ROWS, WG_ROWS), keys]
 
     return src
 
@@ -724,7 +751,8 @@ def _fwd_kernel(
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
             segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, wg)
+            part = 0 if p.bias == "rows" else wg
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
 
             # ``scaled(x)``: scores to the exp2 domain. The bias tile is in it already, so
             # with one the scores are scaled once, here.
@@ -773,7 +801,7 @@ def _fwd_kernel(
             slot = _slot(j - cta_first, p.stages)
             _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_arrive(k_done.at[slot])
-            _bias_flush(p, bias_smem, bias_bar, slot, wg)
+            _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
             schedule()
@@ -821,7 +849,7 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
         *_segment_scratch(p, NUM_COMPUTE_WGS, p.stages, bkv),
-        *_bias_scratch(p, p.stages, NUM_COMPUTE_WGS, bkv),
+        *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
     out_type = (
         jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
@@ -903,7 +931,8 @@ def _dq_kernel(
             dp = _dot((bq, bkv), dos, v_smem.at[vslot].transpose((1, 0)))
             plgpu.barrier_arrive(v_done.at[vslot])
             s = s * p.c
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, wg)
+            part = 0 if p.bias == "rows" else wg
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
             if bias is not None:
                 s = s + bias
             pr = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -922,7 +951,7 @@ def _dq_kernel(
             slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
-            _bias_flush(p, bias_smem, bias_bar, slot, wg)
+            _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
             plgpu.barrier_wait(v_bar.at[vslot])
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
@@ -966,7 +995,7 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
         *_segment_scratch(p, w, p.stages, bkv),
-        *_bias_scratch(p, p.stages, w, bkv),
+        *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -1022,12 +1051,13 @@ def _dkv_kernel(
     p,
     interpret,
 ):
-    del bias_ref  # the dQ kernel's; this one streams tiles of its transpose
+    del bias_ref  # the dQ kernel's; this one streams tiles of its transpose, or the vector
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
     # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
     kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:20]
-    # The bias: a ring of (key rows, 64 queries) tiles of its transpose, beside Q and dO.
+    # The bias: a ring of (key rows, 64 queries) tiles of its transpose, or of the vectors
+    # of the key rows, per key-row group, beside Q and dO.
     bias_smem, bias_bar = scratch[20:]
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
@@ -1084,7 +1114,7 @@ def _dkv_kernel(
         def probs(st, slot, qi, masked: bool):
             lse = lse_smem[slot]
             st = st * p.c
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, r)
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, r, (bkv, bq), 0)
             if bias is not None:
                 st = st + bias
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
@@ -1234,7 +1264,10 @@ def _dkv_kernel(
         def bias_of(step, i):
             h, q0 = qh(step)
             bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
-            return bias_t_ref.at[bb, bh, pl.ds(tile0 + i * WG_ROWS, WG_ROWS), pl.ds(q0, bq)]
+            keys = pl.ds(tile0 + i * WG_ROWS, WG_ROWS)
+            if p.bias == "rows":
+                return bias_t_ref.at[bb, bh, keys]
+            return bias_t_ref.at[bb, bh, keys, pl.ds(q0, bq)]
 
         loads = [
             (rows_of(q_ref), q_smem, q_bar),
@@ -1272,7 +1305,7 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier() if roles else None,
         plgpu.Barrier() if roles else None,
         *_segment_scratch(p, groups, s, WG_ROWS),
-        *_bias_scratch(p, s, groups, WG_ROWS),
+        *_bias_scratch(p, s, groups, WG_ROWS),  # (a vector of 64 keys, or 64 queries)
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
@@ -1333,53 +1366,66 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
 
 def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
     """``p`` with the spec's masks: its window, whether lengths and segment ids are read, and
-    the kernels' ``bias`` operand (:func:`_bias_operand`; None: no mask or bias)."""
+    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias)."""
     return dataclasses.replace(
         p,
         window=spec.local_window_size,
         kv_lengths=spec.has_kv_lengths,
         segments=spec.has_segment_ids,
-        bias=bias is not None,
+        bias=None if bias is None else _bias_kind(bias.shape),
         bias_batch=bias is not None and bias.shape[0] > 1,
         bias_heads=bias is not None and bias.shape[1] > 1,
     )
 
 
-def _has_bias(spec: AttentionSpec) -> bool:
-    return spec.has_mask or spec.has_bias
+def _bias_kind(shape) -> str:
+    """:attr:`Problem.bias` of a folded bias of ``shape``: ``"rows"`` for one query row."""
+    return "rows" if shape[2] == 1 else "tiles"
+
+
+def _extras_bias_kind(spec: AttentionSpec, extras) -> str | None:
+    """:attr:`Problem.bias` of the user's ``mask`` and ``bias`` (arrays or avals, rank 4):
+    rows where neither has more than one query row."""
+    ex = spec.split(extras)
+    given = [x for x in (ex.mask, ex.bias) if x is not None]
+    if not given:
+        return None
+    return _bias_kind((1, 1, max(x.shape[2] for x in given)))
 
 
 def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
-    """The user's ``mask`` and ``bias`` as one additive ``(Bb, Hb, Sq, Skv)`` array in the
-    kernels' 16-bit dtype (``Bb``, ``Hb``: 1 where both broadcast; None without either).
+    """The user's ``mask`` and ``bias`` as one additive f32 ``(Bb, Hb, Sq or 1, Skv)``
+    array (``Bb``, ``Hb`` and the query dim are 1 where both broadcast along them; None
+    without either).
 
-    It is in the exp2 domain (times ``log2(e)``, in f32 before the rounding), so that a
-    kernel adds it to ``s·scale·log2(e)`` as it is, and ``-inf`` where the mask hides a key
-    (a row it empties gets no probability, as the reference's). Finite values beyond the
-    16-bit range are clipped to it: a large finite bias stays finite (the reference's
-    softmax of such values is not that of ``-inf``). The query and key dimensions are
-    materialised: the kernels stream one tile of it per block.
+    It is in the exp2 domain (times ``log2(e)``), so that a kernel adds it to
+    ``s·scale·log2(e)`` as it is, and ``-inf`` where the mask hides a key (a row it empties
+    gets no probability, as the reference's).
     """
-    if not _has_bias(spec):
+    if ex.mask is None and ex.bias is None:
         return None
-    dtype = jnp.dtype(q.dtype)
     x = jnp.zeros((1, 1, 1, 1), jnp.float32)
     if ex.bias is not None:
-        big = float(jnp.finfo(dtype).max)
         x = ex.bias.astype(jnp.float32) * LOG2E
-        x = jnp.where(jnp.isinf(x), x, jnp.clip(x, -big, big))
     if ex.mask is not None:
         x = jnp.where(ex.mask, x, -jnp.inf)
-    b, h = x.shape[:2]
-    return jnp.broadcast_to(x, (b, h, q.shape[1], k.shape[1])).astype(dtype)
+    return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
 
 
 def _bias_tiles(p: Problem, bias, transpose: bool) -> jax.Array:
-    """The kernels' bias operand: ``bias`` (or its transpose, for the dK/dV kernel, whose
-    tiles hold keys along rows) zero-padded to whole tiles; padded rows and columns are
-    masked by position. Without a bias, a placeholder that is not read."""
+    """A kernel's bias operand: tiles: ``bias`` (or its transpose, for the dK/dV kernel,
+    whose tiles hold keys along rows) in the 16-bit dtype, its query rows materialised,
+    zero-padded to whole tiles; rows: the f32 ``(Bb, Hb, Skv)`` vectors, zero-padded.
+    Padded rows and columns are masked by position. Finite values beyond the 16-bit range
+    are clipped to it: a large finite bias stays finite (the reference's softmax of such
+    values is not that of ``-inf``). Without a bias, a placeholder that is not read."""
     if bias is None:
         return jnp.zeros((1, 1, 1, 1), p.dtype)
+    if p.bias == "rows":
+        return _pad_last(bias[:, :, 0], p.seq_kv_pad, 0.0)
+    big = float(jnp.finfo(p.dtype).max)
+    bias = jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -big, big))
+    bias = jnp.broadcast_to(bias, (*bias.shape[:2], p.seq_q, p.seq_kv)).astype(p.dtype)
     if transpose:
         bias = jnp.swapaxes(bias, 2, 3)
     rows, cols = (p.seq_kv_pad, p.seq_q_pad) if transpose else (p.seq_q_pad, p.seq_kv_pad)
@@ -1415,12 +1461,12 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
     (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
     """
-    reason = supports(spec, (q, k, v))
+    reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
-        block_kv not in FWD_BLOCK_KV_CHOICES
-        or _fwd_stages(q.shape[-1], block_kv, _has_bias(spec)) < 2
+        block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv, kind) < 2
     ):
         raise ValueError(
             f"attention_mgpu.flash_fwd: {block_kv=} must be one of {FWD_BLOCK_KV_CHOICES} with "
@@ -1429,7 +1475,7 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     causal, scale = _decode(spec)
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
-    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, _has_bias(spec)), spec, bias)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind), spec, bias)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
@@ -1468,14 +1514,14 @@ def flash_bwd(
     (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`); a choice that does not fit
     shared memory is a ValueError.
     """
-    reason = supports(spec, (q, k, v, out, lse, dout))
+    reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
     extra = SEGMENT_SMEM_BYTES if spec.has_segment_ids else 0
-    has_bias = _has_bias(spec)
+    kind = _extras_bias_kind(spec, extras[: spec.num_extras])
     if dq_block_kv is not None and (
         dq_block_kv not in DQ_BLOCK_KV_CHOICES
-        or min(_dq_stages(q.shape[-1], dq_block_kv, extra, has_bias)) < 1
+        or min(_dq_stages(q.shape[-1], dq_block_kv, extra, kind)) < 1
     ):
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES} "
@@ -1483,7 +1529,7 @@ def flash_bwd(
         )
     if dkv_stages is not None and (
         dkv_stages not in DKV_STAGES_CHOICES
-        or _dkv_smem(q.shape[-1], dkv_stages, has_bias) > SMEM_BYTES
+        or _dkv_smem(q.shape[-1], dkv_stages, kind) > SMEM_BYTES
     ):
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
@@ -1501,7 +1547,7 @@ def flash_bwd(
     ex = spec.split(extras[: spec.num_extras])
     bias = _bias_operand(spec, ex, q, k)
     # Segment ids take shared memory too (``extra``; checked by the cuda lowering test).
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, has_bias)
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind)
     p = _with_features(p, spec, bias)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
@@ -1517,6 +1563,7 @@ def flash_bwd(
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
     operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
+    # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_tiles(p, bias, False), _bias_tiles(p, bias, True))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
@@ -1561,15 +1608,16 @@ FEATURES = (
 )
 
 
-def _bias_reason(d: int, segments: bool) -> str | None:
-    """Why the kernels cannot stream a bias tile per block at head_dim ``d`` (None: they
-    can): every kernel keeps two ring slots (the dK/dV kernel its default ones) with it."""
+def _bias_reason(d: int, segments: bool, bias: str) -> str | None:
+    """Which kernel's ring cannot hold a ``bias`` (:attr:`Problem.bias`) per block at
+    head_dim ``d`` beside K/V (None: every kernel's can): the forward keeps two slots, the
+    dQ kernel the slots it has without a bias, the dK/dV kernel its default ones."""
     extra = SEGMENT_SMEM_BYTES if segments else 0
-    if _fwd_block_kv(d, True) is None:
+    if _fwd_block_kv(d, bias) is None:
         return "the forward's"
-    if _dq_block_kv(d, extra, True) is None:
+    if _dq_block_kv(d, extra, bias) is None:
         return "the dQ kernel's"
-    if _dkv_smem(d, DKV_STAGES[d], True) > SMEM_BYTES:
+    if _dkv_smem(d, DKV_STAGES[d], bias) > SMEM_BYTES:
         return "the dK/dV kernel's"
     return None
 
@@ -1577,7 +1625,9 @@ def _bias_reason(d: int, segments: bool) -> str | None:
 def supports(spec, avals: Sequence[Any]) -> str | None:
     """None if the kernels can run the case, else why not (never raises).
 
-    ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward).
+    ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward), then
+    the spec's extra operands (and the backward's ``lse`` cotangent), as the operator binds
+    them: a mask's and a bias's shapes choose how they stream.
     """
     declined = [f for f in spec.features if f not in FEATURES]
     if declined:
@@ -1598,14 +1648,21 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
         return (
             f"segment_ids at head_dim {d} (the kernels take them up to {DKV_ROLES_HEAD_DIM // 2})"
         )
-    if _has_bias(spec):
-        kernel = _bias_reason(d, spec.has_segment_ids)
-        if kernel is not None:
-            fit = [h for h in HEAD_DIMS if _bias_reason(h, spec.has_segment_ids) is None]
+    if spec.has_mask or spec.has_bias:
+        fixed = len(avals) - spec.num_extras - int(spec.has_dlse)
+        if fixed not in (3, 6):
             return (
-                f"a mask or bias at head_dim {d} ({kernel} tile ring of it does not fit shared "
-                f"memory beside K/V; the kernels take them at head_dim "
-                f"{', '.join(map(str, fit))})"
+                f"{len(avals)} operands for a spec with {spec.num_extras} extras (the mask's "
+                "and bias's shapes are needed)"
+            )
+        bias = _extras_bias_kind(spec, avals[fixed : fixed + spec.num_extras])
+        kernel = _bias_reason(d, spec.has_segment_ids, bias)
+        if kernel is not None:
+            fit = [h for h in HEAD_DIMS if _bias_reason(h, spec.has_segment_ids, bias) is None]
+            what = "a mask or bias per query" if bias == "tiles" else "a key-padding mask or bias"
+            return (
+                f"{what} at head_dim {d} ({kernel} ring of it does not fit shared memory "
+                f"beside K/V; the kernels take it at head_dim {', '.join(map(str, fit))})"
             )
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
