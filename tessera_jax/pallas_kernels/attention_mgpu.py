@@ -37,16 +37,23 @@ masked query rows ``lse = +inf`` so their probabilities are exactly 0 (the dQ pa
 padded keys too; they reach only padded dK/dV rows, which are cut off, as are the dK/dV
 rows past a key length).
 
-A ``mask`` and a ``bias`` are folded by XLA into one additive ``(Bb, Hb, Sq, Skv)`` array in
-the inputs' 16-bit dtype, in the exp2 domain and ``-inf`` where masked (batch and heads
-stay 1 where both broadcast: the TMA loads index 0 there); each kernel streams the tile of
-the block it works on into a ring beside the block (the forward beside V, the dQ kernel
-beside K), and the dK/dV kernel, which works on Sᵀ, tiles of its transpose (one XLA
-transpose) beside Q and dO. Every block is then masked. A row the mask empties is a
-fully masked row: zeros, ``lse = -inf``, zero gradients, as the reference's. The tiles
-take shared memory: with them the forward and dQ kernels take shorter kv blocks where two
-ring slots would not fit otherwise, and at head_dim 256 the kernels decline them. The
-bias's gradient is not computed here (the reference's backward runs it).
+A ``mask`` and a ``bias`` are folded by XLA into one additive array, in the exp2 domain and
+``-inf`` where masked (batch and heads stay 1 where both broadcast: the TMA loads index 0
+there), streamed into a ring beside the block it belongs to (the forward's beside V, the
+dQ kernel's beside K, the dK/dV kernel's beside Q and dO); every block is then masked. A
+row the mask empties is a fully masked row: zeros, ``lse = -inf``, zero gradients, as the
+reference's. Two forms:
+
+* one query row (jax.nn's key-padding mask ``(B, 1, 1, Skv)``, decoding): an f32 vector of
+  the block's keys, broadcast over the queries in registers; a few hundred bytes, so the
+  kernels keep their block sizes;
+* a row per query: a 16-bit ``(64, block)`` tile per warpgroup, the bias rounded to the
+  inputs' dtype; the dK/dV kernel, which works on Sᵀ, streams tiles of the transpose (one
+  XLA transpose). The tiles take shared memory: the forward and dQ kernels take shorter kv
+  blocks where their rings would otherwise lose slots.
+
+At head_dim 256 the kernels decline both (the rings beside the 256-wide tiles do not fit).
+The bias's gradient is not computed here (the reference's backward runs it).
 
 In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
 shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
@@ -1412,7 +1419,7 @@ def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
     return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
 
 
-def _bias_tiles(p: Problem, bias, transpose: bool) -> jax.Array:
+def _bias_for_kernel(p: Problem, bias, transpose: bool) -> jax.Array:
     """A kernel's bias operand: tiles: ``bias`` (or its transpose, for the dK/dV kernel,
     whose tiles hold keys along rows) in the 16-bit dtype, its query rows materialised,
     zero-padded to whole tiles; rows: the f32 ``(Bb, Hb, Skv)`` vectors, zero-padded.
@@ -1455,11 +1462,11 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
     ``extras``: the spec's mask, bias, query/key lengths and segment ids
-    (:data:`FEATURES`). Padded queries (from
-    ``query_seq_lengths`` on) run through the kernel like the others and are zeroed after
-    it, with ``lse = -inf`` (which zeroes their gradients in :func:`flash_bwd`).
-    ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
-    (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
+    (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
+    kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
+    gradients in :func:`flash_bwd`). ``block_kv`` (benchmarks, tests) replaces the tuned
+    keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a bias); one whose
+    K/V (and bias) ring does not fit shared memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
@@ -1479,7 +1486,7 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    operands = (qp, kp, vp, kv_len, *_segment_operands(p, ex), _bias_tiles(p, bias, False))
+    operands = (qp, kp, vp, kv_len, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
     out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
     out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
     if ex.q_lengths is not None:
@@ -1564,7 +1571,7 @@ def flash_bwd(
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
     operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
-    operands += (_bias_tiles(p, bias, False), _bias_tiles(p, bias, True))
+    operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
     dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]

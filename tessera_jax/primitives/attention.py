@@ -850,12 +850,12 @@ def flash_attention(
     and at least 512 queries and keys (or decoding: at most 16 queries against 4096 keys or
     more), the Mosaic GPU kernels run the forward and backward, causal or not, with
     ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and, at
-    head_dim 64 and 128, segment ids, ``mask`` and ``bias`` (the kernels round the bias to
-    the inputs' 16-bit dtype). Everything else — the gradient of ``bias`` (its backward),
-    other dtypes or head dims, shorter sequences, an explicit ``config`` — runs the blocked
-    XLA reference. Both paths are
-    deterministic: bitwise identical outputs and gradients run to run (no atomics); there is
-    no cuDNN path.
+    head_dim 64 and 128, segment ids, ``mask`` and ``bias`` (a bias with a row per query is
+    rounded to the inputs' 16-bit dtype there, one broadcast over the queries is not).
+    Everything else — the gradient of ``bias`` (its backward), other dtypes or head dims,
+    shorter sequences, an explicit ``config`` — runs the blocked XLA reference. Both paths
+    are deterministic: bitwise identical outputs and gradients run to run (no atomics);
+    there is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
