@@ -2,8 +2,9 @@
 
 ``TestAttentionKernelsInterpret`` runs the kernels in the Mosaic GPU interpreter on the CPU
 (``TESSERA_KERNELS=interpret``) at small shapes, sampled to keep the interpreter's time
-small: a ragged causal GQA case through forward and backward, and a non-causal case with
-the interpreter's race detection on, run twice for bitwise repeatability.
+small: a ragged causal GQA case through forward and backward, a non-causal case with
+the interpreter's race detection on, run twice for bitwise repeatability, index masks,
+and a mask and bias in each form the kernels stream them (vectors of keys, tiles).
 ``TestAttentionKernelsGPU`` (``-m gpu``) runs the compiled kernels at real shapes. Each case
 first asserts that the operators chose the kernel, so a kernel that silently declined would
 fail the test instead of testing the reference.
@@ -285,8 +286,17 @@ class TestAttentionKernelsInterpret:
                     dict(causal=True),
                     (5,),
                     True,
-                    id="races-repeatable",
-                )
+                    id="tiles-races-repeatable",
+                ),
+                pytest.param(
+                    (1, 128, 256, 1, 1, 64),
+                    (1, 1, 1, 256),
+                    (1, 1, 1, 256),
+                    {},
+                    (),
+                    True,
+                    id="rows-races-repeatable",
+                ),
             ],
             1,
         ),
