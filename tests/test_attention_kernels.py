@@ -143,9 +143,12 @@ def _mask_bias_operands(mask_shape, bias_shape, empty_rows=()):
     return mask, bias
 
 
-def _check_mask_bias(dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, empty_rows=()):
+def _check_mask_bias(
+    dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, empty_rows=(), dbias=False
+):
     """Forward (``out``, ``lse``) and ``(dq, dk, dv)`` through the kernels with a mask and
-    a bias (not differentiated) vs float64; ``repeat`` runs agree bit for bit."""
+    a bias vs float64; ``repeat`` runs agree bit for bit. ``dbias``: the bias is
+    differentiated too, so the backward runs the reference (from the kernel's ``lse``)."""
     b, sq, skv, hq, hkv, d = dims
     q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
     k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
@@ -153,13 +156,17 @@ def _check_mask_bias(dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, emp
 
     @jax.jit
     def f(q, k, v, do, mask, bias):
-        def attend(q, k, v):
+        def attend(q, k, v, bias):
             return flash_attention_fwd(q, k, v, bias=bias, mask=mask, **opts)
 
-        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        if dbias:
+            (out, lse), vjp = jax.vjp(attend, q, k, v, bias)
+        else:
+            (out, lse), vjp = jax.vjp(functools.partial(attend, bias=bias), q, k, v)
         return (out, lse, *vjp((do, jnp.zeros_like(lse))))
 
-    assert _chosen(f, q, k, v, do, mask, bias) == ["mosaic_gpu", "mosaic_gpu"]
+    backward = "reference" if dbias else "mosaic_gpu"
+    assert _chosen(f, q, k, v, do, mask, bias) == ["mosaic_gpu", backward]
     runs = [f(q, k, v, do, mask, bias) for _ in range(repeat)]
     for later in runs[1:]:
         for x, y in zip(runs[0], later):
@@ -171,8 +178,8 @@ def _check_mask_bias(dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, emp
     np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(lse))  # rows seeing none
     seen = np.isfinite(lse)
     np.testing.assert_allclose(got_lse[seen], lse[seen], rtol=0, atol=3e-2)
-    for got, want in zip((runs[0][0], *runs[0][2:]), (out, *grads[:3])):
-        assert_close(got, want, factor=2.0)
+    for got, want in zip((runs[0][0], *runs[0][2:]), (out, *grads)):
+        assert_close(got, want, dtype, factor=2.0)
 
 
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim), the mask's and the bias's shapes,
@@ -272,12 +279,13 @@ class TestAttentionKernelsInterpret:
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
 
-    # A mask and a bias in the kernels, broadcast in every supported way; one case per run,
-    # or the race-detecting, bitwise-repeated one (TESSERA_TEST_FULL=1: all).
+    # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
+    # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
+    # forward kernel, then the reference's backward) (TESSERA_TEST_FULL=1: all).
     @pytest.mark.parametrize(
-        "dims, mask_shape, bias_shape, opts, empty_rows, races",
+        "dims, mask_shape, bias_shape, opts, empty_rows, mode",
         sample(
-            [pytest.param(*c.values, False, id=c.id) for c in MASK_BIAS]
+            [pytest.param(*c.values, "", id=c.id) for c in MASK_BIAS]
             + [
                 pytest.param(
                     (1, 128, 128, 1, 1, 64),
@@ -285,7 +293,7 @@ class TestAttentionKernelsInterpret:
                     (1, 1, 128, 128),
                     dict(causal=True),
                     (5,),
-                    True,
+                    "races",
                     id="tiles-races-repeatable",
                 ),
                 pytest.param(
@@ -294,17 +302,32 @@ class TestAttentionKernelsInterpret:
                     (1, 1, 1, 256),
                     {},
                     (),
-                    True,
+                    "races",
                     id="rows-races-repeatable",
+                ),
+                pytest.param(
+                    (1, 128, 128, 2, 1, 64),
+                    (1, 1, 128, 128),
+                    (1, 2, 1, 128),
+                    dict(causal=True),
+                    (),
+                    "dbias",
+                    id="rows-bias-gradient",
                 ),
             ],
             1,
         ),
     )
-    def test_mask_and_bias(self, dims, mask_shape, bias_shape, opts, empty_rows, races):
-        if not races:
+    def test_mask_and_bias(self, dims, mask_shape, bias_shape, opts, empty_rows, mode):
+        if mode != "races":
             _check_mask_bias(
-                dims, mask_shape, bias_shape, opts, jnp.bfloat16, empty_rows=empty_rows
+                dims,
+                mask_shape,
+                bias_shape,
+                opts,
+                jnp.bfloat16,
+                empty_rows=empty_rows,
+                dbias=mode == "dbias",
             )
             return
         with _compat.gpu_interpret_mode(detect_races=True):
