@@ -400,17 +400,48 @@ class TestAttentionKernelsGPU:
         "dims, mask_shape, bias_shape, opts, empty_rows",
         [
             *MASK_BIAS,
-            ((2, 1024, 1024, 8, 2, 128), (2, 1, 1, 1024), (1, 8, 1024, 1024), {}, ()),
-            ((4, 1000, 1000, 8, 2, 128), (4, 1, 1, 1000), None, dict(causal=True), ()),
-            ((2, 1024, 1024, 4, 1, 64), (2, 1, 1, 1024), (1, 4, 1, 1024), {}, ()),
-            ((2, 1000, 1000, 4, 4, 128), None, (2, 4, 1000, 1000), dict(causal=True), ()),
-            ((1, 1024, 2048, 8, 1, 64), (1, 8, 1024, 2048), None, dict(causal=True), (3, 1000)),
-            (
+            pytest.param(
+                (2, 1024, 1024, 8, 2, 128),
+                (2, 1, 1, 1024),
+                (1, 8, 1024, 1024),
+                {},
+                (),
+                id="tiles-keypad-d128",
+            ),
+            pytest.param(
+                (4, 1000, 1000, 8, 2, 128),
+                (4, 1, 1, 1000),
+                None,
+                dict(causal=True),
+                (),
+                id="rows-keypad-causal-d128",
+            ),
+            pytest.param(
+                (2, 1024, 1024, 4, 1, 64), (2, 1, 1, 1024), (1, 4, 1, 1024), {}, (), id="rows-d64"
+            ),
+            pytest.param(
+                (2, 1000, 1000, 4, 4, 128),
+                None,
+                (2, 4, 1000, 1000),
+                dict(causal=True),
+                (),
+                id="tiles-causal-ragged-d128",
+            ),
+            pytest.param(
+                (1, 1024, 2048, 8, 1, 64),
+                (1, 8, 1024, 2048),
+                None,
+                dict(causal=True),
+                (3, 1000),
+                id="tiles-empty-rows-kvcache-d64",
+            ),
+            pytest.param(
                 (2, 1024, 1024, 4, 2, 128),
                 (2, 1, 1024, 1024),
                 (2, 4, 1024, 1024),
                 dict(q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
                 (),
+                id="tiles-segments-d128",
             ),
         ],
     )
@@ -418,6 +449,11 @@ class TestAttentionKernelsGPU:
         _check_mask_bias(
             dims, mask_shape, bias_shape, opts, jnp.bfloat16, repeat=3, empty_rows=empty_rows
         )
+
+    @pytest.mark.parametrize("bias_shape", [(1, 8, 1, 1024), (2, 8, 1024, 1024)])
+    def test_bias_gradient(self, bias_shape):
+        """The bias differentiated: the forward kernel, then the reference's backward."""
+        _check_mask_bias((2, 1024, 1024, 8, 2, 128), None, bias_shape, {}, jnp.bfloat16, dbias=True)
 
     @pytest.mark.parametrize("causal", [False, True])
     def test_forward_head_dim_256(self, causal):
