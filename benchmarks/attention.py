@@ -75,7 +75,7 @@ BASELINE = "cudnn"
 # not take. Their baseline is XLA; cuDNN runs beside it where it accepts the case.
 # (batch, seq_q, seq_kv, heads, head_dim, feature); every case runs fwd and fwd+bwd, and
 # causal and not except decode (jax.nn aligns a causal mask top-left, we bottom-right).
-FEATURES = ("mask", "bias", "kvlen", "qkvlen", "window", "segments")
+FEATURES = ("mask", "keypad", "bias", "kvlen", "qkvlen", "window", "segments")
 FEATURE_CASES = [
     *((4, s, s, 16, 128, f) for s in (1024, 4096) for f in FEATURES),
     *((4, sq, skv, 16, 128, "decode") for sq in (1, 8, 16) for skv in (4096, 32768)),
@@ -216,6 +216,8 @@ def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: boo
     if feature == "mask":
         keep = jax.random.bernoulli(jax.random.key(7), 0.9, (b, 1, sq, skv))
         return dict(mask=keep)
+    if feature == "keypad":  # jax.nn's key-padding mask: the kernels stream it per key
+        return dict(mask=(jnp.arange(skv) < kv_len[:, None])[:, None, None, :])
     if feature == "bias":
         return dict(bias=rand(8, (1, h, sq, skv), BF16))
     if feature == "kvlen":

@@ -2,8 +2,9 @@
 
 ``TestAttentionKernelsInterpret`` runs the kernels in the Mosaic GPU interpreter on the CPU
 (``TESSERA_KERNELS=interpret``) at small shapes, sampled to keep the interpreter's time
-small: a ragged causal GQA case through forward and backward, and a non-causal case with
-the interpreter's race detection on, run twice for bitwise repeatability.
+small: a ragged causal GQA case through forward and backward, a non-causal case with
+the interpreter's race detection on, run twice for bitwise repeatability, index masks,
+and a mask and bias in each form the kernels stream them (vectors of keys, tiles).
 ``TestAttentionKernelsGPU`` (``-m gpu``) runs the compiled kernels at real shapes. Each case
 first asserts that the operators chose the kernel, so a kernel that silently declined would
 fail the test instead of testing the reference.
@@ -32,7 +33,7 @@ from tests._util import (
     rand,
     sample,
 )
-from tests.test_attention import np_attention, np_attention_grads, np_visible
+from tests.test_attention import np_attention, np_attention_grads, np_dense, np_visible
 
 
 def _chosen(f, *args) -> list[str]:
@@ -129,6 +130,91 @@ def _check_index_masks(dims, opts, dtype, *, repeat: int = 1):
         assert_close(got, want, factor=2.0)
 
 
+def _mask_bias_operands(mask_shape, bias_shape, empty_rows=()):
+    """A random mask (70% visible; the query rows ``empty_rows`` see nothing) and a random
+    f32 bias of the given shapes (None each where the shape is)."""
+    mask = bias = None
+    if mask_shape is not None:
+        mask = np.array(jax.random.uniform(jax.random.key(7), mask_shape) < 0.7)
+        mask[:, :, list(empty_rows)] = False
+        mask = jnp.asarray(mask)
+    if bias_shape is not None:
+        bias = rand(bias_shape, jnp.float32, scale=2.0)
+    return mask, bias
+
+
+def _check_mask_bias(
+    dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, empty_rows=(), dbias=False
+):
+    """Forward (``out``, ``lse``) and ``(dq, dk, dv)`` through the kernels with a mask and
+    a bias vs float64; ``repeat`` runs agree bit for bit. ``dbias``: the bias is
+    differentiated too, so the backward runs the reference (from the kernel's ``lse``)."""
+    b, sq, skv, hq, hkv, d = dims
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    mask, bias = _mask_bias_operands(mask_shape, bias_shape, empty_rows)
+
+    @jax.jit
+    def f(q, k, v, do, mask, bias):
+        def attend(q, k, v, bias):
+            return flash_attention_fwd(q, k, v, bias=bias, mask=mask, **opts)
+
+        if dbias:
+            (out, lse), vjp = jax.vjp(attend, q, k, v, bias)
+        else:
+            (out, lse), vjp = jax.vjp(functools.partial(attend, bias=bias), q, k, v)
+        return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+    backward = "reference" if dbias else "mosaic_gpu"
+    assert _chosen(f, q, k, v, do, mask, bias) == ["mosaic_gpu", backward]
+    runs = [f(q, k, v, do, mask, bias) for _ in range(repeat)]
+    for later in runs[1:]:
+        for x, y in zip(runs[0], later):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np_opts = {n: np.asarray(x) if isinstance(x, list) else x for n, x in opts.items()}
+    np_opts.update({n: np.asarray(x) for n, x in (("mask", mask), ("bias", bias)) if x is not None})
+    (out, lse), grads = np_dense(f64(q), f64(k), f64(v), np_opts, do=f64(do))
+    got_lse = f64(runs[0][1])
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(lse))  # rows seeing none
+    seen = np.isfinite(lse)
+    np.testing.assert_allclose(got_lse[seen], lse[seen], rtol=0, atol=3e-2)
+    for got, want in zip((runs[0][0], *runs[0][2:]), (out, *grads)):
+        assert_close(got, want, dtype, factor=2.0)
+
+
+# (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim), the mask's and the bias's shapes,
+# the other options and the query rows the mask empties (each case has few CTAs: the
+# interpreter's time grows with them). With a query dim of 1 the kernels stream a vector of
+# keys per block ("rows"), else a tile of the scores: a bias per batch entry and head
+# (tiles); a key-padding mask (B, 1, 1, Skv) with a bias broadcast over the batch, ragged
+# and causal (rows); a key bias per head of a GQA group (rows); a mask broadcast over the
+# group's heads, emptying rows, beside a bias per head, key lengths and a window (tiles).
+MASK_BIAS = [
+    pytest.param(
+        (2, 128, 128, 2, 1, 64), None, (2, 2, 128, 128), {}, (), id="tiles-per-batch-and-head"
+    ),
+    pytest.param(
+        (2, 100, 200, 1, 1, 64),
+        (2, 1, 1, 200),
+        (1, 1, 1, 200),
+        dict(causal=True),
+        (),
+        id="rows-keypad-causal-ragged",
+    ),
+    pytest.param(
+        (1, 100, 300, 2, 1, 64), None, (1, 2, 1, 300), dict(causal=True), (), id="rows-per-head"
+    ),
+    pytest.param(
+        (1, 100, 200, 2, 1, 64),
+        (1, 1, 100, 200),
+        (1, 2, 100, 200),
+        dict(local_window_size=(90, 40), key_value_seq_lengths=[180]),
+        (0, 77, 99),
+        id="tiles-empty-rows-window-lengths",
+    ),
+]
+
+
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim) and the options: a two-sided window
 # (masked blocks before and after the visible ones) with padded queries and keys; a causal
 # window over a kv cache longer than the queries (the forward skips its first key block),
@@ -193,6 +279,63 @@ class TestAttentionKernelsInterpret:
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
 
+    # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
+    # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
+    # forward kernel, then the reference's backward) (TESSERA_TEST_FULL=1: all).
+    @pytest.mark.parametrize(
+        "dims, mask_shape, bias_shape, opts, empty_rows, mode",
+        sample(
+            [pytest.param(*c.values, "", id=c.id) for c in MASK_BIAS]
+            + [
+                pytest.param(
+                    (1, 128, 128, 1, 1, 64),
+                    (1, 1, 128, 128),
+                    (1, 1, 128, 128),
+                    dict(causal=True),
+                    (5,),
+                    "races",
+                    id="tiles-races-repeatable",
+                ),
+                pytest.param(
+                    (1, 128, 256, 1, 1, 64),
+                    (1, 1, 1, 256),
+                    (1, 1, 1, 256),
+                    {},
+                    (),
+                    "races",
+                    id="rows-races-repeatable",
+                ),
+                pytest.param(
+                    (1, 128, 128, 2, 1, 64),
+                    (1, 1, 128, 128),
+                    (1, 2, 1, 128),
+                    dict(causal=True),
+                    (),
+                    "dbias",
+                    id="rows-bias-gradient",
+                ),
+            ],
+            1,
+        ),
+    )
+    def test_mask_and_bias(self, dims, mask_shape, bias_shape, opts, empty_rows, mode):
+        if mode != "races":
+            _check_mask_bias(
+                dims,
+                mask_shape,
+                bias_shape,
+                opts,
+                jnp.bfloat16,
+                empty_rows=empty_rows,
+                dbias=mode == "dbias",
+            )
+            return
+        with _compat.gpu_interpret_mode(detect_races=True):
+            _check_mask_bias(
+                dims, mask_shape, bias_shape, opts, jnp.float16, repeat=2, empty_rows=empty_rows
+            )
+        assert _compat.races_detected() is False
+
 
 # Packed sequences: per batch entry, segments of unequal lengths (one of them 1024 long).
 SEGMENTS = [[0] * 300 + [1] * 200 + [2] * 524, [7] * 1024]
@@ -253,6 +396,65 @@ class TestAttentionKernelsGPU:
     def test_index_masks(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16, repeat=3)
 
+    @pytest.mark.parametrize(
+        "dims, mask_shape, bias_shape, opts, empty_rows",
+        [
+            *MASK_BIAS,
+            pytest.param(
+                (2, 1024, 1024, 8, 2, 128),
+                (2, 1, 1, 1024),
+                (1, 8, 1024, 1024),
+                {},
+                (),
+                id="tiles-keypad-d128",
+            ),
+            pytest.param(
+                (4, 1000, 1000, 8, 2, 128),
+                (4, 1, 1, 1000),
+                None,
+                dict(causal=True),
+                (),
+                id="rows-keypad-causal-d128",
+            ),
+            pytest.param(
+                (2, 1024, 1024, 4, 1, 64), (2, 1, 1, 1024), (1, 4, 1, 1024), {}, (), id="rows-d64"
+            ),
+            pytest.param(
+                (2, 1000, 1000, 4, 4, 128),
+                None,
+                (2, 4, 1000, 1000),
+                dict(causal=True),
+                (),
+                id="tiles-causal-ragged-d128",
+            ),
+            pytest.param(
+                (1, 1024, 2048, 8, 1, 64),
+                (1, 8, 1024, 2048),
+                None,
+                dict(causal=True),
+                (3, 1000),
+                id="tiles-empty-rows-kvcache-d64",
+            ),
+            pytest.param(
+                (2, 1024, 1024, 4, 2, 128),
+                (2, 1, 1024, 1024),
+                (2, 4, 1024, 1024),
+                dict(q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
+                (),
+                id="tiles-segments-d128",
+            ),
+        ],
+    )
+    def test_mask_and_bias(self, dims, mask_shape, bias_shape, opts, empty_rows):
+        _check_mask_bias(
+            dims, mask_shape, bias_shape, opts, jnp.bfloat16, repeat=3, empty_rows=empty_rows
+        )
+
+    @pytest.mark.parametrize("bias_shape", [(1, 8, 1, 1024), (2, 8, 1024, 1024)])
+    def test_bias_gradient(self, bias_shape):
+        """The bias differentiated: the forward kernel, then the reference's backward."""
+        _check_mask_bias((2, 1024, 1024, 8, 2, 128), None, bias_shape, {}, jnp.bfloat16, dbias=True)
+
     @pytest.mark.parametrize("causal", [False, True])
     def test_forward_head_dim_256(self, causal):
         q, k, v = (rand((1, 512, 4, 256), jnp.bfloat16) for _ in range(3))
@@ -289,12 +491,46 @@ def test_index_masks_lower_for_cuda(head_dim):
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
+@pytest.mark.parametrize(
+    "head_dim, bias_rows", sample([(64, 1), (64, 300), (128, 1), (128, 300)], 1)
+)
+def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
+    """The kernels with a key-padding mask, a bias (with one query row: vectors of keys; or
+    a row per query: tiles, broadcast over the batch), key lengths, segment ids and an lse
+    cotangent go through the real Mosaic GPU lowering: the bias's TMA loads, its register
+    layout and the shared memory its ring takes beside the K/V rings."""
+    spec = AttentionSpec(
+        causal=True,
+        scale=0.1,
+        config=FlashAttentionConfig(),
+        has_mask=True,
+        has_bias=True,
+        has_kv_lengths=True,
+        has_segment_ids=True,
+    )
+    q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((300, 4), (700, 2)))
+    lse, n = jnp.zeros((2, 4, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
+    mask = jnp.ones((2, 1, 1, 700), bool)
+    bias = jnp.zeros((1, 4, bias_rows, 700), jnp.float32)
+    extras = (mask, bias, n, jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32))
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
+    bwd = cuda_lowering(
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        *(q, k, k, q, lse, q, *extras, lse),
+    )
+    assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
+
+
 # --- what the kernels decline (no kernel runs: fast) ----------------------------------------
 
 
 def _spec(causal=False, config=None, **features):
     config = FlashAttentionConfig() if config is None else config
     return AttentionSpec(causal=causal, scale=0.125, config=config, **features)
+
+
+def _aval(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
@@ -322,6 +558,17 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
             _spec(config=FlashAttentionConfig(64, 64)),
             "config=",
         ),
+        (
+            (*_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16), _aval((1, 1, 128, 128), bool)),
+            _spec(has_mask=True),
+            "a mask or bias per query at head_dim 256 (the forward's ring",
+        ),
+        (
+            (*_avals(1, 128, 128, 2, 2, 256, jnp.bfloat16), _aval((1, 2, 1, 128), jnp.float32)),
+            _spec(has_bias=True),
+            "a key-padding mask or bias at head_dim 256 (the dQ kernel's ring",
+        ),
+        (_avals(1, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(has_bias=True), "1 extras"),
     ],
 )
 def test_supports_declines_with_a_reason(avals, spec, reason):
@@ -347,18 +594,18 @@ def test_hardware_names_the_platform():
 @pytest.mark.parametrize(
     "features, name",
     [
-        (dict(has_mask=True, local_window_size=(128, 0)), "mask"),
-        (dict(has_bias=True, bias_grad=True), "bias, bias_grad"),
-        (dict(has_mask=True, has_segment_ids=True, has_kv_lengths=True), "mask"),
+        (dict(has_bias=True, bias_grad=True), "bias_grad"),
+        (dict(has_mask=True, has_bias=True, bias_grad=True, has_kv_lengths=True), "bias_grad"),
     ],
 )
 def test_supports_declines_features_it_does_not_implement(features, name):
-    """A mask or bias (values per score) runs the blocked reference; the reason names them
-    and not the features the kernels run."""
+    """The bias's gradient runs the blocked reference's backward; the reason names it and
+    not the features the kernels run."""
     why = am.supports(_spec(**features), _avals(1, 128, 128, 2, 2, 64, jnp.bfloat16))
-    assert why is not None and name in why.split(" (")[0]
-    for runs in am.FEATURES:
-        assert runs not in why.split(" (")[0]
+    assert why is not None
+    declined = why.split(" (")[0].split(", ")
+    assert name in declined
+    assert not set(declined) & set(am.FEATURES)
 
 
 def test_supports_the_index_based_masks():
@@ -371,6 +618,14 @@ def test_supports_the_index_based_masks():
         has_dlse=True,
     )
     assert am.supports(spec, _avals(2, 256, 256, 2, 1, 128, jnp.bfloat16, backward=True)) is None
+    with_bias = spec.replace(has_mask=True, has_bias=True)
+    lengths, ids = _aval((2,), jnp.int32), _aval((2, 256), jnp.int32)
+    for d in (64, 128):
+        for rows in (1, 256):
+            mask, bias = _aval((2, 1, 1, 256), bool), _aval((1, 2, rows, 256), jnp.float32)
+            extras = (mask, bias, lengths, lengths, ids, ids, _aval((2, 2, 256), jnp.float32))
+            avals = (*_avals(2, 256, 256, 2, 1, d, jnp.float16, True), *extras)
+            assert am.supports(with_bias, avals) is None
 
 
 def test_prefer_from_the_measured_sequence_lengths():

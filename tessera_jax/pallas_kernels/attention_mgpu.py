@@ -37,6 +37,24 @@ masked query rows ``lse = +inf`` so their probabilities are exactly 0 (the dQ pa
 padded keys too; they reach only padded dK/dV rows, which are cut off, as are the dK/dV
 rows past a key length).
 
+A ``mask`` and a ``bias`` are folded by XLA into one additive array, in the exp2 domain and
+``-inf`` where masked (batch and heads stay 1 where both broadcast: the TMA loads index 0
+there), streamed into a ring beside the block it belongs to (the forward's beside V, the
+dQ kernel's beside K, the dK/dV kernel's beside Q and dO); every block is then masked. A
+row the mask empties is a fully masked row: zeros, ``lse = -inf``, zero gradients, as the
+reference's. Two forms:
+
+* one query row (jax.nn's key-padding mask ``(B, 1, 1, Skv)``, decoding): an f32 vector of
+  the block's keys, broadcast over the queries in registers; a few hundred bytes, so the
+  kernels keep their block sizes;
+* a row per query: a 16-bit ``(64, block)`` tile per warpgroup, the bias rounded to the
+  inputs' dtype; the dK/dV kernel, which works on Sᵀ, streams tiles of the transpose (one
+  XLA transpose). The tiles take shared memory: the forward and dQ kernels take shorter kv
+  blocks where their rings would otherwise lose slots.
+
+At head_dim 256 the kernels decline both (the rings beside the 256-wide tiles do not fit).
+The bias's gradient is not computed here (the reference's backward runs it).
+
 In the Mosaic GPU interpreter (``interpret=True``) ``wgmma`` reads its A operand only from
 shared memory, so the probabilities (and ``dS``) are staged through a shared-memory slot
 there instead of being fed from registers; everything else is the compiled kernel.
@@ -114,6 +132,14 @@ class Problem:
         False: all ``seq_kv`` keys (the operand is then not read).
       segments: queries see only keys of their segment id: every kernel streams the ids
         of the keys (or queries) it loops over beside them, and masks every block.
+      bias: a ``mask`` and/or ``bias`` folded into one additive array (in the exp2
+        domain, ``-inf`` where masked, :func:`_bias_operand`): every kernel streams the
+        part of it for the block it works on beside the block, and masks every block.
+        ``"tiles"``: a 16-bit tile per block; ``"rows"``: the array has one query row (a
+        key-padding mask), an f32 vector of the block's keys is streamed and broadcast
+        over the queries. None: no mask or bias.
+      bias_batch, bias_heads: the bias operand has a batch (a head) dimension of its own;
+        False: of size 1, read at index 0 for every batch entry (head).
     """
 
     batch: int
@@ -133,6 +159,15 @@ class Problem:
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     segments: bool = False
+    bias: str | None = None
+    bias_batch: bool = False
+    bias_heads: bool = False
+
+    @property
+    def every_block_masked(self) -> bool:
+        """Whether values per key (segment ids, a bias) may hide any score of any block:
+        no block is visible whole."""
+        return self.segments or self.bias is not None
 
     @property
     def left(self) -> int | None:
@@ -191,18 +226,47 @@ FWD_BLOCK_KV = {64: 256, 128: 128, 256: 64}
 FWD_BLOCK_KV_CHOICES = (64, 128, 256)
 
 
-def _fwd_stages(d: int, block_kv: int) -> int:
-    """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3)."""
-    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2
-    slot_bytes = 2 * block_kv * d * 2
+def _fwd_stages(d: int, block_kv: int, bias: str | None = None) -> int:
+    """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3); with
+    a ``bias`` (:attr:`Problem.bias`), each slot also holds the CTA's part of it."""
+    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2 + _bias_ring_bytes(bias)
+    slot_bytes = 2 * block_kv * d * 2 + _bias_slot_bytes(bias, TILE, block_kv)
     return min(3, (227 * 1024 - q_bytes - 4096) // slot_bytes)
 
 
-def _fwd_problem(q, k, causal: bool, scale: float, block_kv: int | None = None) -> Problem:
+def _bias_slot_bytes(bias: str | None, queries: int, keys: int) -> int:
+    """Shared memory of one ring slot of a bias (:attr:`Problem.bias`) for ``queries`` by
+    ``keys``: a 16-bit tile, or an f32 vector of the keys."""
+    return {None: 0, "tiles": queries * keys * 2, "rows": keys * 4}[bias]
+
+
+def _bias_ring_bytes(bias: str | None) -> int:
+    """Shared memory a bias ring takes beside its slots: its barriers and the allocator's
+    alignment."""
+    return 0 if bias is None else 1024
+
+
+def _fwd_block_kv(d: int, bias: str | None) -> int | None:
+    """The forward's keys per loop step: :data:`FWD_BLOCK_KV`, or with a bias the longest
+    choice up to it that leaves two ring slots (a bias tile grows with the block); None:
+    none does."""
+    if bias is None:
+        return FWD_BLOCK_KV[d]
+    fits = [
+        bkv
+        for bkv in FWD_BLOCK_KV_CHOICES
+        if bkv <= FWD_BLOCK_KV[d] and _fwd_stages(d, bkv, bias) >= 2
+    ]
+    return max(fits, default=None)
+
+
+def _fwd_problem(
+    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: str | None = None
+) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
-    block_kv = FWD_BLOCK_KV[d] if block_kv is None else block_kv
-    stages = _fwd_stages(d, block_kv)
+    block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
+    stages = _fwd_stages(d, block_kv, bias)
     return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
 
 
@@ -220,16 +284,32 @@ SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SEGMENT_SMEM_BYTES = 3072
 
 
-def _dq_stages(d: int, block_kv: int, extra: int = 0) -> tuple[int, int]:
+def _dq_stages(d: int, block_kv: int, extra: int = 0, bias: str | None = None) -> tuple[int, int]:
     """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles
     (and ``extra`` bytes), at most two each; K gets the second slot first (it is held to
-    the end of a step)."""
+    the end of a step). With a ``bias``, each K slot also holds the CTA's part of it."""
     fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
-    fixed += extra
-    blocks = (SMEM_BYTES - fixed) // (block_kv * d * 2)
-    if blocks >= 4:
-        return 2, 2
-    return (2, 1) if blocks == 3 else (blocks // 2, blocks // 2)
+    room = SMEM_BYTES - fixed - extra - _bias_ring_bytes(bias)
+    kv = block_kv * d * 2
+    k_slot = kv + _bias_slot_bytes(bias, TILE, block_kv)
+    for k_slots, v_slots in ((2, 2), (2, 1), (1, 1)):
+        if k_slots * k_slot + v_slots * kv <= room:
+            return k_slots, v_slots
+    return 0, 0
+
+
+def _dq_block_kv(d: int, extra: int, bias: str | None) -> int | None:
+    """The dQ kernel's keys per loop step: :data:`DQ_BLOCK_KV`, or with a bias the longest
+    choice up to it whose rings keep the slots they have without one (None: none does)."""
+    if bias is None:
+        return DQ_BLOCK_KV[d]
+    plain = _dq_stages(d, DQ_BLOCK_KV[d], extra)
+    fits = [
+        bkv
+        for bkv in DQ_BLOCK_KV_CHOICES
+        if bkv <= DQ_BLOCK_KV[d] and _dq_stages(d, bkv, extra, bias) == plain
+    ]
+    return max(fits, default=None)
 
 
 def _dkv_roles(d: int) -> bool:
@@ -240,12 +320,15 @@ def _dkv_rows(d: int) -> int:
     return WG_ROWS if _dkv_roles(d) else TILE
 
 
-def _dkv_smem(d: int, stages: int) -> int:
-    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring and,
-    where the warpgroups split roles, the f32 Pᵀ tile they hand over."""
+def _dkv_smem(d: int, stages: int, bias: str | None = None) -> int:
+    """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring (with
+    a ``bias``, each slot also holds the key rows' part of it) and, where the warpgroups
+    split roles, the f32 Pᵀ tile they hand over."""
     hand_over = WG_ROWS * WG_ROWS * 4 if _dkv_roles(d) else 0
-    ring = stages * (2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4)
-    return 2 * _dkv_rows(d) * d * 2 + ring + hand_over + 4096
+    slot = 2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4
+    slot += _bias_slot_bytes(bias, WG_ROWS, _dkv_rows(d))
+    fixed = 2 * _dkv_rows(d) * d * 2 + hand_over + _bias_ring_bytes(bias) + 4096
+    return fixed + stages * slot
 
 
 def _bwd_problem(
@@ -256,11 +339,14 @@ def _bwd_problem(
     dq_block_kv: int | None = None,
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
+    extra: int = 0,
+    bias: str | None = None,
 ) -> Problem:
+    """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
-    bkv = DQ_BLOCK_KV[d] if dq_block_kv is None else dq_block_kv
-    stages, v_stages = _dq_stages(d, bkv)
+    bkv = _dq_block_kv(d, extra, bias) if dq_block_kv is None else dq_block_kv
+    stages, v_stages = _dq_stages(d, bkv, extra, bias)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
     dt = np.dtype(q.dtype)
@@ -381,7 +467,8 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
     group.
 
     ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, ring, barriers), ...])]``;
-    a ring is a shared-memory ref indexed by the slot, or a function of the slot.
+    a ring (and its barriers) is a shared-memory ref indexed by the slot, or a function of
+    the slot.
     ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(40, action="decrease")
@@ -398,7 +485,8 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
 
             for src, ring, bars in loads:
                 dst = ring(slot) if callable(ring) else ring.at[slot]
-                plgpu.copy_gmem_to_smem(src(step), dst, bars.at[slot])
+                bar = bars(slot) if callable(bars) else bars.at[slot]
+                plgpu.copy_gmem_to_smem(src(step), dst, bar)
 
     # Drain: wait for the last steps' releases too, so that every phase of the consumed
     # barriers is observed before the CTA ends (the interpreter checks it; free on the GPU,
@@ -444,7 +532,8 @@ def _kv_ranges(p: Problem, q_base, kv_len):
     """Loop steps over kv blocks for the query rows ``[q_base, q_base + 64)`` and ``kv_len``
     keys: ``(first, lo, hi, steps)``: blocks before ``first`` and from ``steps`` on hold no
     visible key (skipped); ``[first, lo)`` and ``[hi, steps)`` are masked, ``[lo, hi)`` are
-    visible whole (none with segment ids). ``first`` and ``lo`` are 0 without a window."""
+    visible whole (none with segment ids or a bias). ``first`` and ``lo`` are 0 without a
+    window."""
     bkv = p.block_kv
     steps, hi = _cdiv(kv_len, bkv), _fdiv(kv_len, bkv)  # blocks with a key / only keys
     first = lo = 0
@@ -454,7 +543,7 @@ def _kv_ranges(p: Problem, q_base, kv_len):
     if p.left is not None:
         first = lax.min(_fdiv(q_base + (p.offset - p.left), bkv), steps)
         lo = lax.min(lax.max(_cdiv(q_base + (WG_ROWS - 1 + p.offset - p.left), bkv), first), steps)
-    return first, lo, lo if p.segments else lax.min(lax.max(hi, lo), steps), steps
+    return first, lo, lo if p.every_block_masked else lax.min(lax.max(hi, lo), steps), steps
 
 
 def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
@@ -514,6 +603,79 @@ def _kv_segment_loads(p: Problem, kv_seg_ref, kseg_smem, kseg_bar, b, first) -> 
     return [(lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)]
 
 
+def _bias_scratch(p: Problem, stages: int, groups: int, n: int) -> list:
+    """Shared memory and barriers for the bias (None each without one): a ring of ``groups``
+    parts per slot, each 64 rows by ``n`` 16-bit columns (tiles, as TMA and the register
+    loads want them) or an f32 vector of ``n`` keys (rows), and a barrier per part and slot
+    (a warpgroup waits for its own part only)."""
+    if p.bias is None:
+        return [None, None]
+    if p.bias == "tiles":
+        ring = _smem((stages, groups, WG_ROWS, n), p.dtype)
+    else:
+        ring = plgpu.SMEM((stages, groups, n), jnp.float32)
+    return [ring, plgpu.Barrier(num_barriers=stages * groups)]
+
+
+def _bias_bar(bias_smem, bias_bar, slot, group):
+    return bias_bar.at[slot * bias_smem.shape[1] + group]
+
+
+def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int):
+    """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``) from part
+    ``group`` of ring ``slot`` (None without a bias): a tile as it is, a vector of keys
+    broadcast over the queries. Its barrier is awaited here; :func:`_bias_flush` observes
+    it for a skipped block."""
+    if p.bias is None:
+        return None
+    plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
+    if p.bias == "tiles":
+        return bias_smem[slot, group].astype(jnp.float32)
+    return lax.broadcast_in_dim(bias_smem[slot, group], shape, [keys_dim])
+
+
+def _bias_flush(p: Problem, bias_smem, bias_bar, slot, group) -> None:
+    """A skipped block's bias barrier, awaited so that every phase is observed."""
+    if p.bias is not None:
+        plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
+
+
+def _bias_loads(p: Problem, bias_smem, bias_bar, src) -> list:
+    """The producer's loads of step ``n``'s bias, one per part ``i`` of a ring slot:
+    ``src(n, i)`` is its source in global memory."""
+    if p.bias is None:
+        return []
+    return [
+        (
+            functools.partial(src, i=i),
+            lambda slot, i=i: bias_smem.at[slot, i],
+            lambda slot, i=i: _bias_bar(bias_smem, bias_bar, slot, i),
+        )
+        for i in range(bias_smem.shape[1])
+    ]
+
+
+def _bias_parts(p: Problem) -> int:
+    """Parts of a forward or dQ bias slot: a 64-row tile per warpgroup, or one vector of
+    keys that both read."""
+    return NUM_COMPUTE_WGS if p.bias == "tiles" else 1
+
+
+def _bias_src(p: Problem, bias_ref, b, h, row0, col0, cols: int):
+    """``src(n, i)`` of :func:`_bias_loads` for the forward and dQ kernels: tiles of 64
+    query rows from ``row0`` (part ``i`` from ``row0 + 64·i``), or the vector of keys, for
+    the ``cols`` keys from ``(col0 + n)·cols``."""
+    bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
+
+    def src(n, i):
+        keys = pl.ds((col0 + n) * cols, cols)
+        if p.bias == "rows":
+            return bias_ref.at[bb, bh, keys]
+        return bias_ref.at[bb, bh, pl.ds(row0 + i * WG_ROWS, WG_ROWS), keys]
+
+    return src
+
+
 def _q_tile(p: Problem):
     """The forward CTA's 128-row query tile. Causal loops grow with the tile index, so the
     grid runs the tiles last to first: the longest CTAs start first and the shortest fill
@@ -534,6 +696,7 @@ def _fwd_kernel(
     kv_len_ref,
     q_seg_ref,
     kv_seg_ref,
+    bias_ref,
     out_ref,
     lse_ref,
     *scratch,
@@ -542,7 +705,8 @@ def _fwd_kernel(
 ):
     qo_smem, k_smem, v_smem, lse_smem, stage = scratch[:5]
     k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:11]
-    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[11:]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[11:15]
+    bias_smem, bias_bar = scratch[15:]  # a ring of bias tiles, released with V
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
@@ -594,6 +758,16 @@ def _fwd_kernel(
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
             segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
+            part = 0 if p.bias == "rows" else wg
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
+
+            # ``scaled(x)``: scores to the exp2 domain. The bias tile is in it already, so
+            # with one the scores are scaled once, here.
+            def scaled(x):
+                return x if bias is not None else x * p.c
+
+            if bias is not None:
+                s = s * p.c + bias
             if masked:
                 vis = _mask(
                     (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
@@ -601,12 +775,12 @@ def _fwd_kernel(
                 s = jnp.where(vis, s, -jnp.inf)
             # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
             # one fused multiply-add per score.
-            m_new = jnp.maximum(m, s.max(axis=1) * p.c)
+            m_new = jnp.maximum(m, scaled(s.max(axis=1)))
             m_use = m_new
             if masked:  # a row with nothing visible yet: subtract 0, not -inf (NaN)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_use)
-            pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            pr = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_ = l_ * alpha + pr.sum(axis=1)
             if d <= 128:
@@ -634,6 +808,7 @@ def _fwd_kernel(
             slot = _slot(j - cta_first, p.stages)
             _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_arrive(k_done.at[slot])
+            _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
             schedule()
@@ -659,11 +834,10 @@ def _fwd_kernel(
 
         k_loads = [(kv(k_ref), k_smem, k_bar)]
         k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
-        _producer(
-            cta_steps - cta_first,
-            p.stages,
-            [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
-        )
+        v_loads = [(kv(v_ref), v_smem, v_bar)]
+        bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
+        v_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
+        _producer(cta_steps - cta_first, p.stages, [(k_done, k_loads), (v_done, v_loads)])
 
 
 def _build_fwd(p: Problem, interpret: bool) -> Any:
@@ -682,6 +856,7 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
         *_segment_scratch(p, NUM_COMPUTE_WGS, p.stages, bkv),
+        *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
     out_type = (
         jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
@@ -714,14 +889,18 @@ def _dq_kernel(
     kv_len_ref,
     q_seg_ref,
     kv_seg_ref,
+    bias_ref,
+    bias_t_ref,
     dq_ref,
     *scratch,
     p,
     interpret,
 ):
+    del bias_t_ref  # the dK/dV kernel's
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
     q_bar, k_bar, v_bar, k_done, v_done = scratch[7:12]
-    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[12:]
+    qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[12:16]
+    bias_smem, bias_bar = scratch[16:]  # a ring of bias tiles, released with K
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
@@ -758,7 +937,12 @@ def _dq_kernel(
             plgpu.barrier_wait(v_bar.at[vslot])
             dp = _dot((bq, bkv), dos, v_smem.at[vslot].transpose((1, 0)))
             plgpu.barrier_arrive(v_done.at[vslot])
-            pr = jnp.exp2(s * p.c - lax.broadcast_in_dim(lse, s.shape, [0]))
+            s = s * p.c
+            part = 0 if p.bias == "rows" else wg
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
+            if bias is not None:
+                s = s + bias
+            pr = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             if masked:
                 segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
                 vis = _mask(
@@ -774,6 +958,7 @@ def _dq_kernel(
             slot, vslot = _slot(j - cta_first, p.stages), _slot(j - cta_first, p.v_stages)
             plgpu.barrier_wait(k_bar.at[slot])
             _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
+            _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
             plgpu.barrier_wait(v_bar.at[vslot])
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
@@ -791,6 +976,8 @@ def _dq_kernel(
 
         k_loads = [(kv(k_ref), k_smem, k_bar)]
         k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
+        bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
+        k_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
         _producer(
             cta_steps - cta_first,
             (p.stages, p.v_stages),
@@ -815,6 +1002,7 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier(num_arrivals=w, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=w, num_barriers=p.v_stages),
         *_segment_scratch(p, w, p.stages, bkv),
+        *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
@@ -837,7 +1025,7 @@ def _q_ranges(p: Problem, kv_base):
     """Query blocks for the keys ``[kv_base, kv_base + 64)``: ``(start, lo, hi, stop)``:
     blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
     ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them
-    (none with segment ids)."""
+    (none with segment ids or a bias)."""
     nq = p.seq_q_pad // WG_ROWS
     start, lo, hi, stop = 0, 0, nq, nq
     if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
@@ -849,7 +1037,7 @@ def _q_ranges(p: Problem, kv_base):
         lo = lax.min(lax.max(lo, start), stop)
     if p.left is not None:
         hi = lax.min(lax.max(hi, lo), stop)
-    return start, lo, lo if p.segments else hi, stop
+    return start, lo, lo if p.every_block_masked else hi, stop
 
 
 def _dkv_kernel(
@@ -862,16 +1050,22 @@ def _dkv_kernel(
     kv_len_ref,
     q_seg_ref,
     kv_seg_ref,
+    bias_ref,
+    bias_t_ref,
     dk_ref,
     dv_ref,
     *scratch,
     p,
     interpret,
 ):
+    del bias_ref  # the dQ kernel's; this one streams tiles of its transpose, or the vector
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
     # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
-    kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:]
+    kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:20]
+    # The bias: a ring of (key rows, 64 queries) tiles of its transpose, or of the vectors
+    # of the key rows, per key-row group, beside Q and dO.
+    bias_smem, bias_bar = scratch[20:]
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -926,11 +1120,16 @@ def _dkv_kernel(
 
         def probs(st, slot, qi, masked: bool):
             lse = lse_smem[slot]
-            pt = jnp.exp2(st * p.c - lax.broadcast_in_dim(lse, st.shape, [1]))
+            st = st * p.c
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, r, (bkv, bq), 0)
+            if bias is not None:
+                st = st + bias
+            pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
             if masked:
                 segs = (kseg_smem[r], qseg_smem[slot]) if p.segments else None
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, segs=segs)
-                pt = jnp.where(vis, pt, 0.0)
+                if vis is not None:  # (a bias alone masks no index)
+                    pt = jnp.where(vis, pt, 0.0)
             return pt
 
         def dscores(pt, dpt, slot):
@@ -982,7 +1181,7 @@ def _dkv_kernel(
         def step_dk(qi, dk, g, masked: bool):
             # Roles, warpgroup 1: dPᵀ = V·dOᵀ (beside warpgroup 0's Sᵀ on the tensor cores),
             # then dSᵀ with warpgroup 0's Pᵀ, and dK += dSᵀ·Q.
-            del masked  # Pᵀ arrives masked
+            del masked  # Pᵀ arrives masked (and biased)
             n = g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
@@ -998,6 +1197,9 @@ def _dkv_kernel(
         def skip(qi, _, g):
             slot = _slot(g * per_head + qi - cta_start, s)
             wait(slot)
+            # The bias is read by the warpgroup(s) computing Pᵀ: with roles, warpgroup 0.
+            flush = functools.partial(_bias_flush, p, bias_smem, bias_bar, slot, r)
+            pl.when(wg == 0)(flush) if roles else flush()
             plgpu.barrier_arrive(done.at[slot])
 
         def loops(body, carry):
@@ -1009,7 +1211,7 @@ def _dkv_kernel(
                     lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
                     carry = lax.fori_loop(start, lo, masked, carry)
                 carry = lax.fori_loop(lo, hi, functools.partial(body, g=g, masked=False), carry)
-                if p.left is not None or p.segments:
+                if p.left is not None or p.every_block_masked:
                     carry = lax.fori_loop(hi, stop, masked, carry)
                 if p.left is not None:
                     lax.fori_loop(stop, cta_stop, functools.partial(skip, g=g), None)
@@ -1066,6 +1268,14 @@ def _dkv_kernel(
         def ids_of(step):
             return q_seg_ref.at[b, pl.ds(qh(step)[1], bq)]
 
+        def bias_of(step, i):
+            h, q0 = qh(step)
+            bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
+            keys = pl.ds(tile0 + i * WG_ROWS, WG_ROWS)
+            if p.bias == "rows":
+                return bias_t_ref.at[bb, bh, keys]
+            return bias_t_ref.at[bb, bh, keys, pl.ds(q0, bq)]
+
         loads = [
             (rows_of(q_ref), q_smem, q_bar),
             (rows_of(do_ref), do_smem, do_bar),
@@ -1074,6 +1284,7 @@ def _dkv_kernel(
         ]
         if p.segments:
             loads.append((ids_of, qseg_smem, qseg_bar))
+        loads += _bias_loads(p, bias_smem, bias_bar, bias_of)
         _producer(p.group * per_head, s, [(done, loads)])
 
 
@@ -1101,6 +1312,7 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         plgpu.Barrier() if roles else None,
         plgpu.Barrier() if roles else None,
         *_segment_scratch(p, groups, s, WG_ROWS),
+        *_bias_scratch(p, s, groups, WG_ROWS),  # (a vector of 64 keys, or 64 queries)
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
     return plgpu.kernel(
@@ -1159,14 +1371,72 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
     return bool(spec.causal), float(spec.scale)
 
 
-def _with_features(p: Problem, spec: AttentionSpec) -> Problem:
-    """``p`` with the spec's masks: its window, and whether lengths and segment ids are read."""
+def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
+    """``p`` with the spec's masks: its window, whether lengths and segment ids are read, and
+    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias)."""
     return dataclasses.replace(
         p,
         window=spec.local_window_size,
         kv_lengths=spec.has_kv_lengths,
         segments=spec.has_segment_ids,
+        bias=None if bias is None else _bias_kind(bias.shape),
+        bias_batch=bias is not None and bias.shape[0] > 1,
+        bias_heads=bias is not None and bias.shape[1] > 1,
     )
+
+
+def _bias_kind(shape) -> str:
+    """:attr:`Problem.bias` of a folded bias of ``shape``: ``"rows"`` for one query row."""
+    return "rows" if shape[2] == 1 else "tiles"
+
+
+def _extras_bias_kind(spec: AttentionSpec, extras) -> str | None:
+    """:attr:`Problem.bias` of the user's ``mask`` and ``bias`` (arrays or avals, rank 4):
+    rows where neither has more than one query row."""
+    ex = spec.split(extras)
+    given = [x for x in (ex.mask, ex.bias) if x is not None]
+    if not given:
+        return None
+    return _bias_kind((1, 1, max(x.shape[2] for x in given)))
+
+
+def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
+    """The user's ``mask`` and ``bias`` as one additive f32 ``(Bb, Hb, Sq or 1, Skv)``
+    array (``Bb``, ``Hb`` and the query dim are 1 where both broadcast along them; None
+    without either).
+
+    It is in the exp2 domain (times ``log2(e)``), so that a kernel adds it to
+    ``s·scale·log2(e)`` as it is, and ``-inf`` where the mask hides a key (a row it empties
+    gets no probability, as the reference's).
+    """
+    if ex.mask is None and ex.bias is None:
+        return None
+    x = jnp.zeros((1, 1, 1, 1), jnp.float32)
+    if ex.bias is not None:
+        x = ex.bias.astype(jnp.float32) * LOG2E
+    if ex.mask is not None:
+        x = jnp.where(ex.mask, x, -jnp.inf)
+    return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
+
+
+def _bias_for_kernel(p: Problem, bias, transpose: bool) -> jax.Array:
+    """A kernel's bias operand: tiles: ``bias`` (or its transpose, for the dK/dV kernel,
+    whose tiles hold keys along rows) in the 16-bit dtype, its query rows materialised,
+    zero-padded to whole tiles; rows: the f32 ``(Bb, Hb, Skv)`` vectors, zero-padded.
+    Padded rows and columns are masked by position. Finite values beyond the 16-bit range
+    are clipped to it: a large finite bias stays finite (the reference's softmax of such
+    values is not that of ``-inf``). Without a bias, a placeholder that is not read."""
+    if bias is None:
+        return jnp.zeros((1, 1, 1, 1), p.dtype)
+    if p.bias == "rows":
+        return _pad_last(bias[:, :, 0], p.seq_kv_pad, 0.0)
+    big = float(jnp.finfo(p.dtype).max)
+    bias = jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -big, big))
+    bias = jnp.broadcast_to(bias, (*bias.shape[:2], p.seq_q, p.seq_kv)).astype(p.dtype)
+    if transpose:
+        bias = jnp.swapaxes(bias, 2, 3)
+    rows, cols = (p.seq_kv_pad, p.seq_q_pad) if transpose else (p.seq_q_pad, p.seq_kv_pad)
+    return jnp.pad(bias, [(0, 0), (0, 0), (0, rows - bias.shape[2]), (0, cols - bias.shape[3])])
 
 
 def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
@@ -1191,17 +1461,19 @@ def _positions_below(lengths, seq: int) -> jax.Array:
 def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | None = None):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
-    ``extras``: the spec's query/key lengths (:data:`FEATURES`). Padded queries (from
-    ``query_seq_lengths`` on) run through the kernel like the others and are zeroed after
-    it, with ``lse = -inf`` (which zeroes their gradients in :func:`flash_bwd`).
-    ``block_kv`` (benchmarks, tests) replaces the tuned keys per loop step
-    (:data:`FWD_BLOCK_KV`); one whose K/V ring does not fit shared memory is a ValueError.
+    ``extras``: the spec's mask, bias, query/key lengths and segment ids
+    (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
+    kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
+    gradients in :func:`flash_bwd`). ``block_kv`` (benchmarks, tests) replaces the tuned
+    keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a bias); one whose
+    K/V (and bias) ring does not fit shared memory is a ValueError.
     """
-    reason = supports(spec, (q, k, v))
+    reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
-        block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv) < 2
+        block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv, kind) < 2
     ):
         raise ValueError(
             f"attention_mgpu.flash_fwd: {block_kv=} must be one of {FWD_BLOCK_KV_CHOICES} with "
@@ -1209,12 +1481,13 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
         )
     causal, scale = _decode(spec)
     ex = spec.split(extras)
-    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv), spec)
+    bias = _bias_operand(spec, ex, q, k)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind), spec, bias)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    segs = _segment_operands(p, ex)
-    out, lse = _run(_build_fwd(p, interpret), (qp, kp, vp, kv_len, *segs), interpret=interpret)
+    operands = (qp, kp, vp, kv_len, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
+    out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
     out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
     if ex.q_lengths is not None:
         real = _positions_below(ex.q_lengths, p.seq_q)
@@ -1239,26 +1512,31 @@ def flash_bwd(
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
-    ``extras``: the spec's query/key lengths, then the ``lse`` cotangent if it has one
-    (:data:`FEATURES`). Keys past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
+    ``extras``: the spec's mask, bias, query/key lengths and segment ids, then the ``lse``
+    cotangent if it has one (:data:`FEATURES`; the bias is not differentiated here). Keys
+    past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
 
     ``dq_block_kv``, ``dkv_stages`` and ``dkv_paired`` (benchmarks, tests) replace the dQ
     kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots
     (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`); a choice that does not fit
     shared memory is a ValueError.
     """
-    reason = supports(spec, (q, k, v, out, lse, dout))
+    reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
+    extra = SEGMENT_SMEM_BYTES if spec.has_segment_ids else 0
+    kind = _extras_bias_kind(spec, extras[: spec.num_extras])
     if dq_block_kv is not None and (
-        dq_block_kv not in DQ_BLOCK_KV_CHOICES or min(_dq_stages(q.shape[-1], dq_block_kv)) < 1
+        dq_block_kv not in DQ_BLOCK_KV_CHOICES
+        or min(_dq_stages(q.shape[-1], dq_block_kv, extra, kind)) < 1
     ):
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dq_block_kv=} must be one of {DQ_BLOCK_KV_CHOICES} "
             f"with one K/V slot fitting shared memory at head_dim {q.shape[-1]}"
         )
     if dkv_stages is not None and (
-        dkv_stages not in DKV_STAGES_CHOICES or _dkv_smem(q.shape[-1], dkv_stages) > SMEM_BYTES
+        dkv_stages not in DKV_STAGES_CHOICES
+        or _dkv_smem(q.shape[-1], dkv_stages, kind) > SMEM_BYTES
     ):
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
@@ -1274,10 +1552,10 @@ def flash_bwd(
         )
     causal, scale = _decode(spec)
     ex = spec.split(extras[: spec.num_extras])
-    p = _with_features(_bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired), spec)
-    if p.segments:  # their ids take shared memory too (checked by the cuda lowering test)
-        stages, v_stages = _dq_stages(p.head_dim, p.block_kv, SEGMENT_SMEM_BYTES)
-        p = dataclasses.replace(p, stages=stages, dq_v_stages=v_stages)
+    bias = _bias_operand(spec, ex, q, k)
+    # Segment ids take shared memory too (``extra``; checked by the cuda lowering test).
+    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind)
+    p = _with_features(p, spec, bias)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
     )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
@@ -1292,6 +1570,8 @@ def flash_bwd(
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
     operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
+    # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
+    operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
     dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
@@ -1320,9 +1600,13 @@ def _default_config(spec: AttentionSpec) -> bool:
 
 # The spec features the kernels run: the index-based masks (an iota compare per tile, and
 # whole kv blocks skipped outside the lengths and the window), segment ids (streamed beside
-# the blocks they label, every block masked) and the lse cotangent (it only shifts Δ). A
-# mask or bias would need an (Sq, Skv) tile of values per block.
+# the blocks they label, every block masked), a mask and a bias (folded into one additive
+# tile per block, streamed beside it, every block masked) and the lse cotangent (it only
+# shifts Δ). The bias's gradient (``bias_grad``) runs the reference's backward, which
+# reads the same saved ``lse``.
 FEATURES = (
+    "mask",
+    "bias",
     "query_seq_lengths",
     "key_value_seq_lengths",
     "local_window_size",
@@ -1331,10 +1615,26 @@ FEATURES = (
 )
 
 
+def _bias_reason(d: int, segments: bool, bias: str) -> str | None:
+    """Which kernel's ring cannot hold a ``bias`` (:attr:`Problem.bias`) per block at
+    head_dim ``d`` beside K/V (None: every kernel's can): the forward keeps two slots, the
+    dQ kernel the slots it has without a bias, the dK/dV kernel its default ones."""
+    extra = SEGMENT_SMEM_BYTES if segments else 0
+    if _fwd_block_kv(d, bias) is None:
+        return "the forward's"
+    if _dq_block_kv(d, extra, bias) is None:
+        return "the dQ kernel's"
+    if _dkv_smem(d, DKV_STAGES[d], bias) > SMEM_BYTES:
+        return "the dK/dV kernel's"
+    return None
+
+
 def supports(spec, avals: Sequence[Any]) -> str | None:
     """None if the kernels can run the case, else why not (never raises).
 
-    ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward).
+    ``avals``: ``(q, k, v)`` (forward) or ``(q, k, v, out, lse, dout)`` (backward), then
+    the spec's extra operands (and the backward's ``lse`` cotangent), as the operator binds
+    them: a mask's and a bias's shapes choose how they stream.
     """
     declined = [f for f in spec.features if f not in FEATURES]
     if declined:
@@ -1355,6 +1655,22 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
         return (
             f"segment_ids at head_dim {d} (the kernels take them up to {DKV_ROLES_HEAD_DIM // 2})"
         )
+    if spec.has_mask or spec.has_bias:
+        fixed = len(avals) - spec.num_extras - int(spec.has_dlse)
+        if fixed not in (3, 6):
+            return (
+                f"{len(avals)} operands for a spec with {spec.num_extras} extras (the mask's "
+                "and bias's shapes are needed)"
+            )
+        bias = _extras_bias_kind(spec, avals[fixed : fixed + spec.num_extras])
+        kernel = _bias_reason(d, spec.has_segment_ids, bias)
+        if kernel is not None:
+            fit = [h for h in HEAD_DIMS if _bias_reason(h, spec.has_segment_ids, bias) is None]
+            what = "a mask or bias per query" if bias == "tiles" else "a key-padding mask or bias"
+            return (
+                f"{what} at head_dim {d} ({kernel} ring of it does not fit shared memory "
+                f"beside K/V; the kernels take it at head_dim {', '.join(map(str, fit))})"
+            )
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if not _default_config(spec):

@@ -92,11 +92,12 @@ lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in 
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
 what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
 case. Registered today: ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
-query/key lengths, a local window, segment ids (head_dim 64, 128) and an ``lse``
-cotangent, bf16 and f16, head_dim 64, 128 and 256, forward and backward; in ``auto`` mode
-from 512 queries and keys, and for decoding against a long cache). A ``mask`` or ``bias``,
-other dtypes and head dims, an explicit ``config``, and short sequences run the reference,
-whose block size is chosen per shape (:func:`reference_block_kv`).
+query/key lengths, a local window, an ``lse`` cotangent and, at head_dim 64 and 128,
+segment ids, a ``mask`` and a ``bias``; bf16 and f16, head_dim 64, 128 and 256, forward
+and backward; in ``auto`` mode from 512 queries and keys, and for decoding against a long
+cache). The bias's gradient (``dbias``) runs the reference's backward, from the kernels' saved
+``lse``. Other dtypes and head dims, an explicit ``config``, and short sequences run the
+reference, whose block size is chosen per shape (:func:`reference_block_kv`).
 """
 
 from __future__ import annotations
@@ -848,11 +849,13 @@ def flash_attention(
     Where it runs (``auto`` mode): on a Hopper GPU, bf16/f16 with head_dim 64, 128 or 256
     and at least 512 queries and keys (or decoding: at most 16 queries against 4096 keys or
     more), the Mosaic GPU kernels run the forward and backward, causal or not, with
-    ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and (head_dim
-    64, 128) segment ids. Everything else — ``mask``, ``bias``, other dtypes or head dims, shorter
-    sequences, an explicit ``config`` — runs the blocked XLA reference. Both paths are
-    deterministic: bitwise identical outputs and gradients run to run (no atomics); there is
-    no cuDNN path.
+    ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and, at
+    head_dim 64 and 128, segment ids, ``mask`` and ``bias`` (a bias with a row per query is
+    rounded to the inputs' 16-bit dtype there, one broadcast over the queries is not).
+    Everything else — the gradient of ``bias`` (its backward), other dtypes or head dims,
+    shorter sequences, an explicit ``config`` — runs the blocked XLA reference. Both paths
+    are deterministic: bitwise identical outputs and gradients run to run (no atomics);
+    there is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
@@ -912,6 +915,6 @@ def flash_attention_fwd(
 # --- kernels ------------------------------------------------------------------------------
 
 # Hopper (Mosaic GPU) forward and deterministic backward, causal or not, with lengths, a
-# window and segment ids; a mask or bias runs the reference.
+# window, segment ids, a mask and a bias; the bias's gradient runs the reference backward.
 flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
 flash_attention_bwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_bwd))
