@@ -274,6 +274,10 @@ class TestAttentionKernelsInterpret:
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
+    # A head dim the kernels do not have runs zero-padded to the next one.
+    def test_padded_head_dim(self):
+        _check((1, 128, 128, 1, 1, 40, True), jnp.bfloat16)
+
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
     def test_index_masks_and_lse_cotangent(self, dims, opts):
@@ -360,6 +364,8 @@ class TestAttentionKernelsGPU:
             (2, 1024, 1024, 8, 2, 256, True),
             (1, 1000, 1000, 4, 4, 256, False),  # ragged
             (1, 333, 1100, 4, 1, 256, True),  # seq_q < seq_kv, both ragged, MQA
+            (2, 1024, 1024, 8, 2, 96, True),  # head dims zero-padded to 128
+            (1, 1000, 1000, 4, 4, 80, False),
         ],
     )
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -545,9 +551,9 @@ def _avals(b, sq, skv, hq, hkv, d, dtype, backward=False):
     "avals, spec, reason",
     [
         (_avals(1, 128, 128, 2, 2, 64, jnp.float32), _spec(), "dtype float32"),
-        (_avals(1, 128, 128, 2, 2, 96, jnp.bfloat16), _spec(), "head_dim 96"),
+        (_avals(1, 128, 128, 2, 2, 320, jnp.bfloat16), _spec(), "head_dim 320"),
         (_avals(0, 128, 128, 2, 2, 64, jnp.bfloat16), _spec(), "an empty operand"),
-        (_avals(1, 128, 128, 2, 2, 192, jnp.bfloat16, True), _spec(), "head_dim 192"),
+        (_avals(1, 128, 128, 2, 2, 264, jnp.bfloat16, True), _spec(), "head_dim 264"),
         (
             _avals(1, 128, 128, 2, 2, 256, jnp.bfloat16, True),
             _spec(has_segment_ids=True),
@@ -631,8 +637,9 @@ def test_supports_the_index_based_masks():
 def test_prefer_from_the_measured_sequence_lengths():
     assert am.prefer(_spec(), _avals(2, 4096, 4096, 16, 16, 128, jnp.bfloat16))
     assert am.prefer(_spec(), _avals(1, 512, 2048, 8, 2, 64, jnp.bfloat16, backward=True))
-    assert not am.prefer(_spec(), _avals(1, 128, 4096, 8, 8, 128, jnp.bfloat16))
-    assert not am.prefer(_spec(), _avals(4, 256, 256, 16, 16, 128, jnp.bfloat16))
+    assert am.prefer(_spec(), _avals(4, 128, 128, 16, 16, 128, jnp.bfloat16))
+    assert not am.prefer(_spec(), _avals(1, 127, 4096, 8, 8, 128, jnp.bfloat16))
+    assert not am.prefer(_spec(), _avals(4, 256, 64, 16, 16, 128, jnp.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -1458,6 +1458,17 @@ def _positions_below(lengths, seq: int) -> jax.Array:
     return jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
 
 
+def kernel_head_dim(d: int) -> int | None:
+    """The head dim the kernels run ``d`` at: the smallest of :data:`HEAD_DIMS` at least
+    ``d`` (None: none is). Q, K and V are zero-padded to it: the padded columns add
+    nothing to the scores, and the output's and gradients' padded columns are cut off."""
+    return next((h for h in HEAD_DIMS if h >= d), None)
+
+
+def _pad_head_dim(x: jax.Array, d: int) -> jax.Array:
+    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+
+
 def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | None = None):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
@@ -1471,6 +1482,11 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    d = q.shape[-1]
+    if kernel_head_dim(d) != d:
+        q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
+        out, lse = flash_fwd(spec, q, k, v, *extras, interpret=interpret, block_kv=block_kv)
+        return out[..., :d], lse
     kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
         block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv, kind) < 2
@@ -1524,6 +1540,12 @@ def flash_bwd(
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
+    d = q.shape[-1]
+    if kernel_head_dim(d) != d:
+        q, k, v, out, dout = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v, out, dout))
+        knobs = dict(dq_block_kv=dq_block_kv, dkv_stages=dkv_stages, dkv_paired=dkv_paired)
+        grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
+        return tuple(g[..., :d] for g in grads)
     extra = SEGMENT_SMEM_BYTES if spec.has_segment_ids else 0
     kind = _extras_bias_kind(spec, extras[: spec.num_extras])
     if dq_block_kv is not None and (
@@ -1646,14 +1668,15 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     dt = np.dtype(q.dtype)
     if dt not in DTYPES:
         return f"dtype {dt} (the kernels take bfloat16 and float16)"
-    d = q.shape[-1]
-    if d not in HEAD_DIMS:
-        return f"head_dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
+    d = kernel_head_dim(q.shape[-1])
+    if d is None:
+        return f"head_dim {q.shape[-1]} (the kernels take up to {HEAD_DIMS[-1]})"
     if spec.has_segment_ids and _dkv_roles(d):
         # The role-split dK/dV kernel with a ring of query ids deadlocks in the Mosaic GPU
         # interpreter on causal cases; until that is understood it does not run them.
         return (
-            f"segment_ids at head_dim {d} (the kernels take them up to {DKV_ROLES_HEAD_DIM // 2})"
+            f"segment_ids at head_dim {q.shape[-1]} (the kernels take them up to "
+            f"{DKV_ROLES_HEAD_DIM // 2})"
         )
     if spec.has_mask or spec.has_bias:
         fixed = len(avals) - spec.num_extras - int(spec.has_dlse)
@@ -1668,7 +1691,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
             fit = [h for h in HEAD_DIMS if _bias_reason(h, spec.has_segment_ids, bias) is None]
             what = "a mask or bias per query" if bias == "tiles" else "a key-padding mask or bias"
             return (
-                f"{what} at head_dim {d} ({kernel} ring of it does not fit shared memory "
+                f"{what} at head_dim {q.shape[-1]} ({kernel} ring of it does not fit shared memory "
                 f"beside K/V; the kernels take it at head_dim {', '.join(map(str, fit))})"
             )
     if 0 in q.shape or 0 in k.shape:
@@ -1682,13 +1705,14 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
-# operator's blocked XLA reference, which the kernels beat 4-20x at every measured shape
-# (benchmarks/results/attention-h100.json: 512 to 4096 keys, head_dim 64-256, B*H 16-256);
-# below PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured. Decoding
+# operator's blocked XLA reference, which the kernels beat at every measured shape
+# (benchmarks/results/attention-h100.json: 128 to 4096 keys, head_dim 64-256 and 80/96
+# zero-padded, B*H 16-256; 4-20x from 512 keys, 1.05-1.2x at 128-256); below
+# PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured. Decoding
 # (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys or more runs the kernels too:
 # the padded tile costs little beside streaming the cache (the ``…-decode-…`` cases: as
 # fast as the one-block reference at one query, faster at 16).
-PREFER_MIN_SEQ = 512
+PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
 
