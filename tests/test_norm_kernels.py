@@ -195,6 +195,21 @@ def test_backward_walks_several_blocks_per_program(op):
         assert_close(g, f64(r), rtol=2e-2 if g.dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_forward_walks_several_blocks_per_program(op):
+    """row_steps > 1 (parameters loaded once per program) with a ragged last block and a
+    program whose last block lies past the rows: every row is written once and right."""
+    args = _operands(op, (13, 40), jnp.bfloat16)
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3, num_stages=2)
+    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
+    spec = (("axis", 1),) if op.endswith("softmax") else tuple(sorted(kw.items()))
+    got = getattr(norms_gpu, op)(spec, *args, interpret=True, config=config)
+    with _compat.enable_x64(True):
+        want = _f64(op, *map(f64, args))
+    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    assert_close(got, want, factor=2)
+
+
 @pytest.mark.skipif(
     not _compat.TRITON_LOWERS_WITHOUT_GPU,
     reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
@@ -286,6 +301,7 @@ def test_vmapped_weight_falls_back_exactly():
         (dict(block_rows=2, num_warps=64), "power of two"),
         (dict(block_rows=0, num_warps=4), "positive int"),
         (dict(block_rows=2, num_warps=4, row_steps=1.5), "positive int"),
+        (dict(block_rows=2, num_warps=4, num_stages=0), "positive int"),
     ],
 )
 def test_row_config_validation(kw, msg):

@@ -80,15 +80,17 @@ class RowConfig:
     Attributes:
       block_rows: rows per program block (a power of two).
       num_warps: warps per program (a power of two, 1 to 32).
-      row_steps: row blocks each backward program walks (forward programs do one).
+      row_steps: row blocks each program walks, in order.
+      num_stages: Triton's software-pipelining depth of that walk (1: none).
     """
 
     block_rows: int
     num_warps: int
     row_steps: int = 1
+    num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("block_rows", "num_warps", "row_steps"):
+        for name in ("block_rows", "num_warps", "row_steps", "num_stages"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"RowConfig: {name}={v!r} must be a positive int")
@@ -193,44 +195,74 @@ def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
 # --- kernel bodies ------------------------------------------------------------------------
 
 
+def _walk(p: Problem, body) -> None:
+    """``body(block)`` for each of this program's ``row_steps`` row blocks, in order."""
+    first = pl.program_id(0) * p.config.row_steps
+    if p.config.row_steps == 1:
+        body(first)
+        return
+
+    def step(i, carry):
+        body(first + i)
+        return carry
+
+    jax.lax.fori_loop(0, p.config.row_steps, step, ())
+
+
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
-    rows, cols, mask = _index(p, pl.program_id(0))
-    x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
-    m = jnp.max(x, axis=1, keepdims=True)
-    m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
-    shifted = x - m
-    e = jnp.exp(shifted)
-    s = jnp.sum(e, axis=1, keepdims=True)
-    s = jnp.where(s == 0, 1.0, s)
-    _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+    def block(b):
+        rows, cols, mask = _index(p, b)
+        x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
+        m = jnp.max(x, axis=1, keepdims=True)
+        m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
+        shifted = x - m
+        e = jnp.exp(shifted)
+        s = jnp.sum(e, axis=1, keepdims=True)
+        s = jnp.where(s == 0, 1.0, s)
+        _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+
+    _walk(p, block)
 
 
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
-    rows, cols, mask = _index(p, pl.program_id(0))
-    g = _load(g_ref, rows, cols, mask)
-    if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
-        soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
-        dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
-    else:  # dx = y·(g − Σ y·g)
-        y = _load(y_ref, rows, cols, mask)
-        dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
-    _store(o_ref, rows, cols, mask, dx)
+    def block(b):
+        rows, cols, mask = _index(p, b)
+        g = _load(g_ref, rows, cols, mask)
+        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
+            soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
+            dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
+        else:  # dx = y·(g − Σ y·g)
+            y = _load(y_ref, rows, cols, mask)
+            dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
+        _store(o_ref, rows, cols, mask, dx)
+
+    _walk(p, block)
 
 
 def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
+    """``row_steps`` row blocks per program, the weight and bias loaded once: a wide row's
+    f32 parameters are twice the bytes of its bf16 row, so reloading them for every block
+    costs as much cache traffic as the row itself."""
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
     b_ref = refs.pop(0) if has_bias else None
     (o_ref,) = refs
-    rows, cols, mask = _index(p, pl.program_id(0))
-    x = _load(x_ref, rows, cols, mask)
-    y, _ = _stats(p, x, mask, op, eps)
-    if w_ref is not None:
-        y = y * _load_vec(w_ref, p, cols)
-    if b_ref is not None:
-        y = y + _load_vec(b_ref, p, cols)
-    _store(o_ref, rows, cols, mask, y)
+    cols = jnp.arange(p.d_pad)
+    w = _load_vec(w_ref, p, cols) if w_ref is not None else None
+    b = _load_vec(b_ref, p, cols) if b_ref is not None else None
+
+    def block(blk):
+        rows, _, mask = _index(p, blk)
+        x = _load(x_ref, rows, cols, mask)
+        y, _ = _stats(p, x, mask, op, eps)
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        _store(o_ref, rows, cols, mask, y)
+
+    _walk(p, block)
 
 
 def _norm_bwd_kernel(
@@ -292,7 +324,9 @@ def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
         kernel,
         grid=(p.programs,),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=p.config.num_warps, num_stages=p.config.num_stages
+        ),
         interpret=interpret,
         name=name,
     )(*operands)
