@@ -198,9 +198,12 @@ def test_backward_walks_several_blocks_per_program(op):
 @pytest.mark.parametrize("op", OPS)
 def test_forward_walks_several_blocks_per_program(op):
     """row_steps > 1 (parameters loaded once per program) with a ragged last block and a
-    program whose last block lies past the rows: every row is written once and right."""
+    program whose last block lies past the rows: every row is written once and right. Row 7
+    of the norms overflows f32 when squared: its block alone takes the rescaled statistics."""
     args = _operands(op, (13, 40), jnp.bfloat16)
-    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3, num_stages=2)
+    if not op.endswith("softmax"):
+        args = (args[0].at[7].multiply(1e30), *args[1:])
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3)
     kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
     spec = (("axis", 1),) if op.endswith("softmax") else tuple(sorted(kw.items()))
     got = getattr(norms_gpu, op)(spec, *args, interpret=True, config=config)
@@ -301,7 +304,6 @@ def test_vmapped_weight_falls_back_exactly():
         (dict(block_rows=2, num_warps=64), "power of two"),
         (dict(block_rows=0, num_warps=4), "positive int"),
         (dict(block_rows=2, num_warps=4, row_steps=1.5), "positive int"),
-        (dict(block_rows=2, num_warps=4, num_stages=0), "positive int"),
     ],
 )
 def test_row_config_validation(kw, msg):

@@ -68,9 +68,11 @@ MAX_ROW = 16384
 _MIN_COMPUTE_CAPABILITY = 8
 # The power of two that brings a finite f32 row's squares into range (primitives/norms.py).
 _OVERFLOW_SCALE = np.float32(2.0**-100)
-# Backward programs: about this many per launch, each walking several row blocks, so the
-# f32 partial column sums stay a few MiB.
-_BWD_PROGRAMS = 528
+# The multiprocessors of an H100 or H200: programs that walk several row blocks are
+# launched in multiples of it.
+_SMS = 132
+# Forward programs of rows this wide (padded) with a weight or bias walk several blocks.
+_WALK_ROW = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +83,14 @@ class RowConfig:
       block_rows: rows per program block (a power of two).
       num_warps: warps per program (a power of two, 1 to 32).
       row_steps: row blocks each program walks, in order.
-      num_stages: Triton's software-pipelining depth of that walk (1: none).
     """
 
     block_rows: int
     num_warps: int
     row_steps: int = 1
-    num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("block_rows", "num_warps", "row_steps", "num_stages"):
+        for name in ("block_rows", "num_warps", "row_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"RowConfig: {name}={v!r} must be a positive int")
@@ -100,18 +100,27 @@ class RowConfig:
                 raise ValueError(f"RowConfig: {name}={v} must be a power of two (≤ 32 warps)")
 
     @staticmethod
-    def default(rows: int, d: int, *, backward: bool) -> RowConfig:
+    def default(rows: int, d: int, *, backward: bool, has_params: bool = False) -> RowConfig:
         """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
-        warps ran fastest); backward, which keeps four f32 tiles live: about 2048, 16 per
-        thread, each program walking enough blocks for about ``_BWD_PROGRAMS`` programs.
-        The measured configs are in benchmarks/results/norms-h100-sweep.json."""
+        warps ran fastest), one block per program; except rows of ``_WALK_ROW`` or more
+        with a weight or bias (``has_params``), whose f32 parameters cost more to reload
+        per block than the bf16 row itself: 16 elements per thread, two programs per
+        multiprocessor each walking its share of the rows. Backward, which keeps four f32
+        tiles live: blocks of about 2048 elements, 16 per thread, each program walking
+        enough blocks for as many programs as fit on the multiprocessors (four apiece at
+        blocks of 2048 elements, one from 8192), so that the f32 partial column sums stay
+        small. The measured configs are in benchmarks/results/norms-h100-sweep.json and
+        norms-h100-wide-sweep.json."""
         dp = pl.next_power_of_2(d)
+        if not backward and has_params and dp >= _WALK_ROW:
+            return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
         elems, per_thread = (2048, 16) if backward else (8192, 32)
         block_rows = max(1, min(elems // dp, pl.next_power_of_2(rows)))
         num_warps = max(4, min(16, block_rows * dp // (32 * per_thread)))
-        blocks = pl.cdiv(rows, block_rows)
-        steps = max(1, pl.cdiv(blocks, _BWD_PROGRAMS)) if backward else 1
-        return RowConfig(block_rows, num_warps, steps)
+        if not backward:
+            return RowConfig(block_rows, num_warps)
+        programs = _SMS * max(1, min(4, 8192 // (block_rows * dp)))
+        return RowConfig(block_rows, num_warps, max(1, pl.cdiv(rows, block_rows * programs)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +152,6 @@ def _index(p: Problem, block: Any) -> tuple[Any, Any, Any]:
     return rows, cols, mask
 
 
-def _load(ref, rows, cols, mask, other=0.0) -> jax.Array:
-    """A tile of rows in f32; masked elements read ``other``."""
-    tile = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
-    return tile.astype(jnp.float32)
-
-
 def _load_vec(ref, p: Problem, cols) -> jax.Array:
     """A ``(D,)`` weight or bias as a ``(1, d_pad)`` f32 row (zeros in the padding)."""
     return plgpu.load(ref.at[cols], mask=cols < p.d, other=0.0).astype(jnp.float32)[None, :]
@@ -171,17 +174,25 @@ def _rsqrt_guarded(s: jax.Array) -> jax.Array:
 
 def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool):
     """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)``: the operators' ``_normalise``,
-    including the rescaled statistics of a row whose mean square overflows f32."""
+    including the rescaled statistics of a row whose mean square overflows f32. Those
+    take a second reduction over the row, run only for a block holding such a row: each
+    reduction of a wide row is a round trip through shared memory that the program waits
+    on."""
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
     c = _OVERFLOW_SCALE
     s = _mean(v * v, d) + np.float32(eps)
     big = jnp.isinf(s)
-    vc = v * c
-    sc = _mean(vc * vc, d) + np.float32(eps) * c * c
-    sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
-    rs = rsqrt(jnp.where(big, sc, 1.0))
     r = rsqrt(jnp.where(big, 1.0, s))
-    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+    def rescaled():
+        vc = v * c
+        sc = _mean(vc * vc, d) + np.float32(eps) * c * c
+        sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
+        rs = rsqrt(jnp.where(big, sc, 1.0))
+        return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+    overflow = jnp.sum(big.astype(jnp.int32)) > 0
+    return jax.lax.cond(overflow, rescaled, lambda: (v * r, r))
 
 
 def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
@@ -195,24 +206,48 @@ def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
 # --- kernel bodies ------------------------------------------------------------------------
 
 
-def _walk(p: Problem, body) -> None:
-    """``body(block)`` for each of this program's ``row_steps`` row blocks, in order."""
-    first = pl.program_id(0) * p.config.row_steps
-    if p.config.row_steps == 1:
-        body(first)
-        return
+def _walk(p: Problem, load, body, acc: Any = ()) -> Any:
+    """Runs ``acc = body(block, tiles, acc)`` over this program's ``row_steps`` row blocks
+    in order, ``tiles = load(block, live)`` being the block's raw input tiles (``live``
+    masks the load off). Each step loads the next block's tiles before it processes its
+    own, so their memory latency overlaps this block's reductions: a program of a wide row
+    fills a multiprocessor's registers alone, and nothing else would hide that latency."""
+    steps = p.config.row_steps
+    first = pl.program_id(0) * steps
+    if steps == 1:
+        return body(first, load(first, True), acc)
 
     def step(i, carry):
-        body(first + i)
-        return carry
+        tiles, acc = carry
+        ahead = load(first + i + 1, i + 1 < steps)
+        return ahead, body(first + i, tiles, acc)
 
-    jax.lax.fori_loop(0, p.config.row_steps, step, ())
+    return jax.lax.fori_loop(0, steps, step, (load(first, True), acc))[1]
+
+
+def _loader(p: Problem, *refs_other):
+    """``load(block, live)`` for ``_walk``: the block's tile of each ``(ref, other)`` in its
+    own dtype (a 16-bit tile held ahead takes half the registers of an f32 one)."""
+
+    def load(block, live):
+        rows, cols, mask = _index(p, block)
+        mask = mask & live
+        return tuple(
+            plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
+            for ref, other in refs_other
+        )
+
+    return load
+
+
+def _f32(tile: jax.Array) -> jax.Array:
+    return tile.astype(jnp.float32)
 
 
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
-    def block(b):
+    def block(b, tiles, acc):
         rows, cols, mask = _index(p, b)
-        x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
+        x = _f32(tiles[0])
         m = jnp.max(x, axis=1, keepdims=True)
         m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
         shifted = x - m
@@ -220,23 +255,26 @@ def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
         s = jnp.sum(e, axis=1, keepdims=True)
         s = jnp.where(s == 0, 1.0, s)
         _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+        return acc
 
-    _walk(p, block)
+    _walk(p, _loader(p, (x_ref, -jnp.inf)), block)
 
 
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
-    def block(b):
+    # log: dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding);
+    # softmax: dx = y·(g − Σ y·g)
+    def block(b, tiles, acc):
         rows, cols, mask = _index(p, b)
-        g = _load(g_ref, rows, cols, mask)
-        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
-            soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
-            dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
-        else:  # dx = y·(g − Σ y·g)
-            y = _load(y_ref, rows, cols, mask)
+        y, g = map(_f32, tiles)
+        if log:
+            dx = g - jnp.exp(y) * jnp.sum(g, axis=1, keepdims=True)
+        else:
             dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
         _store(o_ref, rows, cols, mask, dx)
+        return acc
 
-    _walk(p, block)
+    other = -jnp.inf if log else 0.0
+    _walk(p, _loader(p, (y_ref, other), (g_ref, 0.0)), block)
 
 
 def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
@@ -252,17 +290,17 @@ def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_b
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
     b = _load_vec(b_ref, p, cols) if b_ref is not None else None
 
-    def block(blk):
+    def block(blk, tiles, acc):
         rows, _, mask = _index(p, blk)
-        x = _load(x_ref, rows, cols, mask)
-        y, _ = _stats(p, x, mask, op, eps)
+        y, _ = _stats(p, _f32(tiles[0]), mask, op, eps)
         if w is not None:
             y = y * w
         if b is not None:
             y = y + b
         _store(o_ref, rows, cols, mask, y)
+        return acc
 
-    _walk(p, block)
+    _walk(p, _loader(p, (x_ref, 0.0)), block)
 
 
 def _norm_bwd_kernel(
@@ -280,11 +318,10 @@ def _norm_bwd_kernel(
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
     program = pl.program_id(0)
 
-    def step(i, acc):
+    def block(blk, tiles, acc):
         dw, db = acc
-        rows, _, mask = _index(p, program * p.config.row_steps + i)
-        x = _load(x_ref, rows, cols, mask)
-        ct = _load(g_ref, rows, cols, mask)
+        rows, _, mask = _index(p, blk)
+        x, ct = map(_f32, tiles)
         xhat, r = _stats(p, x, mask, op, eps)
         g = ct if w is None else ct * w
         u = g - xhat * _mean(xhat * g, p.d)
@@ -296,7 +333,8 @@ def _norm_bwd_kernel(
         return dw, db
 
     zeros = jnp.zeros((1, p.d_pad), jnp.float32)
-    dw, db = jax.lax.fori_loop(0, p.config.row_steps, step, (zeros, zeros))
+    load = _loader(p, (x_ref, 0.0), (g_ref, 0.0))
+    dw, db = _walk(p, load, block, (zeros, zeros))
     prow = jnp.full((1,), program, jnp.int32)
     cmask = cols[None, :] < p.d
     if dw_ref is not None:
@@ -313,10 +351,13 @@ def _params(spec: Any) -> dict[str, Any]:
     return dict(spec)
 
 
-def _problem(x: jax.Array, backward: bool, config: RowConfig | None) -> Problem:
+def _problem(
+    x: jax.Array, backward: bool, config: RowConfig | None, has_params: bool = False
+) -> Problem:
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     d = x.shape[-1]
-    return Problem(rows, d, config or RowConfig.default(rows, d, backward=backward))
+    default = RowConfig.default(rows, d, backward=backward, has_params=has_params)
+    return Problem(rows, d, config or default)
 
 
 def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
@@ -324,9 +365,7 @@ def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
         kernel,
         grid=(p.programs,),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=p.config.num_warps, num_stages=p.config.num_stages
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps, num_stages=1),
         interpret=interpret,
         name=name,
     )(*operands)
@@ -377,7 +416,7 @@ def log_softmax_bwd(spec, y, g, *, interpret: bool = False, config: RowConfig | 
 def _norm(op, spec, x, *params, interpret, config):
     kw = _params(spec)
     has_weight, has_bias = kw["has_weight"], kw.get("has_bias", False)
-    p = _problem(x, False, config)
+    p = _problem(x, False, config, has_params=bool(params))
     out = jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)
     kernel = functools.partial(
         _norm_kernel, p=p, op=op, eps=kw["eps"], has_weight=has_weight, has_bias=has_bias
