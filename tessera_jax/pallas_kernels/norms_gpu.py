@@ -52,7 +52,6 @@ __all__ = [
     "log_softmax_bwd",
     "prefer",
     "prefer_bwd",
-    "prefer_rmsnorm",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -152,6 +151,12 @@ def _index(p: Problem, block: Any) -> tuple[Any, Any, Any]:
     return rows, cols, mask
 
 
+def _load(ref, rows, cols, mask, other=0.0) -> jax.Array:
+    """A tile of rows in f32; masked elements read ``other``."""
+    tile = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
+    return tile.astype(jnp.float32)
+
+
 def _load_vec(ref, p: Problem, cols) -> jax.Array:
     """A ``(D,)`` weight or bias as a ``(1, d_pad)`` f32 row (zeros in the padding)."""
     return plgpu.load(ref.at[cols], mask=cols < p.d, other=0.0).astype(jnp.float32)[None, :]
@@ -174,25 +179,17 @@ def _rsqrt_guarded(s: jax.Array) -> jax.Array:
 
 def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool):
     """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)``: the operators' ``_normalise``,
-    including the rescaled statistics of a row whose mean square overflows f32. Those
-    take a second reduction over the row, run only for a block holding such a row: each
-    reduction of a wide row is a round trip through shared memory that the program waits
-    on."""
+    including the rescaled statistics of a row whose mean square overflows f32."""
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
     c = _OVERFLOW_SCALE
     s = _mean(v * v, d) + np.float32(eps)
     big = jnp.isinf(s)
+    vc = v * c
+    sc = _mean(vc * vc, d) + np.float32(eps) * c * c
+    sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
+    rs = rsqrt(jnp.where(big, sc, 1.0))
     r = rsqrt(jnp.where(big, 1.0, s))
-
-    def rescaled():
-        vc = v * c
-        sc = _mean(vc * vc, d) + np.float32(eps) * c * c
-        sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
-        rs = rsqrt(jnp.where(big, sc, 1.0))
-        return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
-
-    overflow = jnp.sum(big.astype(jnp.int32)) > 0
-    return jax.lax.cond(overflow, rescaled, lambda: (v * r, r))
+    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
 
 
 def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
@@ -206,48 +203,24 @@ def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
 # --- kernel bodies ------------------------------------------------------------------------
 
 
-def _walk(p: Problem, load, body, acc: Any = ()) -> Any:
-    """Runs ``acc = body(block, tiles, acc)`` over this program's ``row_steps`` row blocks
-    in order, ``tiles = load(block, live)`` being the block's raw input tiles (``live``
-    masks the load off). Each step loads the next block's tiles before it processes its
-    own, so their memory latency overlaps this block's reductions: a program of a wide row
-    fills a multiprocessor's registers alone, and nothing else would hide that latency."""
-    steps = p.config.row_steps
-    first = pl.program_id(0) * steps
-    if steps == 1:
-        return body(first, load(first, True), acc)
+def _walk(p: Problem, body) -> None:
+    """``body(block)`` for each of this program's ``row_steps`` row blocks, in order."""
+    first = pl.program_id(0) * p.config.row_steps
+    if p.config.row_steps == 1:
+        body(first)
+        return
 
     def step(i, carry):
-        tiles, acc = carry
-        ahead = load(first + i + 1, i + 1 < steps)
-        return ahead, body(first + i, tiles, acc)
+        body(first + i)
+        return carry
 
-    return jax.lax.fori_loop(0, steps, step, (load(first, True), acc))[1]
-
-
-def _loader(p: Problem, *refs_other):
-    """``load(block, live)`` for ``_walk``: the block's tile of each ``(ref, other)`` in its
-    own dtype (a 16-bit tile held ahead takes half the registers of an f32 one)."""
-
-    def load(block, live):
-        rows, cols, mask = _index(p, block)
-        mask = mask & live
-        return tuple(
-            plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
-            for ref, other in refs_other
-        )
-
-    return load
-
-
-def _f32(tile: jax.Array) -> jax.Array:
-    return tile.astype(jnp.float32)
+    jax.lax.fori_loop(0, p.config.row_steps, step, ())
 
 
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
-    def block(b, tiles, acc):
+    def block(b):
         rows, cols, mask = _index(p, b)
-        x = _f32(tiles[0])
+        x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
         m = jnp.max(x, axis=1, keepdims=True)
         m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
         shifted = x - m
@@ -255,26 +228,23 @@ def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
         s = jnp.sum(e, axis=1, keepdims=True)
         s = jnp.where(s == 0, 1.0, s)
         _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
-        return acc
 
-    _walk(p, _loader(p, (x_ref, -jnp.inf)), block)
+    _walk(p, block)
 
 
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
-    # log: dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding);
-    # softmax: dx = y·(g − Σ y·g)
-    def block(b, tiles, acc):
+    def block(b):
         rows, cols, mask = _index(p, b)
-        y, g = map(_f32, tiles)
-        if log:
-            dx = g - jnp.exp(y) * jnp.sum(g, axis=1, keepdims=True)
-        else:
+        g = _load(g_ref, rows, cols, mask)
+        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
+            soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
+            dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
+        else:  # dx = y·(g − Σ y·g)
+            y = _load(y_ref, rows, cols, mask)
             dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
         _store(o_ref, rows, cols, mask, dx)
-        return acc
 
-    other = -jnp.inf if log else 0.0
-    _walk(p, _loader(p, (y_ref, other), (g_ref, 0.0)), block)
+    _walk(p, block)
 
 
 def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
@@ -290,17 +260,17 @@ def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_b
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
     b = _load_vec(b_ref, p, cols) if b_ref is not None else None
 
-    def block(blk, tiles, acc):
+    def block(blk):
         rows, _, mask = _index(p, blk)
-        y, _ = _stats(p, _f32(tiles[0]), mask, op, eps)
+        x = _load(x_ref, rows, cols, mask)
+        y, _ = _stats(p, x, mask, op, eps)
         if w is not None:
             y = y * w
         if b is not None:
             y = y + b
         _store(o_ref, rows, cols, mask, y)
-        return acc
 
-    _walk(p, _loader(p, (x_ref, 0.0)), block)
+    _walk(p, block)
 
 
 def _norm_bwd_kernel(
@@ -318,10 +288,11 @@ def _norm_bwd_kernel(
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
     program = pl.program_id(0)
 
-    def block(blk, tiles, acc):
+    def step(i, acc):
         dw, db = acc
-        rows, _, mask = _index(p, blk)
-        x, ct = map(_f32, tiles)
+        rows, _, mask = _index(p, program * p.config.row_steps + i)
+        x = _load(x_ref, rows, cols, mask)
+        ct = _load(g_ref, rows, cols, mask)
         xhat, r = _stats(p, x, mask, op, eps)
         g = ct if w is None else ct * w
         u = g - xhat * _mean(xhat * g, p.d)
@@ -333,8 +304,7 @@ def _norm_bwd_kernel(
         return dw, db
 
     zeros = jnp.zeros((1, p.d_pad), jnp.float32)
-    load = _loader(p, (x_ref, 0.0), (g_ref, 0.0))
-    dw, db = _walk(p, load, block, (zeros, zeros))
+    dw, db = jax.lax.fori_loop(0, p.config.row_steps, step, (zeros, zeros))
     prow = jnp.full((1,), program, jnp.int32)
     cmask = cols[None, :] < p.d
     if dw_ref is not None:
@@ -501,11 +471,13 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 
 # Where ``auto`` mode takes the kernels: the cases measured faster than the operators' XLA
 # references on an H100 (bf16; benchmarks/results/norms-h100.json at 8192×2048 and
-# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all).
-# The forward kernels won at every row length measured, except rmsnorm's at 16384, whose
-# forward+backward then ran behind the reference. The backward kernels, which finish the
-# weight gradient with an XLA sum, won from 2²³ elements at rows up to 8192 (rmsnorm's tied
-# at 2²³) and lost below. Elsewhere the reference runs until measured.
+# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all, and
+# norms-h100-wide-sweep.json, the rmsnorm/layernorm kernels alone at rows of 1024 to 16384).
+# The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
+# walk their rows, loading the weight once). The backward kernels, which finish the weight
+# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 (rmsnorm's at 16384
+# once its programs were one per multiprocessor) and lost below. Elsewhere the reference
+# runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
@@ -521,8 +493,7 @@ class Preference:
 
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
-prefer_rmsnorm = Preference(rows=(256, 8192), min_elements=1 << 22)
-prefer_bwd = Preference(rows=(256, 8192), min_elements=1 << 23)
+prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
 
 
 def hardware(platform: str) -> str | None:
