@@ -195,6 +195,24 @@ def test_backward_walks_several_blocks_per_program(op):
         assert_close(g, f64(r), rtol=2e-2 if g.dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_forward_walks_several_blocks_per_program(op):
+    """row_steps > 1 (parameters loaded once per program) with a ragged last block and a
+    program whose last block lies past the rows: every row is written once and right. Row 7
+    of the norms overflows f32 when squared: its block alone takes the rescaled statistics."""
+    args = _operands(op, (13, 40), jnp.bfloat16)
+    if not op.endswith("softmax"):
+        args = (args[0].at[7].multiply(1e30), *args[1:])
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3)
+    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
+    spec = (("axis", 1),) if op.endswith("softmax") else tuple(sorted(kw.items()))
+    got = getattr(norms_gpu, op)(spec, *args, interpret=True, config=config)
+    with _compat.enable_x64(True):
+        want = _f64(op, *map(f64, args))
+    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    assert_close(got, want, factor=2)
+
+
 @pytest.mark.skipif(
     not _compat.TRITON_LOWERS_WITHOUT_GPU,
     reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
@@ -245,26 +263,42 @@ def test_supports_declines_with_reasons():
 
 
 @pytest.mark.parametrize(
-    "shape, fwd, rms, bwd",
+    "shape, fwd, bwd",
     [
-        ((2**13, 1024), True, True, True),  # 2^23 elements
-        ((2**12, 1024), True, True, False),  # the backward kernels lose below 2^23
-        ((2**14, 256), True, True, False),  # 2^22 elements
-        ((2**16, 128), False, False, False),  # rows shorter than measured
-        ((2**10, 16384), True, False, False),  # rmsnorm and backward rows up to 8192
-        ((2**9, 4096), False, False, False),  # 2^21 elements: unmeasured
+        ((2**13, 1024), True, True),  # 2^23 elements
+        ((2**12, 1024), True, False),  # the backward kernels lose below 2^23
+        ((2**14, 256), True, False),  # 2^22 elements
+        ((2**16, 128), False, False),  # rows shorter than measured
+        ((2**10, 16384), True, True),  # the longest rows measured
+        ((2**9, 4096), False, False),  # 2^21 elements: unmeasured
     ],
 )
-def test_auto_mode_prefers_the_measured_range(shape, fwd, rms, bwd):
+def test_auto_mode_prefers_the_measured_range(shape, fwd, bwd):
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
     assert norms_gpu.prefer((), [x]) is fwd
-    assert norms_gpu.prefer_rmsnorm((), [x]) is rms
     assert norms_gpu.prefer_bwd((), [x, x]) is bwd
-    assert _norms.rmsnorm_op.kernels[0].prefer is norms_gpu.prefer_rmsnorm
-    for op in (_norms.layernorm_op, _softmax.softmax_op, _softmax.log_softmax_op):
+    fwd_ops = (_norms.rmsnorm_op, _norms.layernorm_op, _softmax.softmax_op)
+    for op in (*fwd_ops, _softmax.log_softmax_op):
         assert op.kernels[0].prefer is norms_gpu.prefer
-    for op in (_norms.rmsnorm_bwd_op, _norms.layernorm_bwd_op, _softmax.log_softmax_bwd_op):
+    bwd_ops = (_norms.rmsnorm_bwd_op, _norms.layernorm_bwd_op, _softmax.softmax_bwd_op)
+    for op in (*bwd_ops, _softmax.log_softmax_bwd_op):
         assert op.kernels[0].prefer is norms_gpu.prefer_bwd
+
+
+def test_default_configs_walk_where_measured_faster():
+    """Forward rmsnorm/layernorm programs walk rows of 8192+ (parameters loaded once per
+    program), about two per multiprocessor; softmax's and narrower rows' programs do one
+    block. Backward programs at wide rows are one per multiprocessor (few partial sums)."""
+    default = norms_gpu.RowConfig.default
+    for rows, d in ((4096, 16384), (1000, 8192)):
+        walk = default(rows, d, backward=False, has_params=True)
+        programs = norms_gpu.Problem(rows, d, walk).programs
+        assert walk.row_steps > 1 and norms_gpu._SMS < programs <= 2 * norms_gpu._SMS
+        assert default(rows, d, backward=False).row_steps == 1
+        back = norms_gpu.Problem(rows, d, default(rows, d, backward=True))
+        assert back.programs <= norms_gpu._SMS
+    assert default(16384, 4096, backward=False, has_params=True).row_steps == 1
+    assert norms_gpu.Problem(16384, 1024, default(16384, 1024, backward=True)).programs == 512
 
 
 def test_vmapped_weight_falls_back_exactly():

@@ -3,12 +3,14 @@ Pallas' Triton backend.
 
 Each operator normalises over the last axis, so a kernel treats ``x`` as ``(rows, D)``: one
 program loads a block of ``block_rows`` whole rows into registers (``D`` padded to a power
-of two, the padding masked), takes the row statistics in f32, and writes its rows once. The
-input is read once and the output written once, which is all a bandwidth-bound operator
-can do. The backward kernels recompute the statistics from ``x`` (softmax: from the saved
-output) instead of saving them, and read ``x`` and the cotangent once; the weight and bias
-gradients are per-program partial column sums in f32 (each program walks ``row_steps``
-blocks) that one small XLA sum finishes, so no atomics and the same bits every run.
+of two, the padding masked), takes the row statistics in f32, and writes its rows once;
+a program may walk ``row_steps`` such blocks in turn, loading the weight and bias once
+(``RowConfig.default`` says where). The input is read once and the output written once,
+which is all a bandwidth-bound operator can do. The backward kernels recompute the
+statistics from ``x`` (softmax: from the saved output) instead of saving them, and read
+``x`` and the cotangent once; the weight and bias gradients are per-program partial column
+sums in f32 (each program walks ``row_steps`` blocks) that one small XLA sum finishes, so
+no atomics and the same bits every run.
 
 Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident tile, a
 reduction along its minor axis and masked loads and stores of ragged rows, which the
@@ -52,7 +54,6 @@ __all__ = [
     "log_softmax_bwd",
     "prefer",
     "prefer_bwd",
-    "prefer_rmsnorm",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -68,9 +69,11 @@ MAX_ROW = 16384
 _MIN_COMPUTE_CAPABILITY = 8
 # The power of two that brings a finite f32 row's squares into range (primitives/norms.py).
 _OVERFLOW_SCALE = np.float32(2.0**-100)
-# Backward programs: about this many per launch, each walking several row blocks, so the
-# f32 partial column sums stay a few MiB.
-_BWD_PROGRAMS = 528
+# The multiprocessors of an H100 or H200: programs that walk several row blocks are
+# launched in multiples of it.
+_SMS = 132
+# Forward programs of rows this wide (padded) with a weight or bias walk several blocks.
+_WALK_ROW = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,7 @@ class RowConfig:
     Attributes:
       block_rows: rows per program block (a power of two).
       num_warps: warps per program (a power of two, 1 to 32).
-      row_steps: row blocks each backward program walks (forward programs do one).
+      row_steps: row blocks each program walks, in order.
     """
 
     block_rows: int
@@ -98,18 +101,27 @@ class RowConfig:
                 raise ValueError(f"RowConfig: {name}={v} must be a power of two (≤ 32 warps)")
 
     @staticmethod
-    def default(rows: int, d: int, *, backward: bool) -> RowConfig:
+    def default(rows: int, d: int, *, backward: bool, has_params: bool = False) -> RowConfig:
         """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
-        warps ran fastest); backward, which keeps four f32 tiles live: about 2048, 16 per
-        thread, each program walking enough blocks for about ``_BWD_PROGRAMS`` programs.
-        The measured configs are in benchmarks/results/norms-h100-sweep.json."""
+        warps ran fastest), one block per program; except rows of ``_WALK_ROW`` or more
+        with a weight or bias (``has_params``), whose f32 parameters cost more to reload
+        per block than the bf16 row itself: 16 elements per thread, two programs per
+        multiprocessor each walking its share of the rows. Backward, which keeps four f32
+        tiles live: blocks of about 2048 elements, 16 per thread, each program walking
+        enough blocks for as many programs as fit on the multiprocessors (four apiece at
+        blocks of 2048 elements, one from 8192), so that the f32 partial column sums stay
+        small. The measured configs are in benchmarks/results/norms-h100-sweep.json and
+        norms-h100-wide-sweep.json."""
         dp = pl.next_power_of_2(d)
+        if not backward and has_params and dp >= _WALK_ROW:
+            return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
         elems, per_thread = (2048, 16) if backward else (8192, 32)
         block_rows = max(1, min(elems // dp, pl.next_power_of_2(rows)))
         num_warps = max(4, min(16, block_rows * dp // (32 * per_thread)))
-        blocks = pl.cdiv(rows, block_rows)
-        steps = max(1, pl.cdiv(blocks, _BWD_PROGRAMS)) if backward else 1
-        return RowConfig(block_rows, num_warps, steps)
+        if not backward:
+            return RowConfig(block_rows, num_warps)
+        programs = _SMS * max(1, min(4, 8192 // (block_rows * dp)))
+        return RowConfig(block_rows, num_warps, max(1, pl.cdiv(rows, block_rows * programs)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,44 +205,74 @@ def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
 # --- kernel bodies ------------------------------------------------------------------------
 
 
+def _walk(p: Problem, body) -> None:
+    """``body(block)`` for each of this program's ``row_steps`` row blocks, in order."""
+    first = pl.program_id(0) * p.config.row_steps
+    if p.config.row_steps == 1:
+        body(first)
+        return
+
+    def step(i, carry):
+        body(first + i)
+        return carry
+
+    jax.lax.fori_loop(0, p.config.row_steps, step, ())
+
+
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
-    rows, cols, mask = _index(p, pl.program_id(0))
-    x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
-    m = jnp.max(x, axis=1, keepdims=True)
-    m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
-    shifted = x - m
-    e = jnp.exp(shifted)
-    s = jnp.sum(e, axis=1, keepdims=True)
-    s = jnp.where(s == 0, 1.0, s)
-    _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+    def block(b):
+        rows, cols, mask = _index(p, b)
+        x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
+        m = jnp.max(x, axis=1, keepdims=True)
+        m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
+        shifted = x - m
+        e = jnp.exp(shifted)
+        s = jnp.sum(e, axis=1, keepdims=True)
+        s = jnp.where(s == 0, 1.0, s)
+        _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+
+    _walk(p, block)
 
 
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
-    rows, cols, mask = _index(p, pl.program_id(0))
-    g = _load(g_ref, rows, cols, mask)
-    if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
-        soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
-        dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
-    else:  # dx = y·(g − Σ y·g)
-        y = _load(y_ref, rows, cols, mask)
-        dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
-    _store(o_ref, rows, cols, mask, dx)
+    def block(b):
+        rows, cols, mask = _index(p, b)
+        g = _load(g_ref, rows, cols, mask)
+        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
+            soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
+            dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
+        else:  # dx = y·(g − Σ y·g)
+            y = _load(y_ref, rows, cols, mask)
+            dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
+        _store(o_ref, rows, cols, mask, dx)
+
+    _walk(p, block)
 
 
 def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
+    """``row_steps`` row blocks per program, the weight and bias loaded once: a wide row's
+    f32 parameters are twice the bytes of its bf16 row, so reloading them for every block
+    costs as much cache traffic as the row itself."""
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
     b_ref = refs.pop(0) if has_bias else None
     (o_ref,) = refs
-    rows, cols, mask = _index(p, pl.program_id(0))
-    x = _load(x_ref, rows, cols, mask)
-    y, _ = _stats(p, x, mask, op, eps)
-    if w_ref is not None:
-        y = y * _load_vec(w_ref, p, cols)
-    if b_ref is not None:
-        y = y + _load_vec(b_ref, p, cols)
-    _store(o_ref, rows, cols, mask, y)
+    cols = jnp.arange(p.d_pad)
+    w = _load_vec(w_ref, p, cols) if w_ref is not None else None
+    b = _load_vec(b_ref, p, cols) if b_ref is not None else None
+
+    def block(blk):
+        rows, _, mask = _index(p, blk)
+        x = _load(x_ref, rows, cols, mask)
+        y, _ = _stats(p, x, mask, op, eps)
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        _store(o_ref, rows, cols, mask, y)
+
+    _walk(p, block)
 
 
 def _norm_bwd_kernel(
@@ -281,10 +323,13 @@ def _params(spec: Any) -> dict[str, Any]:
     return dict(spec)
 
 
-def _problem(x: jax.Array, backward: bool, config: RowConfig | None) -> Problem:
+def _problem(
+    x: jax.Array, backward: bool, config: RowConfig | None, has_params: bool = False
+) -> Problem:
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     d = x.shape[-1]
-    return Problem(rows, d, config or RowConfig.default(rows, d, backward=backward))
+    default = RowConfig.default(rows, d, backward=backward, has_params=has_params)
+    return Problem(rows, d, config or default)
 
 
 def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
@@ -343,7 +388,7 @@ def log_softmax_bwd(spec, y, g, *, interpret: bool = False, config: RowConfig | 
 def _norm(op, spec, x, *params, interpret, config):
     kw = _params(spec)
     has_weight, has_bias = kw["has_weight"], kw.get("has_bias", False)
-    p = _problem(x, False, config)
+    p = _problem(x, False, config, has_params=bool(params))
     out = jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)
     kernel = functools.partial(
         _norm_kernel, p=p, op=op, eps=kw["eps"], has_weight=has_weight, has_bias=has_bias
@@ -428,11 +473,13 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 
 # Where ``auto`` mode takes the kernels: the cases measured faster than the operators' XLA
 # references on an H100 (bf16; benchmarks/results/norms-h100.json at 8192×2048 and
-# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all).
-# The forward kernels won at every row length measured, except rmsnorm's at 16384, whose
-# forward+backward then ran behind the reference. The backward kernels, which finish the
-# weight gradient with an XLA sum, won from 2²³ elements at rows up to 8192 (rmsnorm's tied
-# at 2²³) and lost below. Elsewhere the reference runs until measured.
+# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all, and
+# norms-h100-wide-sweep.json, the rmsnorm/layernorm kernels alone at rows of 1024 to 16384).
+# The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
+# walk their rows, loading the weight once). The backward kernels, which finish the weight
+# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 (rmsnorm's at 16384
+# once its programs were one per multiprocessor) and lost below. Elsewhere the reference
+# runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
@@ -448,8 +495,7 @@ class Preference:
 
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
-prefer_rmsnorm = Preference(rows=(256, 8192), min_elements=1 << 22)
-prefer_bwd = Preference(rows=(256, 8192), min_elements=1 << 23)
+prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
 
 
 def hardware(platform: str) -> str | None:
