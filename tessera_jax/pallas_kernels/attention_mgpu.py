@@ -1706,8 +1706,8 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
 # operator's blocked XLA reference, which the kernels beat at every measured shape
-# (benchmarks/results/attention-h100.json: 128 to 4096 keys, head_dim 64-256 and 80/96
-# zero-padded, B*H 16-256; 4-20x from 512 keys, 1.05-1.2x at 128-256); below
+# (benchmarks/results/attention-h100.json: 128 to 4096 keys, head_dim 64-256 and 96
+# zero-padded, B*H 16-256; 4-20x from 512 keys, 1.07-1.56x at 128-256); below
 # PREFER_MIN_SEQ queries or keys the 128-row tile padding is unmeasured. Decoding
 # (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys or more runs the kernels too:
 # the padded tile costs little beside streaming the cache (the ``…-decode-…`` cases: as
