@@ -54,6 +54,7 @@ __all__ = [
     "log_softmax_bwd",
     "prefer",
     "prefer_bwd",
+    "prefer_rmsnorm_bwd",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -478,8 +479,11 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
 # walk their rows, loading the weight once). The backward kernels, which finish the weight
 # gradient with an XLA sum, won from 2²³ elements at rows up to 16384 (rmsnorm's at 16384
-# once its programs were one per multiprocessor) and lost below. Elsewhere the reference
-# runs until measured.
+# once its programs were one per multiprocessor) and lost below — except rmsnorm's at
+# 16384: faster alone, but inside a forward+backward program the reference's backward took
+# about 0.015 ms less at 1024x16384 (norms-h100-rows.json: 0.78x/0.82x jnp with both kernels
+# against 0.83x/0.85x with both references; the difference is in the backward, so rmsnorm's
+# stops at 8192). Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
@@ -496,6 +500,7 @@ class Preference:
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
 prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
+prefer_rmsnorm_bwd = Preference(rows=(256, 8192), min_elements=1 << 23)
 
 
 def hardware(platform: str) -> str | None:
