@@ -478,12 +478,11 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # norms-h100-wide-sweep.json, the rmsnorm/layernorm kernels alone at rows of 1024 to 16384).
 # The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
 # walk their rows, loading the weight once). The backward kernels, which finish the weight
-# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 (rmsnorm's at 16384
-# once its programs were one per multiprocessor) and lost below — except rmsnorm's at
-# 16384: faster alone, but inside a forward+backward program the reference's backward took
-# about 0.015 ms less at 1024x16384 (norms-h100-rows.json: 0.78x/0.82x jnp with both kernels
-# against 0.83x/0.85x with both references; the difference is in the backward, so rmsnorm's
-# stops at 8192). Elsewhere the reference runs until measured.
+# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below, with
+# one exception: rmsnorm's at 16384, faster timed alone, made forward+backward programs
+# slower (norms-h100-rows.json: 0.78x/0.82x jnp with both kernels, 0.83x/0.85x with both
+# references, the forward kernel being the faster forward), so rmsnorm's stops at 8192.
+# Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``

@@ -92,7 +92,7 @@ lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in 
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
 what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
 case. Registered today: ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
-query/key lengths, a local window, an ``lse`` cotangent and, at head_dim 64 and 128,
+query/key lengths, a local window, an ``lse`` cotangent and, at head dims up to 128,
 segment ids, a ``mask`` and a ``bias``; bf16 and f16, head_dim 64, 128 and 256 — other
 head dims up to 256 zero-padded to the next — forward and backward; in ``auto`` mode from
 128 queries and keys, and for decoding against a long cache). The bias's gradient
@@ -849,15 +849,15 @@ def flash_attention(
 
     Where it runs (``auto`` mode): on a Hopper GPU, bf16/f16 with head_dim up to 256 (64,
     128 and 256 natively, others zero-padded to the next) and at least 128 queries and keys
-    (or decoding: at most 16 queries against 4096 keys or more), the Mosaic GPU kernels
-    run the forward and backward, causal or not, with
-    ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and, at
-    head_dim 64 and 128, segment ids, ``mask`` and ``bias`` (a bias with a row per query is
-    rounded to the inputs' 16-bit dtype there, one broadcast over the queries is not).
-    Everything else — the gradient of ``bias`` (its backward), other dtypes, head dims over
-    256, shorter sequences, an explicit ``config`` — runs the blocked XLA reference. Both paths
-    are deterministic: bitwise identical outputs and gradients run to run (no atomics);
-    there is no cuDNN path.
+    (or decoding: at most 16 queries against 4096 keys or more), the Mosaic GPU kernels run
+    the forward and backward, causal or not, with ``query_seq_lengths``,
+    ``key_value_seq_lengths``, ``local_window_size`` and, at head dims up to 128, segment
+    ids, ``mask`` and ``bias`` (a bias with a row per query is rounded to the inputs' 16-bit
+    dtype there, one broadcast over the queries is not). Everything else — the gradient of
+    ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, an
+    explicit ``config`` — runs the blocked XLA reference. Both paths are deterministic:
+    bitwise identical outputs and gradients run to run (no atomics); there is no cuDNN
+    path.
     """
     out, _ = flash_attention_fwd(
         q,
