@@ -274,9 +274,11 @@ class TestAttentionKernelsInterpret:
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
-    # A head dim the kernels do not have runs zero-padded to the next one.
+    # A head dim the kernels do not have runs zero-padded to the next one, with what the
+    # kernels take there (here a key-padding mask and a bias per query).
     def test_padded_head_dim(self):
-        _check((1, 128, 128, 1, 1, 40, True), jnp.bfloat16)
+        dims = (1, 128, 128, 1, 1, 40)
+        _check_mask_bias(dims, (1, 1, 1, 128), (1, 1, 128, 128), dict(causal=True), jnp.bfloat16)
 
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
