@@ -54,7 +54,6 @@ __all__ = [
     "log_softmax_bwd",
     "prefer",
     "prefer_bwd",
-    "prefer_rmsnorm_bwd",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -478,10 +477,12 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # norms-h100-wide-sweep.json, the rmsnorm/layernorm kernels alone at rows of 1024 to 16384).
 # The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
 # walk their rows, loading the weight once). The backward kernels, which finish the weight
-# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below, with
-# one exception: rmsnorm's at 16384, faster timed alone, made forward+backward programs
-# slower (norms-h100-rows.json: 0.78x/0.82x jnp with both kernels, 0.83x/0.85x with both
-# references, the forward kernel being the faster forward), so rmsnorm's stops at 8192.
+# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below.
+# Inside forward+backward programs at 16384-wide rows rmsnorm is still behind jnp on either
+# path (both kernels 0.78x/0.81x, both references 0.83x/0.85x), and mixing them is worse
+# still (forward kernel, reference backward: 0.71x/0.72x), because XLA fuses its own
+# forward into its backward only when it owns both; so the backward kernel keeps its place
+# beside the forward kernel.
 # Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
@@ -499,7 +500,6 @@ class Preference:
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
 prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
-prefer_rmsnorm_bwd = Preference(rows=(256, 8192), min_elements=1 << 23)
 
 
 def hardware(platform: str) -> str | None:

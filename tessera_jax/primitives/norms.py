@@ -511,7 +511,7 @@ def layernorm(
 rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm))
 layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
 rmsnorm_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm_bwd)
+    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_bwd)
 )
 layernorm_bwd_op.add_kernel(
     Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd, _gpu.prefer_bwd)
