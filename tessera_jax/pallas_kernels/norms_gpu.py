@@ -478,11 +478,10 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
 # walk their rows, loading the weight once). The backward kernels, which finish the weight
 # gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below.
-# Inside forward+backward programs at 16384-wide rows rmsnorm is still behind jnp on either
-# path (both kernels 0.78x/0.81x, both references 0.83x/0.85x), and mixing them is worse
-# still (forward kernel, reference backward: 0.71x/0.72x), because XLA fuses its own
-# forward into its backward only when it owns both; so the backward kernel keeps its place
-# beside the forward kernel.
+# Inside forward+backward programs at 16384-wide rows rmsnorm trails jnp on either path
+# (norms-h100-rows.json), and the forward kernel beside the reference backward is slower
+# than both: XLA fuses its own forward into its backward only when it owns both. So the
+# backward kernel stays beside the forward kernel there.
 # Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
