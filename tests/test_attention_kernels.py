@@ -143,6 +143,19 @@ def _mask_bias_operands(mask_shape, bias_shape, empty_rows=()):
     return mask, bias
 
 
+def _check_exact_bias(dims, bias_shape, dtype):
+    """The forward kernel with a large bias in the inputs' dtype: lse to 1e-4 of float64
+    (a bias rounded again in the kernel misses it by about 1e-2)."""
+    q, k, v = (rand(dims, dtype) for _ in range(3))
+    bias = rand(bias_shape, dtype, scale=8.0)
+    f = jax.jit(lambda q, k, v, bias: flash_attention_fwd(q, k, v, bias=bias))
+    assert _chosen(f, q, k, v, bias) == ["mosaic_gpu"]
+    out, lse = f(q, k, v, bias)
+    want_out, want_lse = np_dense(f64(q), f64(k), f64(v), dict(bias=f64(bias)))
+    np.testing.assert_allclose(f64(lse), want_lse, rtol=0, atol=1e-4)
+    assert_close(out, want_out, dtype, factor=2.0)
+
+
 def _check_mask_bias(
     dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, empty_rows=(), dbias=False
 ):
@@ -279,6 +292,14 @@ class TestAttentionKernelsInterpret:
     def test_padded_head_dim(self):
         dims = (1, 128, 128, 1, 1, 40)
         _check_mask_bias(dims, (1, 1, 1, 128), (1, 1, 128, 128), dict(causal=True), jnp.bfloat16)
+
+    # A 16-bit bias reaches the scores unrounded: the kernels scale it to the exp2 domain
+    # in f32, so lse matches float64 as closely as without a bias.
+    @pytest.mark.parametrize(
+        "bias_shape", [(1, 2, 128, 128), (1, 2, 1, 128)], ids=["tiles", "rows"]
+    )
+    def test_bias_in_input_dtype_is_exact(self, bias_shape):
+        _check_exact_bias((1, 128, 2, 64), bias_shape, jnp.float16)
 
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
@@ -462,6 +483,11 @@ class TestAttentionKernelsGPU:
     def test_bias_gradient(self, bias_shape):
         """The bias differentiated: the forward kernel, then the reference's backward."""
         _check_mask_bias((2, 1024, 1024, 8, 2, 128), None, bias_shape, {}, jnp.bfloat16, dbias=True)
+
+    @pytest.mark.parametrize("bias_shape", [(2, 8, 1024, 1024), (1, 8, 1, 1024)])
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    def test_bias_in_input_dtype_is_exact(self, bias_shape, dtype):
+        _check_exact_bias((2, 1024, 8, 128), bias_shape, dtype)
 
     @pytest.mark.parametrize("causal", [False, True])
     def test_forward_head_dim_256(self, causal):

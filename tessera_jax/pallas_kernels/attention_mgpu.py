@@ -37,10 +37,10 @@ masked query rows ``lse = +inf`` so their probabilities are exactly 0 (the dQ pa
 padded keys too; they reach only padded dK/dV rows, which are cut off, as are the dK/dV
 rows past a key length).
 
-A ``mask`` and a ``bias`` are folded by XLA into one additive array, in the exp2 domain and
-``-inf`` where masked (batch and heads stay 1 where both broadcast: the TMA loads index 0
-there), streamed into a ring beside the block it belongs to (the forward's beside V, the
-dQ kernel's beside K, the dK/dV kernel's beside Q and dO); every block is then masked. A
+A ``mask`` and a ``bias`` are folded by XLA into one additive array, ``-inf`` where masked
+(batch and heads stay 1 where both broadcast: the TMA loads index 0 there), streamed
+into a ring beside the block it belongs to (the forward's beside V, the dQ kernel's beside
+K, the dK/dV kernel's beside Q and dO); every block is then masked. A
 row the mask empties is a fully masked row: zeros, ``lse = -inf``, zero gradients, as the
 reference's. Two forms:
 
@@ -48,7 +48,8 @@ reference's. Two forms:
   the block's keys, broadcast over the queries in registers; a few hundred bytes, so the
   kernels keep their block sizes;
 * a row per query: a 16-bit ``(64, block)`` tile per warpgroup, the bias rounded to the
-  inputs' dtype; the dK/dV kernel, which works on Sᵀ, streams tiles of the transpose (one
+  inputs' dtype (once: a bias in that dtype arrives exact; the kernels scale it to the exp2
+  domain in f32); the dK/dV kernel, which works on Sᵀ, streams tiles of the transpose (one
   XLA transpose). The tiles take shared memory: the forward and dQ kernels take shorter kv
   blocks where their rings would otherwise lose slots.
 
@@ -132,8 +133,8 @@ class Problem:
         False: all ``seq_kv`` keys (the operand is then not read).
       segments: queries see only keys of their segment id: every kernel streams the ids
         of the keys (or queries) it loops over beside them, and masks every block.
-      bias: a ``mask`` and/or ``bias`` folded into one additive array (in the exp2
-        domain, ``-inf`` where masked, :func:`_bias_operand`): every kernel streams the
+      bias: a ``mask`` and/or ``bias`` folded into one additive array (``-inf`` where
+        masked, :func:`_bias_operand`): every kernel streams the
         part of it for the block it works on beside the block, and masks every block.
         ``"tiles"``: a 16-bit tile per block; ``"rows"``: the array has one query row (a
         key-padding mask), an f32 vector of the block's keys is streamed and broadcast
@@ -622,16 +623,19 @@ def _bias_bar(bias_smem, bias_bar, slot, group):
 
 
 def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int):
-    """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``) from part
+    """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``), in the exp2
+    domain (times ``log2(e)``), from part
     ``group`` of ring ``slot`` (None without a bias): a tile as it is, a vector of keys
     broadcast over the queries. Its barrier is awaited here; :func:`_bias_flush` observes
     it for a skipped block."""
     if p.bias is None:
         return None
     plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
+    # To the exp2 domain here, in f32: a 16-bit tile scaled before its rounding would
+    # round a 16-bit user bias a second time.
     if p.bias == "tiles":
-        return bias_smem[slot, group].astype(jnp.float32)
-    return lax.broadcast_in_dim(bias_smem[slot, group], shape, [keys_dim])
+        return bias_smem[slot, group].astype(jnp.float32) * LOG2E
+    return lax.broadcast_in_dim(bias_smem[slot, group] * LOG2E, shape, [keys_dim])
 
 
 def _bias_flush(p: Problem, bias_smem, bias_bar, slot, group) -> None:
@@ -1405,15 +1409,14 @@ def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
     array (``Bb``, ``Hb`` and the query dim are 1 where both broadcast along them; None
     without either).
 
-    It is in the exp2 domain (times ``log2(e)``), so that a kernel adds it to
-    ``s·scale·log2(e)`` as it is, and ``-inf`` where the mask hides a key (a row it empties
-    gets no probability, as the reference's).
+    It is ``-inf`` where the mask hides a key (a row it empties gets no probability, as
+    the reference's); the kernels take it to the exp2 domain (:func:`_bias_tile`).
     """
     if ex.mask is None and ex.bias is None:
         return None
     x = jnp.zeros((1, 1, 1, 1), jnp.float32)
     if ex.bias is not None:
-        x = ex.bias.astype(jnp.float32) * LOG2E
+        x = ex.bias.astype(jnp.float32)
     if ex.mask is not None:
         x = jnp.where(ex.mask, x, -jnp.inf)
     return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
