@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -98,6 +99,36 @@ def time_interleaved(
         for name, f in fns.items():
             times[name].append(_loop(f, args, iters[name]))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def power_draw(fn: Callable[..., Any], args: Sequence[Any], seconds: float = 4.0) -> dict:
+    """``fn(*args)`` called back to back for about ``seconds`` while ``nvidia-smi`` samples
+    the GPU every 100 ms: milliseconds per call and the median board power (W) and SM clock
+    (MHz) over the samples, the first and last few (ramps) left out, with the throttle
+    reasons seen (``0x4``: the software power cap). A GPU's speed at its power cap is work
+    over energy per unit of work: two kernels at the cap differ in energy, not in clocks."""
+    jax.block_until_ready(fn(*args))
+    per_call = _loop(fn, args, 10)
+    calls = max(10, int(seconds * 1e3 / per_call))
+    query = "power.draw,clocks.sm,clocks_throttle_reasons.active"
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ms = _loop(fn, args, calls)
+    finally:
+        smi.terminate()
+    rows = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()[3:-2]]
+    if not rows:
+        raise RuntimeError(f"nvidia-smi gave no samples over {calls} calls of {per_call:.3f} ms")
+    return dict(
+        ms=ms,
+        watts=statistics.median(float(r[0]) for r in rows),
+        sm_mhz=statistics.median(float(r[1]) for r in rows),
+        throttle_reasons=sorted({r[2] for r in rows}),
+    )
 
 
 def results_path(filename: str) -> Path:

@@ -6,13 +6,16 @@ reference before it is timed::
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward, then backward knobs
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --power   # watts and clocks, D=128
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
 ``pallas_kernels/attention_mgpu.py``; ``impl = "mosaic_gpu"``) and with ``xla`` (the
 blocked reference, what ``auto`` mode lowers to where the kernels are not preferred;
 ``impl = "ts_reference"``),
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (the baseline) and
-``implementation="xla"``. Each case is forward (``fwd-…``) or forward+backward
+``implementation="xla"``; forward+backward cases also run cuDNN compiled with
+``xla_gpu_deterministic_ops`` (``impl = "cudnn_deterministic"``: its deterministic backward).
+Each case is forward (``fwd-…``) or forward+backward
 (``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
 FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
 The feature cases (``fwd-noncausal-kvlen-…``, ``…-window-…``, ``…-decode-…``, short
@@ -47,6 +50,7 @@ from jax.experimental.pallas.ops.gpu import attention_mgpu as jax_fa3  # noqa: E
 import tessera_jax as ts  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
+    power_draw,
     results_path,
     time_interleaved,
     write_records,
@@ -94,10 +98,10 @@ def _jax_nn(q, k, v, causal, implementation):
 
 
 def _fwdbwd(f):
-    """``(out, dq, dk, dv)`` of ``sum(f(q, k, v) · dout)``."""
+    """``(out, dq, dk, dv)`` of ``sum(f(q, k, v, *extra) · dout)``."""
 
-    def g(q, k, v, do):
-        out, vjp = jax.vjp(f, q, k, v)
+    def g(q, k, v, do, *extra):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, *extra), q, k, v)
         return (out, *vjp(do))
 
     return g
@@ -105,27 +109,36 @@ def _fwdbwd(f):
 
 def _fwd_only(f):
     """``f`` taking (and ignoring) the ``dout`` operand, so every case has one signature."""
-    return lambda q, k, v, do: f(q, k, v)
+    return lambda q, k, v, do, *extra: f(q, k, v, *extra)
+
+
+# XLA options an implementation is compiled with: cuDNN's deterministic attention backward
+# (cuDNN frontend's ``set_deterministic_algorithm``, which XLA sets under this flag) is the
+# like-for-like baseline of our backward, which is deterministic by construction.
+COMPILER_OPTIONS = {"cudnn_deterministic": {"xla_gpu_deterministic_ops": True}}
 
 
 # impl -> (function, TESSERA_KERNELS mode it is compiled and called under)
 def _impls(causal: bool, backward: bool, only: tuple[str, ...] = ()) -> dict:
     """Every implementation, or those named in ``only`` (the baseline always runs)."""
+    cudnn = functools.partial(_jax_nn, causal=causal, implementation="cudnn")
     fns = {
         "mosaic_gpu": (functools.partial(_ts, causal=causal), "pallas"),
         "ts_reference": (functools.partial(_ts, causal=causal), "xla"),
-        "cudnn": (functools.partial(_jax_nn, causal=causal, implementation="cudnn"), "auto"),
+        "cudnn": (cudnn, "auto"),
         "xla": (functools.partial(_jax_nn, causal=causal, implementation="xla"), "auto"),
     }
+    if backward:
+        fns["cudnn_deterministic"] = (cudnn, "auto")
     wrap = _fwdbwd if backward else _fwd_only
     keep = set(only) | {BASELINE} if only else set(fns)
     return {n: (wrap(f), mode) for n, (f, mode) in fns.items() if n in keep}
 
 
-def _compiled(fn, mode: str, args):
-    """``fn`` jitted and called under kernel mode ``mode`` (part of the jit key), and the
-    compiled program's temporary bytes."""
-    jitted = jax.jit(fn)
+def _compiled(fn, mode: str, args, options=None):
+    """``fn`` jitted (with XLA ``options``) and called under kernel mode ``mode`` (part of
+    the jit key), and the compiled program's temporary bytes."""
+    jitted = jax.jit(fn, compiler_options=options)
 
     def call(*a):
         with ts.kernel_mode(mode):
@@ -155,7 +168,7 @@ def _measure(case, fns, args, ref, flops, baseline, backward) -> list[dict]:
     jitted, errs, temp, repeat = {}, {}, {}, {}
     for name, (fn, mode) in fns.items():
         try:
-            jitted[name], temp[name] = _compiled(fn, mode, args)
+            jitted[name], temp[name] = _compiled(fn, mode, args, COMPILER_OPTIONS.get(name))
             runs = [jitted[name](*args) for _ in range(3)]
             runs = [r if backward else (r,) for r in runs]
             errs[name] = max(_rel(o, r) for o, r in zip(runs[0], ref))
@@ -265,14 +278,15 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
     k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
     do = rand(3, (b, sq, h, d), BF16)
     kw = _feature_kwargs(feature, b, sq, skv, h, causal)
-    nn_kw = _jax_nn_kwargs(kw)
 
+    # The feature's arrays are arguments, not constants: a 512 MiB bias folded into the
+    # program crashes XLA's compiler.
     def ts_fn(config=None):
-        return lambda q, k, v: ts.flash_attention(q, k, v, causal=causal, config=config, **kw)
+        return lambda q, k, v, kw: ts.flash_attention(q, k, v, causal=causal, config=config, **kw)
 
     def nn_fn(implementation):
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=implementation, **nn_kw
+        return lambda q, k, v, kw: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation, **_jax_nn_kwargs(kw)
         )
 
     fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
@@ -283,8 +297,8 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
         cfg = FlashAttentionConfig(block_kv=blk or skv)
         fns[f"ts_reference[block_kv={blk or 'all'}]"] = (ts_fn(cfg), "xla")
     wrap = _fwdbwd if backward else _fwd_only
-    args = (q, k, v, do)
-    ref = jax.jit(wrap(nn_fn("xla")))(*(x.astype(F32) for x in args))
+    args = (q, k, v, do, kw)
+    ref = jax.jit(wrap(nn_fn("xla")))(*(x.astype(F32) for x in args[:4]), kw)
     ref = ref if backward else (ref,)
     flops = 4.0 * b * sq * skv * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
     fns = {impl: (wrap(fn), mode) for impl, (fn, mode) in fns.items()}
@@ -422,6 +436,33 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
     return recs
 
 
+def run_power() -> list[dict]:
+    """Board power and SM clock of ours and cuDNN at B4 S4096 H16 D128 bf16, non-causal,
+    forward and forward+backward, each timed twice in alternation
+    (:func:`benchmarks._common.power_draw`): whether both run at the power cap, where the
+    faster one is the one spending less energy per attention."""
+    recs = []
+    b, s, h, d = 4, 4096, 16, 128
+    args = tuple(rand(i, (b, s, h, d), BF16) for i in range(4))
+    for backward in (False, True):
+        fns = {
+            name: _compiled(fn, mode, args)[0]
+            for name, (fn, mode) in _impls(False, backward, ("mosaic_gpu",)).items()
+        }
+        case = f"{'fwdbwd' if backward else 'fwd'}-noncausal-b{b}-s{s}-h{h}-d{d}-bf16"
+        for rep in range(2):
+            for name, fn in fns.items():
+                r = dict(suite="attention-power", case=case, device=device_name(family=True))
+                r.update(jax=jax.__version__, impl=name, repeat=rep, **power_draw(fn, args))
+                recs.append(r)
+                print(
+                    f"   {case} {name:12s} {r['ms']:7.3f} ms {r['watts']:5.0f} W "
+                    f"{r['sm_mhz']:6.0f} MHz throttle {r['throttle_reasons']}",
+                    flush=True,
+                )
+    return recs
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
@@ -438,9 +479,14 @@ def main():
     )
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
+    p.add_argument("--power", action="store_true", help="only power and clocks at D=128")
     args = p.parse_args()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    if args.power:
+        name = f"attention-{device_name(family=True)}-power.json"
+        write_records(Path(args.json or results_path(name)), run_power())
+        return
     if args.sweep or args.sweep_bwd:
         name = f"attention-{device_name(family=True)}-sweep.json"
         recs = _sweep_bwd(args.only) if args.sweep_bwd else run_sweep()
