@@ -6,6 +6,10 @@ parameters, data-parallel over every local device. ``ratio`` = plain-JAX step ti
 ours. Records: ``benchmarks/results/train-<device>.json`` (``suite: "train"``).
 
     python benchmarks/train.py --layers 12 --width 1024 --seq 2048 --batch 8
+    tessera-launch --nproc 2 --devices-per-proc 2 benchmarks/train.py --groups 8
+
+Under ``tessera-launch`` every process joins one run (``ts.dist.initialize``) and the
+mesh spans every process's GPUs; process 0 prints and writes the record.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks._common import device_name, results_path, write_records
+from tessera_jax.sharding.runtime import initialize
 from tessera_jax.train import data, model, step
 from tessera_jax.train.checkpoint import fingerprint
 from tessera_jax.train.model import ModelConfig
@@ -127,6 +132,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="the record file (default: results/train-<device>.json)")
     args = p.parse_args(argv)
+    if os.environ.get("TESSERA_COORDINATOR"):  # a child of tessera-launch
+        initialize()
 
     devices = jax.devices()
     mesh = step.make_mesh(devices, len(devices), 1)
@@ -144,7 +151,9 @@ def main(argv=None):
     # cuDNN's fused attention where there is one (XLA's materialises S×S per layer).
     attn_impl = "cudnn" if devices[0].platform == "gpu" else None
     ours_in = [step.place_windows(mesh, w, groups) for w in host]
-    plain_in = [jax.device_put(w, NamedSharding(mesh, P(("dp", "tp")))) for w in host]
+    plain_sharding = NamedSharding(mesh, P(("dp", "tp")))
+    # Each process supplies its own devices' rows (device_put needs them all local).
+    plain_in = [jax.make_array_from_callback(w.shape, plain_sharding, w.__getitem__) for w in host]
     # The baseline is the faster of the two ways plain JAX models write their layers;
     # plain-onehot is also timed: the usual gather's gradient is a scatter-add, slow on
     # GPUs for a small vocabulary, and the one-hot form is what our model uses.
@@ -188,12 +197,15 @@ def main(argv=None):
         fps.append(fingerprint(state["params"]))
 
     tokens_per_step = args.batch * args.seq
+    procs = jax.process_count()
     case = f"L{args.layers}-d{args.width}-s{args.seq}-b{args.batch}-g{groups}-bf16-x{len(devices)}"
+    case += f"-p{procs}" if procs > 1 else ""
     record = {
         "suite": "train",
         "case": case,
         "device": device_name(),
         "devices": len(devices),
+        "processes": procs,
         "jax": jax.__version__,
         "impl": "tessera_jax.train (deterministic)",
         "baseline": f"plain jax (jnp, jax.nn.dot_product_attention[{attn_impl}], XLA psum, "
@@ -217,6 +229,8 @@ def main(argv=None):
         "repeatable": fps[0] == fps[1],
         "fingerprint": fps[0],
     }
+    if jax.process_index() != 0:
+        return
     print(
         f"{'case':40s} {'ours ms':>9s} {'scan ms':>9s} {'unrl ms':>9s} {'1hot ms':>9s} "
         f"{'ratio':>6s} {'tok/s':>10s} repeatable  first steps (s)"
