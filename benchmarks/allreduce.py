@@ -17,6 +17,12 @@ each (without it, the first algorithm timed after the host-side checks read up t
 30% slower than the same code path timed next).
 Bus bandwidth = 2(n-1)/n · bytes per rank / time.
 
+Each algorithm is also timed in a program: ``k`` all-reduces chained inside one jitted
+``fori_loop`` (each one's input the last one's output over n), against psum chained
+the same way (``in_program_*`` fields, per all-reduce). Back-to-back calls of a
+one-collective program measure, at small messages, the host's launch of a program on
+every device; in a program (a training step) only the collective's device time counts.
+
 It checks, before timing: the deterministic result is bitwise identical across
 3 runs and on every rank, and equal to the canonical tree of the same data
 computed on one device (``tree_over_ranks`` of the stacked ranks); it records
@@ -86,6 +92,11 @@ def canonical_digest(x, device) -> str:
     return sha(jax.jit(tree_over_ranks)(jax.device_put(x, device)))
 
 
+def in_program_reps(nbytes: int) -> int:
+    """How many all-reduces one timed program chains: about 256 MiB per rank in all."""
+    return max(2, min(50, (256 * MIB) // nbytes))
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on 8 CPU devices")
@@ -127,24 +138,31 @@ def main() -> int:
     def label(nbytes: int) -> str:
         return f"{nbytes // MIB}MiB" if nbytes % MIB == 0 else f"{nbytes >> 10}KiB"
 
-    def spmd(body):
+    def spmd(body, check_vma=True):
         f = _compat.shard_map(
-            lambda v: body(v[0]), mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=True
+            lambda v: body(v[0]), mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=check_vma
         )
         return jax.jit(f)
 
-    psum = spmd(lambda v: jax.lax.psum(v, "x"))
+    def chained(body, reps):  # reps all-reduces in one program (no vma types: the carry)
+        step = lambda i, y: body(y) * (1.0 / n)
+        return spmd(lambda v: jax.lax.fori_loop(0, reps, step, v), check_vma=False)
+
+    psum_body = lambda v: jax.lax.psum(v, "x")
+    psum = spmd(psum_body)
     records, rows = [], []
     for nbytes in sizes:
         x = sharded_normal(mesh, nbytes)
         ref_digest = canonical_digest(x, devices[0])  # the same data's tree on one device
         psum_same = set(shard_digests(psum(x))) == {ref_digest}
         algos = list(args.algos) + (["gather"] if nbytes == sizes[0] else [])
+        reps = in_program_reps(nbytes)
         for algo in algos:
             if algo == "gather":  # not a public algo: the path "auto" takes for small messages
-                ours = spmd(lambda v: tree_all_reduce(v, ("x",), "sum", "gather"))
+                body = lambda v: tree_all_reduce(v, ("x",), "sum", "gather")
             else:  # what users call: the ts_all_reduce primitive
-                ours = spmd(lambda v, a=algo: ts.op.all_reduce(v, axis="x", algo=a))
+                body = lambda v, a=algo: ts.op.all_reduce(v, axis="x", algo=a)
+            ours = spmd(body)
             runs = [shard_digests(ours(x)) for _ in range(3)]
             per_rank = all(len(set(r)) == 1 for r in runs)
             across = len({r[0] for r in runs}) == 1
@@ -158,6 +176,14 @@ def main() -> int:
                 target_ms=20,
             )
             t, t_psum = t["ours"], t["psum"]
+            tc = time_interleaved(
+                {"ours": chained(body, reps), "psum": chained(psum_body, reps)},
+                (x,),
+                repeats=repeats,
+                min_iters=3,
+                target_ms=20,
+            )
+            tc, tc_psum = tc["ours"] / reps, tc["psum"] / reps
             bus = functools.partial(bus_bandwidth, n, nbytes)
             rec = {
                 "suite": "allreduce",
@@ -173,6 +199,11 @@ def main() -> int:
                 "ratio": round(t_psum / t, 4),
                 "busbw_gbs": round(bus(t), 2),
                 "baseline_busbw_gbs": round(bus(t_psum), 2),
+                "in_program_reps": reps,
+                "in_program_ms": round(tc, 4),
+                "in_program_baseline_ms": round(tc_psum, 4),
+                "in_program_ratio": round(tc_psum / tc, 4),
+                "in_program_busbw_gbs": round(bus(tc), 2),
                 "bitwise_equal_3_runs": across,
                 "bitwise_equal_all_ranks": per_rank,
                 "equals_1device_canonical_tree": canonical,
@@ -180,12 +211,13 @@ def main() -> int:
             }
             records.append(rec)
             rows.append(rec)
-
-    path = write_records(results_path(f"allreduce-{device}.json"), records)
+            # After every case, so a run cut short keeps what it measured.
+            path = write_records(results_path(f"allreduce-{device}.json"), records)
 
     print(f"\nwrote {path}")
     head = (
-        f"{'case':<28}{'ours ms':>10}{'psum ms':>10}{'ratio':>8}{'bus GB/s':>10}{'psum':>8}  bits"
+        f"{'case':<28}{'ours ms':>10}{'psum ms':>10}{'ratio':>8}{'bus GB/s':>10}{'psum':>8}"
+        f"{'in-prog us':>11}{'psum us':>9}{'ratio':>7}  bits"
     )
     print(head)
     for r in rows:
@@ -200,7 +232,9 @@ def main() -> int:
         )
         print(
             f"{r['case']:<28}{r['ms']:>10.3f}{r['baseline_ms']:>10.3f}{r['ratio']:>8.3f}"
-            f"{r['busbw_gbs']:>10.1f}{r['baseline_busbw_gbs']:>8.1f}  {bits}"
+            f"{r['busbw_gbs']:>10.1f}{r['baseline_busbw_gbs']:>8.1f}"
+            f"{r['in_program_ms'] * 1e3:>11.1f}{r['in_program_baseline_ms'] * 1e3:>9.1f}"
+            f"{r['in_program_ratio']:>7.3f}  {bits}"
         )
     ok = all(
         r["bitwise_equal_3_runs"]

@@ -7,7 +7,7 @@
 #   bash benchmarks/scaleout.sh demo        # the demo's fingerprint on every layout
 #
 # Records land in $OUT (the device machine) or benchmarks/results/. Every train.py run
-# uses the same gradient groups (--groups, default: the GPU count), so every run must
+# uses the same gradient groups (TRAIN_GROUPS, default: the GPU count), so every run must
 # print the same fingerprint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ for what in "$@"; do
       $py benchmarks/archive/allreduce_ceiling.py || status=1
       ;;
     train)
-      groups=${GROUPS:-$n}
+      groups=${TRAIN_GROUPS:-$n}
       for k in "${counts[@]}"; do
         CUDA_VISIBLE_DEVICES=$(visible "$k") $py benchmarks/train.py --groups "$groups" \
           --batch "${BATCH:-16}" --json "train-x$k.json" || status=1

@@ -82,6 +82,7 @@ def _cuda_hlo(axis, algo, per_rank, dtype=jnp.float32, op="sum"):
 
 
 BIG = ar.MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
+BIG2 = ar.MIN_BYTES_VS_NCCL // 4  # the same where NCCL's order-free psum could run instead
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,9 @@ BIG = ar.MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
         ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "auto", True),
         ("dp", "nvlink", 1 << 14, jnp.bfloat16, "mean", "auto", True),  # 2 parts, other axis
         ("tp", "auto", BIG, jnp.float32, "sum", "auto", True),
-        ("dp", "auto", BIG, jnp.float32, "sum", "auto", True),  # before NCCL's order-free path
+        ("dp", "auto", BIG2, jnp.float32, "sum", "auto", True),  # before NCCL's order-free path
+        ("dp", "auto", BIG2 // 2, jnp.float32, "sum", "auto", False),  # NCCL's psum
+        ("dp", "auto", 2 * BIG, jnp.bfloat16, "sum", "auto", True),  # bf16: no order-free path
         ("tp", "auto", BIG // 2, jnp.float32, "sum", "auto", False),  # under the threshold
         ("tp", "auto", 1 << 14, jnp.float32, "sum", "pallas", True),  # pallas: no threshold
         ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "xla", False),
@@ -144,6 +147,10 @@ def test_kernel_hardware_and_dispatch_vocabulary(hopper):
     assert (k.fn, k.supports, k.prefer, k.hardware) == (ar.fn, ar.supports, ar.prefer, ar.hardware)
     big = jax.ShapeDtypeStruct((ar.MIN_BYTES // 4,), jnp.float32)
     assert ar.prefer(_spec(), (big,)) and not ar.prefer(_spec(), (F32,))
+    # Over 2 parts an f32 sum may run NCCL's own all-reduce: the kernel from 32 MiB.
+    assert not ar.prefer(_spec(n=2), (big,))
+    assert ar.prefer(_spec(n=2), (jax.ShapeDtypeStruct((ar.MIN_BYTES_VS_NCCL // 4,), "f4"),))
+    assert ar.prefer(_spec(n=2), (jax.ShapeDtypeStruct((ar.MIN_BYTES // 2,), jnp.bfloat16),))
     with pytest.raises(ValueError, match="no interpreter runs peer references"):
         ar.fn(_spec(), jnp.ones(8), interpret=True)
 

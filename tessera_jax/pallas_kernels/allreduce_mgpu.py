@@ -151,17 +151,27 @@ def hardware(platform: str) -> str | None:
 # No interpreter runs peer references (module docstring).
 INTERPRETABLE = False
 
-# Per-rank messages from this size take the kernel in ``auto``: below it the launch's
-# fixed cost (XLA's cross-device barrier and collective-metadata set-up before a
-# multi-device kernel) loses to the XLA paths. The measurements behind it are in
-# benchmarks/results/allreduce-nvidia-h200-x4*.json.
-MIN_BYTES = 32 << 20
+# Per-rank message sizes from which ``auto`` takes the kernel, by its device time inside
+# a program. Against the XLA algorithms it wins from about 1 MiB (below, the all_gather
+# path's smaller fixed cost does). Where NCCL's own all-reduce may run instead (the order
+# cannot change the bits: ``collectives.order_free``), it wins from 32 MiB. Each program
+# that holds the kernel also costs the host more to launch (XLA sets up the peers'
+# addresses), which a program of one small all-reduce called in a loop would feel. The
+# measurements: benchmarks/results/allreduce-nvidia-h200-x*.json (``in_program_*``).
+MIN_BYTES = 1 << 20
+MIN_BYTES_VS_NCCL = 32 << 20
 
 
 def prefer(spec: Any, avals: Sequence[Any]) -> bool:
-    """Whether the kernel is expected to beat the XLA paths (``auto`` mode)."""
+    """Whether the kernel is expected to beat the other paths ``auto`` could take."""
+    # Imported here: the collectives package imports this module.
+    from tessera_jax.primitives.collectives.algorithms import order_free
+
     (x,) = avals
-    return math.prod(x.shape) * np.dtype(x.dtype).itemsize >= MIN_BYTES
+    nccl = order_free(x.dtype, spec.n, spec.op)
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize >= (
+        MIN_BYTES_VS_NCCL if nccl else MIN_BYTES
+    )
 
 
 def fn(spec: Any, x: jax.Array, *, interpret: bool) -> jax.Array:
