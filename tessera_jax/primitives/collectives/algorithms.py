@@ -34,7 +34,8 @@ caller may ask for; ``"auto"`` picks among them):
   order gives the canonical bits (:func:`order_free`).
 
 ``"auto"`` takes ``"nvlink"`` where ``dispatch`` selects the kernel (in ``auto`` mode:
-messages of at least ``allreduce_mgpu.MIN_BYTES`` per rank); else ``"psum"`` where the
+messages of at least ``allreduce_mgpu.MIN_BYTES`` per rank, ``MIN_BYTES_VS_NCCL`` where
+the order is free); else ``"psum"`` where the
 order is free; else ``"gather"`` for messages up to ``SMALL_MESSAGE_BYTES`` per rank;
 else ``"binary_tree"``. The timings behind the thresholds are in
 ``benchmarks/results/allreduce-*.json``.
