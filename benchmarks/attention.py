@@ -5,6 +5,7 @@ reference before it is timed::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py [--only SUBSTR ...] [--json PATH]
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward, then backward knobs
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-fwd --only bf16  # forward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --power   # watts and clocks, D=128
 
@@ -316,23 +317,39 @@ def _jax_fa3(causal: bool, d: int):
 
 
 def run_sweep() -> list[dict]:
-    """The forward kernel with each ``block_kv`` that fits vs cuDNN, B4 S4096 H16, bf16; in
-    f16 also jax's own Mosaic GPU FA3 forward (its kernel applies no score scale: checked
-    against cuDNN at scale 1); then the backward's sweep."""
+    """The forward's sweep, then the backward's."""
+    return _sweep_fwd() + _sweep_bwd()
+
+
+def _sweep_fwd(only: list[str] = ()) -> list[dict]:
+    """The forward kernel with each ``block_kv`` that fits, serial and pipelined
+    (``Problem.fwd_pipelined``), vs cuDNN, B4 S4096 H16, bf16; in f16 also jax's own
+    Mosaic GPU FA3 forward (its kernel applies no score scale: checked against cuDNN at
+    scale 1). ``repeatable``: three calls gave the same bits."""
     recs = []
     for d, dtype in itertools.product((64, 128, 256), (BF16, F16)):
         b, s, h = 4, 4096, 16
+        dt = np.dtype(dtype).name.replace("float", "f")  # bf16, f16
+        names = [
+            f"sweep-fwd-{'causal' if c else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-{dt}"
+            for c in (False, True)
+        ]
+        if only and not any(x in n for x in only for n in names):
+            continue
         q, k, v = (rand(i, (b, s, h, d), dtype) for i in range(3))
         for causal in (False, True):
+            case = names[causal]
+            if only and not any(x in case for x in only):
+                continue
             spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
             fns = {
                 "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
             }
-            for bkv in am.FWD_BLOCK_KV_CHOICES:
+            for bkv, pipelined in itertools.product(am.FWD_BLOCK_KV_CHOICES, (False, True)):
                 if am._fwd_stages(d, bkv) >= 2:
-                    fns[f"mosaic_gpu[block_kv={bkv}]"] = jax.jit(
-                        lambda q, k, v, bkv=bkv, spec=spec: am.flash_fwd(
-                            spec, q, k, v, block_kv=bkv
+                    fns[f"mosaic_gpu[block_kv={bkv}{',pipelined' * pipelined}]"] = jax.jit(
+                        lambda q, k, v, bkv=bkv, spec=spec, pipelined=pipelined: am.flash_fwd(
+                            spec, q, k, v, block_kv=bkv, pipelined=pipelined
                         )[0]
                     )
             refs = {name: fns["cudnn"] for name in fns}
@@ -343,17 +360,17 @@ def run_sweep() -> list[dict]:
                         q, k, v, scale=1.0, is_causal=causal, implementation="cudnn"
                     )
                 )
-            errs = {}
+            errs, same = {}, {}
             for name in list(fns):
                 try:
-                    errs[name] = _rel(fns[name](q, k, v), refs[name](q, k, v))
+                    outs = [np.asarray(fns[name](q, k, v)) for _ in range(3)]
+                    errs[name] = _rel(outs[0], refs[name](q, k, v))
+                    same[name] = all(np.array_equal(outs[0], o) for o in outs[1:])
                 except Exception as e:
                     print(f"!! sweep d{d} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     del fns[name]
             ms = time_interleaved(fns, (q, k, v), repeats=5, target_ms=40)
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
-            dt = np.dtype(dtype).name.replace("float", "f")  # bf16, f16
-            case = f"sweep-fwd-{'causal' if causal else 'noncausal'}-b{b}-s{s}-h{h}-d{d}-{dt}"
             for name in fns:
                 r = dict(
                     suite="attention-sweep",
@@ -367,14 +384,15 @@ def run_sweep() -> list[dict]:
                     ratio=ms["cudnn"] / ms[name],
                     tflops=flops / (ms[name] * 1e-3) / 1e12,
                     rel_err=errs[name],
+                    repeatable=same[name],
                 )
                 recs.append(r)
                 print(
-                    f"   {case} {name:24s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s "
-                    f"x{r['ratio']:.3f} err {r['rel_err']:.1e}",
+                    f"   {case} {name:34s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s "
+                    f"x{r['ratio']:.3f} err {r['rel_err']:.1e} repeatable {same[name]}",
                     flush=True,
                 )
-    return recs + _sweep_bwd()
+    return recs
 
 
 def _bwd_variants(d: int) -> dict:
@@ -478,6 +496,7 @@ def main():
         help="feature cases: also the blocked reference with these block_kv (0: all keys)",
     )
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
+    p.add_argument("--sweep-fwd", action="store_true", help="only the forward's sweep")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     p.add_argument("--power", action="store_true", help="only power and clocks at D=128")
     args = p.parse_args()
@@ -487,9 +506,13 @@ def main():
         name = f"attention-{device_name(family=True)}-power.json"
         write_records(Path(args.json or results_path(name)), run_power())
         return
-    if args.sweep or args.sweep_bwd:
+    if args.sweep or args.sweep_fwd or args.sweep_bwd:
         name = f"attention-{device_name(family=True)}-sweep.json"
-        recs = _sweep_bwd(args.only) if args.sweep_bwd else run_sweep()
+        if args.sweep:
+            recs = run_sweep()
+        else:
+            recs = _sweep_fwd(args.only) if args.sweep_fwd else []
+            recs += _sweep_bwd(args.only) if args.sweep_bwd else []
         write_records(Path(args.json or results_path(name)), recs)
         return
     cases = {}

@@ -498,6 +498,127 @@ class TestAttentionKernelsGPU:
         assert_close(jax.jit(f)(q, k, v), want, factor=2)
 
 
+# --- the pipelined forward (``Problem.fwd_pipelined``) -----------------------------------------
+#
+# Whichever schedule FWD_PIPELINED picks per head_dim, both are tested: these classes run
+# the forward pipelined at every head_dim (the gradients take the usual backward kernels).
+
+
+@pytest.fixture
+def pipelined_forward(monkeypatch):
+    monkeypatch.setattr(am, "FWD_PIPELINED", dict.fromkeys(am.HEAD_DIMS, True))
+    _fwd_bwd.clear_cache()  # traced with the other schedule otherwise
+    yield
+    _fwd_bwd.clear_cache()
+
+
+def _pipelined(kind, *args, **kw):
+    """A check of :func:`_check` (``"plain"``), :func:`_check_index_masks` (``"index"``)
+    or :func:`_check_mask_bias` (``"mask_bias"``) with these leading arguments, to be
+    called with the dtype and ``repeat``."""
+    check = {"plain": _check, "index": _check_index_masks, "mask_bias": _check_mask_bias}[kind]
+    return functools.partial(check, *args, **kw)
+
+
+# A ragged causal GQA case at each head dim (the first block a warpgroup sees is masked and
+# peeled, one P·V follows the last), a two-sided window with lengths (flushed blocks before
+# and after the band), and a mask emptying rows beside a bias (warpgroups that see no block).
+PIPELINED_INTERPRET = [
+    pytest.param(_pipelined("plain", (1, 200, 330, 2, 1, 128, True)), id="ragged-gqa-d128"),
+    pytest.param(_pipelined("plain", RAGGED_GQA), id="ragged-gqa-d64"),
+    pytest.param(_pipelined("plain", RAGGED_D256), id="ragged-d256"),
+    pytest.param(_pipelined("index", *INDEX_MASKS[0].values), id="window-lengths"),
+    pytest.param(
+        _pipelined("mask_bias", *MASK_BIAS[3].values[:4], empty_rows=MASK_BIAS[3].values[4]),
+        id="tiles-empty-rows-window-lengths",
+    ),
+]
+
+
+@pytest.mark.usefixtures("pipelined_forward")
+class TestPipelinedForwardInterpret:
+    @pytest.fixture(autouse=True)
+    def _mode(self):
+        with ts.kernel_mode("interpret"):
+            yield
+
+    def test_the_flag_reaches_the_kernel(self):
+        q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+        assert am._fwd_problem(q, q, False, 1.0).fwd_pipelined
+        assert not am._fwd_problem(q, q, False, 1.0, pipelined=False).fwd_pipelined
+
+    @pytest.mark.parametrize("check", sample(PIPELINED_INTERPRET, 1))
+    def test_pipelined_forward(self, check):
+        check(jnp.bfloat16)
+
+    @pytest.mark.parametrize("head_dim", sample([64, 128], 1))
+    def test_no_races_bitwise_repeatable(self, head_dim):
+        """The forward alone, race detection on, twice: the same bits."""
+        spec = _spec(causal=True)
+        q, k, v = (rand((1, 128, 1, head_dim), jnp.float16) for _ in range(3))
+        with _compat.gpu_interpret_mode(detect_races=True):
+            runs = [am.flash_fwd(spec, q, k, v, interpret=True) for _ in range(2)]
+        assert _compat.races_detected() is False
+        for x, y in zip(*runs):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert_close(runs[0][0], np_attention(f64(q), f64(k), f64(v), True), factor=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("pipelined_forward")
+class TestPipelinedForwardGPU:
+    @pytest.fixture(autouse=True)
+    def _mode(self):
+        with ts.kernel_mode("pallas"):
+            yield
+
+    @pytest.mark.parametrize(
+        "check",
+        [
+            _pipelined("plain", (2, 1024, 1024, 8, 2, 128, False)),
+            _pipelined("plain", (2, 1024, 1024, 8, 2, 128, True)),
+            _pipelined("plain", (1, 1000, 1000, 4, 1, 64, True)),
+            _pipelined("plain", (1, 333, 1100, 4, 1, 256, True)),
+            _pipelined("plain", (1, 700, 300, 2, 2, 128, True)),  # fully masked rows
+            _pipelined("index", (2, 1024, 1024, 8, 2, 128), dict(local_window_size=(256, 256))),
+            _pipelined(
+                "index", (4, 1000, 1000, 4, 4, 128), dict(key_value_seq_lengths=[1000, 513, 64, 0])
+            ),
+            _pipelined(
+                "index",
+                (2, 1024, 1024, 4, 1, 64),
+                dict(causal=True, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
+            ),
+            _pipelined(
+                "mask_bias",
+                (1, 1024, 2048, 8, 1, 64),
+                (1, 8, 1024, 2048),
+                None,
+                dict(causal=True),
+                empty_rows=(3, 1000),
+            ),
+            _pipelined(
+                "mask_bias", (2, 1024, 1024, 8, 2, 128), (2, 1, 1, 1024), (1, 8, 1024, 1024), {}
+            ),
+        ],
+        ids=[
+            "d128",
+            "d128-causal",
+            "d64-causal-ragged-mqa",
+            "d256-causal-ragged",
+            "d128-empty-rows",
+            "d128-window",
+            "d128-kvlens",
+            "d64-segments",
+            "d64-mask-empty-rows",
+            "d128-keypad-bias-tiles",
+        ],
+    )
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    def test_pipelined_forward(self, check, dtype):
+        check(dtype, repeat=3)
+
+
 @pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))
 def test_index_masks_lower_for_cuda(head_dim):
     """The kernels with both lengths, a window, segment ids and an lse cotangent go through

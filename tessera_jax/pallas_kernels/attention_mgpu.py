@@ -122,6 +122,9 @@ class Problem:
       block_kv: keys per loop step of the forward and dQ kernels.
       stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
       dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
+      fwd_pipelined: the forward's steps overlap within a warpgroup (:data:`FWD_PIPELINED`):
+        step j issues ``S_j = Q·K_jᵀ`` and ``O += P_{j−1}·V_{j−1}`` together and runs the
+        softmax of ``S_j`` while the second product is on the tensor cores.
       dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
@@ -157,6 +160,7 @@ class Problem:
     dkv_stages: int = 2
     dq_v_stages: int | None = None
     dkv_paired: bool = False
+    fwd_pipelined: bool = False
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     segments: bool = False
@@ -261,14 +265,39 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
     return max(fits, default=None)
 
 
+# Whether the forward overlaps its steps within a warpgroup (``Problem.fwd_pipelined``), by
+# head_dim. It holds a step's scores and the previous step's probabilities in registers at
+# once beside the output accumulator.
+FWD_PIPELINED = {64: False, 128: False, 256: False}
+
+
 def _fwd_problem(
-    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: str | None = None
+    q,
+    k,
+    causal: bool,
+    scale: float,
+    block_kv: int | None = None,
+    bias: str | None = None,
+    pipelined: bool | None = None,
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
     stages = _fwd_stages(d, block_kv, bias)
-    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
+    return Problem(
+        b,
+        hq,
+        hkv,
+        d,
+        sq,
+        skv,
+        np.dtype(q.dtype),
+        causal,
+        scale,
+        block_kv,
+        stages,
+        fwd_pipelined=FWD_PIPELINED[d] if pipelined is None else pipelined,
+    )
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
@@ -743,23 +772,29 @@ def _fwd_kernel(
         acc = jnp.zeros((bq, d), jnp.float32)
         pl.when(wg == 1)(schedule)
 
+        def slot_of(j):
+            return _slot(j - cta_first, p.stages)
+
         def wait_next_k(j):
             # Each step waits for the next step's K block while its P·V product runs (the
             # first block before the loop), so the barrier wait hides behind the tensor cores.
-            return _wait_if(j + 1 < cta_steps, [k_bar.at[_slot(j + 1 - cta_first, p.stages)]])
+            return _wait_if(j + 1 < cta_steps, [k_bar.at[slot_of(j + 1)]])
 
-        wait_next_k(cta_first - 1)()
+        def scores(slot):
+            """``S = Q·Kᵀ`` for the K block in ring ``slot``."""
 
-        def step(j, carry, masked: bool):
-            acc, m, l_ = carry
-            slot = _slot(j - cta_first, p.stages)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
                 schedule()
-                return acc_ref[...]
+                return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+
+        def probs(j, s, m, masked: bool):
+            """The online softmax of block ``j``'s scores ``s`` (K released once read):
+            ``(m_new, pr, alpha)``, the running max and the probabilities in the exp2
+            domain and the factor that rescales what came before."""
+            slot = slot_of(j)
             segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
             part = 0 if p.bias == "rows" else wg
@@ -785,7 +820,17 @@ def _fwd_kernel(
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_use)
             pr = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            return m_new, pr, alpha
+
+        def rows(x):
+            return lax.broadcast_in_dim(x, (bq, d), [0])
+
+        def step(j, carry, masked: bool):
+            acc, m, l_ = carry
+            slot = slot_of(j)
+            s = scores(slot)
+            m_new, pr, alpha = probs(j, s, m, masked)
+            acc = acc * rows(alpha)
             l_ = l_ * alpha + pr.sum(axis=1)
             if d <= 128:
                 # Finish the softmax, the cast included, before handing the tensor cores
@@ -809,17 +854,100 @@ def _fwd_kernel(
 
         def flush(j, _):
             # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
-            slot = _slot(j - cta_first, p.stages)
+            slot = slot_of(j)
+            if p.fwd_pipelined:  # (a pipelined step awaits its own K block)
+                plgpu.barrier_wait(k_bar.at[slot])
             _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
             plgpu.barrier_arrive(k_done.at[slot])
             _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
             schedule()
             plgpu.barrier_wait(v_bar.at[slot])
             schedule()
-            wait_next_k(j)()
+            if not p.fwd_pipelined:
+                wait_next_k(j)()
             plgpu.barrier_arrive(v_done.at[slot])
 
-        acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
+        # The pipelined loop (``p.fwd_pipelined``, FA3's intra-warpgroup overlap): step j
+        # issues S_j = Q·K_jᵀ and O += P_{j−1}·V_{j−1} back to back, reads S_j as soon as
+        # it is done and runs its softmax while the P·V product is still on the tensor
+        # cores; O is rescaled by step j's factor once that product has landed. The first
+        # block a warpgroup sees only computes its scores, and one P·V product follows the
+        # last. A step's two schedule rendezvous stay where the serial loop has them: after
+        # the products are issued and after the softmax.
+
+        def row_sums(l_, m_new, pr, alpha):  # the carried softmax state after a block
+            return m_new, l_ * alpha + pr.sum(axis=1), pr.astype(p.dtype)
+
+        def first_step(j, carry):
+            m, l_, _ = carry
+            plgpu.barrier_wait(k_bar.at[slot_of(j)])
+            # Masked whatever its range: it may be any of them, and the mask is exact.
+            m_new, pr, alpha = probs(j, scores(slot_of(j)), m, masked=True)
+            schedule()
+            return row_sums(l_, m_new, pr, alpha)
+
+        def pipelined_step(j, carry, masked: bool):
+            (m, l_, pr_prev), acc = carry
+            slot, prev = slot_of(j), slot_of(j - 1)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[prev])
+            if interpret:  # no register operands there: the products run one after the other
+                o = _dot_acc(acc, pr_prev, v_smem.at[prev], stg, interpret=True)
+                m_new, pr, alpha = probs(j, scores(slot), m, masked)
+                state = row_sums(l_, m_new, pr, alpha)
+            else:
+
+                def both(s_ref, o_ref):
+                    o_ref[...] = acc
+                    plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(o_ref, pr_prev, v_smem.at[prev])
+                    schedule()
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P·V still running
+                    m_new, pr, alpha = probs(j, s, m, masked)
+                    state = row_sums(l_, m_new, pr, alpha)
+                    return state, alpha, plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+
+                state, alpha, o = pl.run_scoped(
+                    both, plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
+                )
+            plgpu.barrier_arrive(v_done.at[prev])
+            schedule()
+            return state, o * rows(alpha)
+
+        def pipelined_loop(acc, m, l_):
+            first, lo, hi, steps = ranges
+            if p.left is not None:
+                lax.fori_loop(cta_first, first, flush, None)
+            pr = jnp.zeros((bq, bkv), p.dtype)
+            state = lax.fori_loop(first, lax.min(first + 1, steps), first_step, (m, l_, pr))
+            after_first = first + 1
+
+            def run(start, stop, masked, carry):
+                return lax.fori_loop(
+                    start, stop, functools.partial(pipelined_step, masked=masked), carry
+                )
+
+            carry = (state, acc)
+            if p.left is not None:
+                carry = run(after_first, lo, True, carry)
+            carry = run(lax.max(lo, after_first), hi, False, carry)
+            (m, l_, pr), acc = run(lax.max(hi, after_first), steps, True, carry)
+
+            def last(j, acc):  # the last seen block's P·V (none if no block is seen)
+                plgpu.barrier_wait(v_bar.at[slot_of(j)])
+                acc = _dot_acc(acc, pr, v_smem.at[slot_of(j)], stg, interpret=interpret)
+                plgpu.barrier_arrive(v_done.at[slot_of(j)])
+                return acc
+
+            acc = lax.fori_loop(lax.max(steps - 1, first), steps, last, acc)
+            lax.fori_loop(steps, cta_steps, flush, None)
+            return acc, m, l_
+
+        if p.fwd_pipelined:
+            acc, m, l_ = pipelined_loop(acc, m, l_)
+        else:
+            wait_next_k(cta_first - 1)()
+            acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
         pl.when(wg == 0)(schedule)
         empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
         l_safe = jnp.where(empty, 1.0, l_)
@@ -1472,23 +1600,37 @@ def _pad_head_dim(x: jax.Array, d: int) -> jax.Array:
     return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
 
 
-def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | None = None):
+def flash_fwd(
+    spec,
+    q,
+    k,
+    v,
+    *extras,
+    interpret: bool = False,
+    block_kv: int | None = None,
+    pipelined: bool | None = None,
+):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
     ``extras``: the spec's mask, bias, query/key lengths and segment ids
     (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
     kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
-    gradients in :func:`flash_bwd`). ``block_kv`` (benchmarks, tests) replaces the tuned
-    keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a bias); one whose
-    K/V (and bias) ring does not fit shared memory is a ValueError.
+    gradients in :func:`flash_bwd`). ``block_kv`` and ``pipelined`` (benchmarks, tests)
+    replace the tuned keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with
+    a bias) and loop schedule (:data:`FWD_PIPELINED`); a ``block_kv`` whose K/V (and bias)
+    ring does not fit shared memory is a ValueError.
     """
+    if pipelined is not None and not isinstance(pipelined, bool):
+        raise TypeError(f"attention_mgpu.flash_fwd: {pipelined=} must be a bool or None")
     reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
-        out, lse = flash_fwd(spec, q, k, v, *extras, interpret=interpret, block_kv=block_kv)
+        out, lse = flash_fwd(
+            spec, q, k, v, *extras, interpret=interpret, block_kv=block_kv, pipelined=pipelined
+        )
         return out[..., :d], lse
     kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
@@ -1501,7 +1643,8 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, block_kv: int | N
     causal, scale = _decode(spec)
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
-    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind), spec, bias)
+    p = _fwd_problem(q, k, causal, scale, block_kv, kind, pipelined)
+    p = _with_features(p, spec, bias)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
