@@ -554,7 +554,7 @@ class TestPipelinedForwardInterpret:
     @pytest.mark.parametrize("head_dim", sample([64, 128], 1))
     def test_no_races_bitwise_repeatable(self, head_dim):
         """The forward alone, race detection on, twice: the same bits."""
-        spec = _spec(causal=True)
+        spec = AttentionSpec(causal=True, scale=head_dim**-0.5, config=FlashAttentionConfig())
         q, k, v = (rand((1, 128, 1, head_dim), jnp.float16) for _ in range(3))
         with _compat.gpu_interpret_mode(detect_races=True):
             runs = [am.flash_fwd(spec, q, k, v, interpret=True) for _ in range(2)]
