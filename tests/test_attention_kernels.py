@@ -506,7 +506,8 @@ class TestAttentionKernelsGPU:
 
 @pytest.fixture
 def pipelined_forward(monkeypatch):
-    monkeypatch.setattr(am, "FWD_PIPELINED", dict.fromkeys(am.HEAD_DIMS, True))
+    every = {(d, causal): True for d in am.HEAD_DIMS for causal in (False, True)}
+    monkeypatch.setattr(am, "FWD_PIPELINED", every)
     _fwd_bwd.clear_cache()  # traced with the other schedule otherwise
     yield
     _fwd_bwd.clear_cache()
@@ -544,8 +545,8 @@ class TestPipelinedForwardInterpret:
 
     def test_the_flag_reaches_the_kernel(self):
         q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
-        assert am._fwd_problem(q, q, False, 1.0).fwd_pipelined
-        assert not am._fwd_problem(q, q, False, 1.0, pipelined=False).fwd_pipelined
+        assert am._fwd_problem(q, q, True, 1.0).fwd_pipelined
+        assert not am._fwd_problem(q, q, True, 1.0, pipelined=False).fwd_pipelined
 
     @pytest.mark.parametrize("check", sample(PIPELINED_INTERPRET, 1))
     def test_pipelined_forward(self, check):

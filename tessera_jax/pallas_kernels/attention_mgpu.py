@@ -266,9 +266,11 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 
 
 # Whether the forward overlaps its steps within a warpgroup (``Problem.fwd_pipelined``), by
-# head_dim. It holds a step's scores and the previous step's probabilities in registers at
-# once beside the output accumulator.
-FWD_PIPELINED = {64: False, 128: False, 256: False}
+# (head_dim, causal): measured faster at head_dim 256 without a causal mask only
+# (benchmarks/results/attention-h100-sweep.json, ``pipelined`` rows). At 128 it holds a
+# step's scores, the previous step's probabilities and the output in registers at once and
+# runs a little slower; with causal masks it runs up to twice as slow, not yet understood.
+FWD_PIPELINED = {(256, False): True}
 
 
 def _fwd_problem(
@@ -296,7 +298,7 @@ def _fwd_problem(
         scale,
         block_kv,
         stages,
-        fwd_pipelined=FWD_PIPELINED[d] if pipelined is None else pipelined,
+        fwd_pipelined=FWD_PIPELINED.get((d, causal), False) if pipelined is None else pipelined,
     )
 
 
@@ -871,9 +873,10 @@ def _fwd_kernel(
         # issues S_j = Q·K_jᵀ and O += P_{j−1}·V_{j−1} back to back, reads S_j as soon as
         # it is done and runs its softmax while the P·V product is still on the tensor
         # cores; O is rescaled by step j's factor once that product has landed. The first
-        # block a warpgroup sees only computes its scores, and one P·V product follows the
-        # last. A step's two schedule rendezvous stay where the serial loop has them: after
-        # the products are issued and after the softmax.
+        # block a warpgroup sees only computes its scores, one P·V product follows the
+        # last, and masked blocks run their two products one after the other. A step's two
+        # schedule rendezvous stay where the serial loop has them: after the products are
+        # issued and after the softmax.
 
         def row_sums(l_, m_new, pr, alpha):  # the carried softmax state after a block
             return m_new, l_ * alpha + pr.sum(axis=1), pr.astype(p.dtype)
@@ -891,8 +894,11 @@ def _fwd_kernel(
             slot, prev = slot_of(j), slot_of(j - 1)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[prev])
-            if interpret:  # no register operands there: the products run one after the other
-                o = _dot_acc(acc, pr_prev, v_smem.at[prev], stg, interpret=True)
+            if interpret or masked:
+                # One product after the other: the interpreter has no register operands,
+                # and a masked block's softmax needs the registers that P_{j-1} and the
+                # in-flight product would hold.
+                o = _dot_acc(acc, pr_prev, v_smem.at[prev], stg, interpret=interpret)
                 m_new, pr, alpha = probs(j, scores(slot), m, masked)
                 state = row_sums(l_, m_new, pr, alpha)
             else:
