@@ -133,8 +133,7 @@ class Problem:
         ``i + offset + right`` (the operator's ``local_window_size``); None: no window.
       kv_lengths: the forward and dQ kernels read each batch entry's key count from an
         int32 ``(B,)`` operand (keys from it on are masked, their blocks skipped);
-        False: all ``seq_kv`` keys (the operand is then not read). The forward always
-        reads it (``seq_kv`` where the user gives no lengths).
+        False: all ``seq_kv`` keys (the operand is then not read).
       segments: queries see only keys of their segment id: every kernel streams the ids
         of the keys (or queries) it loops over beside them, and masks every block.
       bias: a ``mask`` and/or ``bias`` folded into one additive array (``-inf`` where
@@ -266,13 +265,12 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
     return max(fits, default=None)
 
 
-# Where the forward overlaps its steps within a warpgroup (``Problem.fwd_pipelined``), by
-# (head_dim, causal): nowhere yet. With loop bounds known at compile time it measured
-# faster at head_dim 256 only, and 1.5-2x slower than the serial loop wherever the bounds
-# are read at run time (causal masks, key lengths), which the forward now always does
-# (benchmarks/results/attention-h100-sweep.json; benchmarks/archive/fwd-pipelined-bounds-
-# h100.txt). Why run-time bounds cost the pipelined loop so much is open.
-FWD_PIPELINED: dict[tuple[int, bool], bool] = {}
+# Whether the forward overlaps its steps within a warpgroup (``Problem.fwd_pipelined``), by
+# (head_dim, causal): measured faster at head_dim 256 without a causal mask only
+# (benchmarks/results/attention-h100-sweep.json, ``pipelined`` rows). At 128 it holds a
+# step's scores, the previous step's probabilities and the output in registers at once and
+# runs a little slower; with causal masks it runs up to twice as slow, not yet understood.
+FWD_PIPELINED = {(256, False): True}
 
 
 def _fwd_problem(
@@ -1588,7 +1586,7 @@ def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
 
 
 def _kv_len_operand(kv_lengths, batch: int, seq_kv: int) -> jax.Array:
-    """The kernels' int32 ``(B,)`` key counts: the user's, or ``seq_kv`` (read by the forward)."""
+    """The kernels' int32 ``(B,)`` key counts: the user's, or ``seq_kv`` (then not read)."""
     return jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
 
 
@@ -1652,10 +1650,7 @@ def flash_fwd(
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
     p = _fwd_problem(q, k, causal, scale, block_kv, kind, pipelined)
-    # The key count is read at run time even where every key is real: compiled with it as a
-    # constant, the loop measured 7-9% slower at head_dim 128 and 256 without a causal mask
-    # (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
-    p = dataclasses.replace(_with_features(p, spec, bias), kv_lengths=True)
+    p = _with_features(p, spec, bias)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
