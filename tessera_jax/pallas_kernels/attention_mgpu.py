@@ -269,7 +269,9 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 # (head_dim, causal): measured faster at head_dim 256 without a causal mask only
 # (benchmarks/results/attention-h100-sweep.json, ``pipelined`` rows). At 128 it holds a
 # step's scores, the previous step's probabilities and the output in registers at once and
-# runs a little slower; with causal masks it runs up to twice as slow, not yet understood.
+# runs a little slower. Wherever its loop bounds are read at run time (causal masks, key
+# lengths) it runs 1.5-2x slower than the serial loop, for a reason not yet found
+# (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
 FWD_PIPELINED = {(256, False): True}
 
 
