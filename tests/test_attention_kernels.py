@@ -506,8 +506,7 @@ class TestAttentionKernelsGPU:
 
 @pytest.fixture
 def pipelined_forward(monkeypatch):
-    every = {(d, causal): True for d in am.HEAD_DIMS for causal in (False, True)}
-    monkeypatch.setattr(am, "FWD_PIPELINED", every)
+    monkeypatch.setattr(am, "_fwd_pipelined", lambda p: True)
     _fwd_bwd.clear_cache()  # traced with the other schedule otherwise
     yield
     _fwd_bwd.clear_cache()
@@ -542,11 +541,6 @@ class TestPipelinedForwardInterpret:
     def _mode(self):
         with ts.kernel_mode("interpret"):
             yield
-
-    def test_the_flag_reaches_the_kernel(self):
-        q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
-        assert am._fwd_problem(q, q, True, 1.0).fwd_pipelined
-        assert not am._fwd_problem(q, q, True, 1.0, pipelined=False).fwd_pipelined
 
     @pytest.mark.parametrize("check", sample(PIPELINED_INTERPRET, 1))
     def test_pipelined_forward(self, check):
@@ -675,6 +669,28 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
         *(q, k, k, q, lse, q, *extras, lse),
     )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "head_dim, features, pipelined",
+    [
+        (256, {}, True),
+        (256, dict(causal=True), False),
+        (256, dict(local_window_size=(64, 64)), False),
+        (256, dict(has_kv_lengths=True), False),
+        (128, {}, False),
+        (64, dict(has_mask=True), False),
+    ],
+)
+def test_pipelined_forward_where_it_measured_faster(head_dim, features, pipelined):
+    """The forward takes the pipelined loop only at FWD_PIPELINED's head dims with loop
+    bounds fixed at compile time and every block visible whole."""
+    q = jnp.zeros((1, 256, 1, head_dim), jnp.bfloat16)
+    causal = features.pop("causal", False)
+    spec = _spec(causal=causal, **features)
+    bias = jnp.zeros((1, 1, 256, 256)) if spec.has_mask else None
+    p = am._with_features(am._fwd_problem(q, q, causal, 0.1), spec, bias)
+    assert am._fwd_pipelined(p) is pipelined
 
 
 # --- what the kernels decline (no kernel runs: fast) ----------------------------------------

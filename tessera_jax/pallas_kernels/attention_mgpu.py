@@ -122,7 +122,7 @@ class Problem:
       block_kv: keys per loop step of the forward and dQ kernels.
       stages: shared-memory ring slots of the streamed operand (K in the dQ kernel).
       dkv_stages: the dK/dV kernel's Q/dO ring slots (backward only).
-      fwd_pipelined: the forward's steps overlap within a warpgroup (:data:`FWD_PIPELINED`):
+      fwd_pipelined: the forward's steps overlap within a warpgroup (:func:`_fwd_pipelined`):
         step j issues ``S_j = Q·K_jᵀ`` and ``O += P_{j−1}·V_{j−1}`` together and runs the
         softmax of ``S_j`` while the second product is on the tensor cores.
       dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
@@ -265,43 +265,32 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
     return max(fits, default=None)
 
 
-# Whether the forward overlaps its steps within a warpgroup (``Problem.fwd_pipelined``), by
-# (head_dim, causal): measured faster at head_dim 256 without a causal mask only
-# (benchmarks/results/attention-h100-sweep.json, ``pipelined`` rows). At 128 it holds a
-# step's scores, the previous step's probabilities and the output in registers at once and
-# runs a little slower. Wherever its loop bounds are read at run time (causal masks, key
-# lengths) it runs 1.5-2x slower than the serial loop, for a reason not yet found
-# (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
-FWD_PIPELINED = {(256, False): True}
+# The head dims where the forward overlaps its steps within a warpgroup
+# (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256 only, with loop
+# bounds known at compile time (benchmarks/results/attention-h100-sweep.json, ``pipelined``
+# rows). At 128 it holds a step's scores, the previous step's probabilities and the output
+# in registers at once and runs a little slower. Wherever its loop bounds are read at run
+# time (causal masks, windows, key lengths) it runs 1.5-2x slower than the serial loop, for
+# a reason not yet found (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
+FWD_PIPELINED = {64: False, 128: False, 256: True}
 
 
 def _fwd_problem(
-    q,
-    k,
-    causal: bool,
-    scale: float,
-    block_kv: int | None = None,
-    bias: str | None = None,
-    pipelined: bool | None = None,
+    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: str | None = None
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
     stages = _fwd_stages(d, block_kv, bias)
-    return Problem(
-        b,
-        hq,
-        hkv,
-        d,
-        sq,
-        skv,
-        np.dtype(q.dtype),
-        causal,
-        scale,
-        block_kv,
-        stages,
-        fwd_pipelined=FWD_PIPELINED.get((d, causal), False) if pipelined is None else pipelined,
-    )
+    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
+
+
+def _fwd_pipelined(p: Problem) -> bool:
+    """Whether the forward of ``p`` takes the pipelined loop where it measured faster:
+    :data:`FWD_PIPELINED`'s head dims, loop bounds fixed at compile time (no causal mask,
+    window or key lengths) and blocks visible whole (no segment ids or bias)."""
+    static = p.right is None and p.left is None and not p.kv_lengths
+    return FWD_PIPELINED[p.head_dim] and static and not p.every_block_masked
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
@@ -1625,7 +1614,7 @@ def flash_fwd(
     kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
     gradients in :func:`flash_bwd`). ``block_kv`` and ``pipelined`` (benchmarks, tests)
     replace the tuned keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with
-    a bias) and loop schedule (:data:`FWD_PIPELINED`); a ``block_kv`` whose K/V (and bias)
+    a bias) and loop schedule (:func:`_fwd_pipelined`); a ``block_kv`` whose K/V (and bias)
     ring does not fit shared memory is a ValueError.
     """
     if pipelined is not None and not isinstance(pipelined, bool):
@@ -1651,8 +1640,8 @@ def flash_fwd(
     causal, scale = _decode(spec)
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
-    p = _fwd_problem(q, k, causal, scale, block_kv, kind, pipelined)
-    p = _with_features(p, spec, bias)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind), spec, bias)
+    p = dataclasses.replace(p, fwd_pipelined=_fwd_pipelined(p) if pipelined is None else pipelined)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
