@@ -157,7 +157,8 @@ INTERPRETABLE = False
 # cannot change the bits: ``collectives.order_free``), it wins from 32 MiB. Each program
 # that holds the kernel also costs the host more to launch (XLA sets up the peers'
 # addresses), which a program of one small all-reduce called in a loop would feel. The
-# measurements: benchmarks/results/allreduce-nvidia-h200-x*.json (``in_program_*``).
+# measurements: benchmarks/results/allreduce-nvidia-h200-x4.json (``in_program_*``, 1-4
+# MiB) and allreduce-nvidia-h200-x2.json (the kernel against psum from 32 MiB, per call).
 MIN_BYTES = 1 << 20
 MIN_BYTES_VS_NCCL = 32 << 20
 
