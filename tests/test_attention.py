@@ -209,6 +209,11 @@ def test_jaxpr_shows_the_primitives():
     assert "ts_flash_attention_fwd" in grad_jaxpr and "ts_flash_attention_bwd" in grad_jaxpr
 
 
+# Long enough that an S×S buffer dwarfs the reference's per-head block of scores
+# (REFERENCE_BLOCK_ELEMENTS, 256 keys at this length).
+MEMORY_SEQ = 16384
+
+
 def _temp_bytes(f, s):
     x = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.float32)
     stats = jax.jit(f).lower(x, x, x).compile().memory_analysis()
@@ -221,7 +226,7 @@ def _temp_bytes(f, s):
 def test_compiled_memory_is_linear_in_seq(causal):
     fwd = lambda q, k, v: ts.flash_attention(q, k, v, causal=causal)
     bwd = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), argnums=(0, 1, 2))
-    s = 4096
+    s = MEMORY_SEQ
     for f in (fwd, bwd):
         big, small = _temp_bytes(f, s), _temp_bytes(f, s // 2)
         assert big < s * s * 4, f"temp {big} bytes holds an S×S f32 buffer ({s * s * 4} bytes)"
@@ -257,7 +262,7 @@ def test_compiled_memory_with_options_is_linear_in_seq(mode):
             lambda q, k, b: _attend_all_options(q, k, v, m, b), (q, k, b), (q, k, b)
         )[1],
     }[mode]
-    s = 4096
+    s = MEMORY_SEQ
     big, small = _option_temp_bytes(f, s), _option_temp_bytes(f, s // 2)
     assert big < s * s, f"temp {big} bytes holds an S×S bool buffer ({s * s} bytes)"
     assert big - small < (s * s - (s // 2) ** 2), f"scratch grew by {big - small} bytes"
@@ -266,7 +271,7 @@ def test_compiled_memory_with_options_is_linear_in_seq(mode):
 def test_memory_check_catches_a_materialised_score_matrix():
     # The control: attention that builds S×S scores fails the check above.
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
-    s = 4096
+    s = MEMORY_SEQ
     assert _temp_bytes(plain, s) - _temp_bytes(plain, s // 2) >= (s * s - (s // 2) ** 2) * 4
 
 

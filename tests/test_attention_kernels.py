@@ -823,8 +823,9 @@ def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
         (1, 32768, 32768),  # decode: one block of the whole cache
         (16, 32768, 32768),
         (512, 512, 512),  # short: one block
-        (1024, 1024, 512),
-        (4096, 4096, 128),  # long: O(Sq·128) memory, as the memory tests check
+        (1024, 1024, 1024),
+        (4096, 4096, 1024),  # long: O(Sq·block) memory, as the memory tests check
+        (16384, 16384, 256),
         (1 << 20, 1 << 20, 128),
         (3, 100, 100),
         (1, 0, 1),  # no keys: a block of one, never run

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import tessera_jax as ts
-from tessera_jax.primitives.reductions import canonical_sum
+from tessera_jax.primitives.reductions import canonical_sum, fixed_point_sum
 from tests._util import assert_close, f64, np_tree, rand
 
 
@@ -26,6 +26,36 @@ def test_sum_is_the_canonical_tree_bit_for_bit(n):
     want = numpy_canonical_tree(np.asarray(x))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: ts.sum(x, 1))(x)), want)
+
+
+def _unit_values(n: int, dtype) -> np.ndarray:
+    """Three rows of ``n`` softmax-like values in (0, 1] spread over many binades, a 1 in
+    each (the row maximum's probability)."""
+    rng = np.random.default_rng(n)
+    x = np.exp(-rng.exponential(4.0, size=(3, n)))
+    x[:, 0] = 1.0
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 128, 4096, 1 << 19])
+def test_fixed_point_sum_is_order_free_and_accurate(n, dtype, x64):
+    x = _unit_values(n, dtype)
+    got = np.asarray(fixed_point_sum(jnp.asarray(x)))
+    assert got.dtype == dtype and got.shape == (3, 1)
+    perm = np.random.default_rng(0).permutation(n)
+    np.testing.assert_array_equal(np.asarray(fixed_point_sum(jnp.asarray(x[:, perm]))), got)
+    exact = x.astype(np.float64).sum(-1, keepdims=True)
+    # the digits' truncation is below a quarter ulp, then one rounding per digit column
+    np.testing.assert_allclose(got, exact, rtol=2 * np.finfo(dtype).eps, atol=0)
+
+
+def test_fixed_point_sum_takes_values_just_below_two():
+    # the largest values the digits leave room for, in a row as long as a digit allows
+    n = (1 << 19) - 1
+    x = jnp.full((1, n), np.nextafter(np.float32(2), np.float32(0)), jnp.float32)
+    got = float(fixed_point_sum(x)[0, 0])
+    assert got == pytest.approx(2.0 * n, rel=1e-6)
 
 
 def test_sum_over_several_axes_flattens_them_row_major():

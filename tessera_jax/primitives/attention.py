@@ -46,7 +46,11 @@ input dtype (the probabilities are rounded to it before ``P·V``, as FlashAttent
 kernels do) and accumulate in f32 for 8-/16-bit inputs; f32 products follow
 ``jax_default_matmul_precision`` as ``jnp.dot`` does (TF32 on GPUs by default;
 ``"highest"`` for full f32). The softmax statistics and the accumulator are f32 (f64
-for f64 inputs). A last, partial kv block is zero-padded and masked.
+for f64 inputs). A last, partial kv block is zero-padded and masked. Each block's
+normaliser ``Σ_j p_j`` (``p = exp(s − m) ≤ 1``) is summed in fixed point
+(:func:`~tessera_jax.primitives.reductions.fixed_point_sum`: exact integer sums, the same
+bits in any order, one fused reduction on a GPU) and ``rowsum(dO ∘ O)`` on the canonical
+tree, so the rows' bits do not depend on how XLA orders a reduction in a given program.
 
 The backward (FlashAttention-2) recomputes each block's probabilities from the
 saved log-sum-exp, ``P = exp(S − lse)``, with ``Δ = rowsum(dO ∘ O) − dlse``::
@@ -130,7 +134,7 @@ from tessera_jax.primitives._core import (
     not_mapped,
     zero_tangent,
 )
-from tessera_jax.primitives.reductions import pairwise_tree_sum, rounded
+from tessera_jax.primitives.reductions import fixed_point_sum, pairwise_tree_sum
 
 _NAME = "flash_attention"
 
@@ -139,12 +143,16 @@ _NAME = "flash_attention"
 
 
 # The reference's keys per block where the config leaves it to the shape: one block's
-# scores for one kv head (its G·Sq query rows) hold at most REFERENCE_BLOCK_ELEMENTS, in a
-# power-of-two block of at least REFERENCE_MIN_BLOCK keys. Short sequences and decoding (a
-# few queries against a long cache) then run as one block — one pair of large matmuls
-# instead of a loop of small ones, which is what made them slower than XLA's dense path —
-# and long sequences keep O(Sq·block) memory.
-REFERENCE_BLOCK_ELEMENTS = 1 << 19
+# scores for one kv head (its G·Sq query rows) hold at most REFERENCE_BLOCK_ELEMENTS (16 MiB
+# of f32), in a power-of-two block of at least REFERENCE_MIN_BLOCK keys. Short sequences
+# and decoding (a few queries against a long cache) then run as one block — one pair of
+# large matmuls instead of a loop of small ones — and long sequences keep O(Sq·block)
+# memory. Every step re-reads and re-writes the f32 output accumulator (Sq·D per head), so
+# a wider block is faster until its scores outgrow the caches' help: 1024 keys at 4096
+# rows ran the forward 2x faster than 128 on a GPU (benchmarks/archive/reference-probe-*).
+# The block depends on one head's problem only, never on the batch or head count, which
+# a mesh divides: the same bits on any mesh.
+REFERENCE_BLOCK_ELEMENTS = 1 << 22
 REFERENCE_MIN_BLOCK = 128
 
 
@@ -308,16 +316,31 @@ class _Blocks:
         """Block ``j`` of a bias (or of its tangent) in the row layout, in ``acc``."""
         return _fold_rows(self.g, _kv_columns(self.g, bias, j, axis=3)).astype(self.acc)
 
-    def scores(self, q_rows: jax.Array, k_blk: jax.Array, j: jax.Array) -> jax.Array:
-        """Scaled, biased scores of block ``j``, ``(B, Hkv, G·Sq, block)``, hidden ``-inf``."""
+    def scores(self, q_rows: jax.Array, k_blk: jax.Array, j: jax.Array):
+        """Scaled, biased scores of block ``j``, ``(B, Hkv, G·Sq, block)``, and which of them
+        count (:meth:`visible`)."""
         s = _dot(q_rows, k_blk, 3, self.acc) * self.spec.scale
         if self.ex.bias is not None:
             s = s + self.bias(self.ex.bias, j)
-        vis = self.visible(j)
-        # Rounded before ``exp(s - m)``: where a 1-trip loop is inlined the mask is a
-        # constant, its select folds away, and the scale's multiply would become an FMA
-        # with the subtraction in that program only.
-        return rounded(s if vis is None else jnp.where(vis, s, -jnp.inf))
+        return s, self.visible(j)
+
+
+# The masks select before a maximum and after an exponential, never between the scale's
+# multiply and the subtraction that follows it: LLVM contracts a multiply into the add it
+# feeds when nothing stands between them, and a select whose condition is a compile-time
+# constant in one program (a loop of one trip, inlined) folds away in that program only.
+# So every program contracts alike, with no rounding pass of its own over the scores.
+
+
+def _hidden(s: jax.Array, vis: jax.Array | None) -> jax.Array:
+    """``s`` with the scores that do not count at ``-inf`` (for a maximum)."""
+    return s if vis is None else jnp.where(vis, s, -jnp.inf)
+
+
+def _exp_visible(x: jax.Array, vis: jax.Array | None) -> jax.Array:
+    """``exp(x)`` where the scores count, 0 elsewhere."""
+    e = jnp.exp(x)
+    return e if vis is None else jnp.where(vis, e, jnp.zeros_like(e))
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
@@ -339,6 +362,16 @@ def _safe_lse_rows(g: _Geometry, lse: jax.Array) -> jax.Array:
     return jnp.where(rows == -jnp.inf, jnp.zeros_like(rows), rows)
 
 
+def _scan_blocks(step, init, xs):
+    """``lax.scan(step, init, xs)`` over the kv blocks; one block is one call of ``step``:
+    no loop of one trip for XLA to inline (jaxlib 0.10's inliner, carrying a deep caller's
+    stack-frame metadata into such a loop's body, was seen not to finish)."""
+    if jax.tree.leaves(xs)[0].shape[0] != 1:
+        return jax.lax.scan(step, init, xs)
+    carry, ys = step(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], ys)
+
+
 def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
     """Blocked online-softmax forward: ``(out, lse)``, ``lse`` of shape ``(B, Hq, Sq)``."""
     g = _Geometry.of(q, k, spec.config)
@@ -349,14 +382,14 @@ def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
     def step(carry, xs):
         m, l, o = carry
         j, k_blk, v_blk = xs
-        s = blocks.scores(q_rows, k_blk, j)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        s, vis = blocks.scores(q_rows, k_blk, j)
+        m_new = jnp.maximum(m, jnp.max(_hidden(s, vis), axis=-1, keepdims=True))
         # A row with nothing visible yet keeps m = -inf; subtract 0 there so that
         # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
         m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
-        p = jnp.exp(s - m_safe)
+        p = _exp_visible(s - m_safe, vis)  # at most 1 (a rounding above it where contracted)
         alpha = jnp.exp(m - m_safe)
-        l = alpha * l + _row_sum(p)
+        l = alpha * l + fixed_point_sum(p)
         o = alpha * o + _dot(p.astype(v.dtype), v_blk, 2, acc)
         return (m_new, l, o), None
 
@@ -364,7 +397,7 @@ def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
     stat = jnp.zeros_like(q_rows[..., :1], dtype=acc)
     init = (stat - jnp.inf, stat, jnp.zeros_like(q_rows, dtype=acc))
     xs = (jnp.arange(g.num_blocks, dtype=jnp.int32), _kv_blocks(g, k), _kv_blocks(g, v))
-    (m, l, o), _ = jax.lax.scan(step, init, xs)
+    (m, l, o), _ = _scan_blocks(step, init, xs)
     empty = l == 0  # fully masked rows
     out = o / jnp.where(empty, jnp.ones_like(l), l)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, jnp.ones_like(l), l)))
@@ -389,8 +422,8 @@ def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
     def step(carry, xs):
         dq, dbias = carry
         j, k_blk, v_blk = xs
-        s = blocks.scores(q_rows, k_blk, j)
-        p = jnp.exp(s - lse_rows)  # masked entries: exp(-inf) = 0
+        s, vis = blocks.scores(q_rows, k_blk, j)
+        p = _exp_visible(s - lse_rows, vis)
         dv_blk = _dot(jnp.swapaxes(p.astype(dout.dtype), 2, 3), do_rows, 2, acc)
         dp = _dot(do_rows, v_blk, 3, acc)
         ds_acc = p * (dp - delta)
@@ -409,7 +442,7 @@ def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
     xs = (jnp.arange(g.num_blocks, dtype=jnp.int32), _kv_blocks(g, k), _kv_blocks(g, v))
     dq0 = jnp.zeros_like(q_rows, dtype=acc)
     dbias0 = jnp.zeros(bias.shape, acc) if bias_sum else None
-    (dq, dbias), ys = jax.lax.scan(step, (dq0, dbias0), xs)
+    (dq, dbias), ys = _scan_blocks(step, (dq0, dbias0), xs)
     grads = (_from_rows(g, dq).astype(q.dtype), _from_blocks(g, ys[0]), _from_blocks(g, ys[1]))
     if not spec.bias_grad:
         return grads
@@ -436,7 +469,8 @@ def _flash_jvp_reference(q, k, v, out, lse, *rest, spec: AttentionSpec):
     def step(carry, xs):
         a, tl = carry
         j, k_blk, v_blk, tk_blk, tv_blk = xs
-        p = jnp.exp(blocks.scores(q_rows, k_blk, j) - lse_rows)  # hidden entries: 0
+        s, vis = blocks.scores(q_rows, k_blk, j)
+        p = _exp_visible(s - lse_rows, vis)
         ts = None  # tS = scale·(tQ·Kᵀ + Q·tKᵀ) + tBias
         if tq_rows is not None:
             ts = _dot(tq_rows, k_blk, 3, acc)
@@ -464,7 +498,7 @@ def _flash_jvp_reference(q, k, v, out, lse, *rest, spec: AttentionSpec):
         tv_blocks,
     )
     init = (jnp.zeros_like(q_rows, dtype=acc), jnp.zeros_like(q_rows[..., :1], dtype=acc))
-    (a, tl), _ = jax.lax.scan(step, init, xs)
+    (a, tl), _ = _scan_blocks(step, init, xs)
     t_out = a - tl * _q_rows(g, out).astype(acc)
     t_lse = tl.reshape(g.batch, g.heads_q, g.seq_q).astype(lse.dtype)
     return _from_rows(g, t_out).astype(q.dtype), t_lse

@@ -21,6 +21,9 @@ count as any summation; XLA fuses the levels. 8- and 16-bit floats accumulate in
 f32 and round once at the end. Integer sums are exact in any order and use XLA's
 reduction. ``deterministic=False`` uses XLA's reduction (order unspecified).
 
+``fixed_point_sum`` sums values in ``[0, 2)`` (softmax probabilities) exactly in integer
+digit columns: the same bits in any order, so it can be XLA's own fused reduction.
+
 ``max`` is exact in any order. ``mse`` is ``sum((pred - target)**2) / size`` on
 the same tree.
 """
@@ -104,6 +107,36 @@ def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     if x.shape[axis] == 0:
         return jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
     return lax.index_in_dim(x, 0, axis, keepdims=False)
+
+
+def fixed_point_sum(x: jax.Array) -> jax.Array:
+    """Sums the last axis (kept) of ``x``, whose values lie in ``[0, 2)``, in fixed point:
+    the same bits for any order of the adds, so XLA may reduce in whatever order it likes.
+
+    Each value is cut into ``words`` integer digits of ``width`` bits (``x ≈ Σ_i w_i ·
+    2^{-width·(i+1)}``; the cuts are exact float operations), each digit column is summed
+    in int32 — exact, hence order-free: ``width`` is chosen so that ``n`` digits cannot
+    overflow — and the columns are combined in a fixed order in ``x``'s dtype. ``words``
+    keeps the truncation below ``2^{-(nmant+1)}`` summed over the row: below a quarter ulp
+    of any row sum of at least 1 (softmax normalisers are), and plain rounding after it.
+
+    It is a reduction XLA runs as such (one read of ``x`` per sum, fused with its
+    producer), where the canonical tree is a fused loop of strided slices: the softmax
+    normaliser of flash attention's reference on a GPU.
+    """
+    n = x.shape[-1]
+    width = 30 - builtins.max(n, 1).bit_length()  # n values below 2 sum below 2**31 digits
+    words = -(-(jnp.finfo(x.dtype).nmant + 1 + n.bit_length()) // width)
+    rest, columns = x, []
+    for _ in range(words):
+        rest = rest * float(2**width)  # exact: a power of two
+        digit = jnp.floor(rest)
+        rest = rest - digit  # exact: the fraction of a float
+        columns.append(jnp.sum(digit.astype(jnp.int32), axis=-1, keepdims=True, dtype=jnp.int32))
+    total = jnp.zeros((*x.shape[:-1], 1), x.dtype)
+    for i in reversed(range(words)):  # smallest first; a power-of-two scale is exact
+        total = total + columns[i].astype(x.dtype) * float(2.0 ** (-width * (i + 1)))
+    return total
 
 
 def canonical_sum(x: jax.Array, axes: tuple[int, ...], keepdims: bool) -> jax.Array:
