@@ -818,6 +818,17 @@ def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
 
 
 @pytest.mark.parametrize(
+    "sq, skv, preferred", [(1, 32768, False), (1, 4096, True), (8, 32768, True)]
+)
+def test_prefer_decoding_backward(sq, skv, preferred):
+    """One query's backward against a long cache runs the one-block reference, which
+    measured faster there; more queries, or a shorter cache, the kernels."""
+    avals = _avals(4, sq, skv, 16, 16, 128, jnp.bfloat16, backward=True)
+    assert am.prefer(_spec(), avals) is preferred
+    assert am.prefer(_spec(has_dlse=True), (*avals, avals[4])) is preferred
+
+
+@pytest.mark.parametrize(
     "rows, seq_kv, block",
     [
         (1, 32768, 32768),  # decode: one block of the whole cache
