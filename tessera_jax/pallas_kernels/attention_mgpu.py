@@ -1848,20 +1848,18 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 # Dispatch rule. Where the kernels decline or are not preferred, ``auto`` mode lowers the
-# operator's blocked XLA reference, which the kernels beat at every measured shape
-# (128 to 4096 keys, head_dim 64-256 and 96 zero-padded, B*H 16-256: 4-20x from 512 keys,
-# 1.07-1.56x at 128-256 against the reference before its fixed-point normaliser,
-# benchmarks/archive/attention-h100-old-reference.json; 2.5-13.5x at 4096 keys against
-# today's, the ts_reference rows of benchmarks/results/attention-h100.json, where 128-256
-# keys are not re-measured); below PREFER_MIN_SEQ queries or keys the 128-row tile
-# padding is unmeasured. Decoding
-# (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys or more runs the kernels too:
-# the padded tile costs little beside streaming the cache (the ``…-decode-…`` cases: as
-# fast as the one-block reference at one query, faster at 16).
-# A single query's backward against a long cache is the exception: the kernels' query tiles
-# are all padding but one row, and the one-block reference (dense over the keys) measured
-# 1.22 ms against their 2.00 at 32768 keys (…-decode-b4-sq1-skv32768 fwd+bwd; at 4096
-# keys the kernels were faster, 0.28 against 0.33).
+# operator's blocked XLA reference, which the kernels beat at every measured shape: 128 to
+# 4096 keys, head_dim 64-256 and 96 zero-padded, B*H 16-256 against the reference before
+# its fixed-point normaliser (benchmarks/archive/attention-h100-old-reference.json), 4096
+# keys against today's (the ts_reference rows of benchmarks/results/attention-h100.json;
+# 128-256 keys are not re-measured). Below PREFER_MIN_SEQ queries or keys the 128-row tile
+# padding is unmeasured. Decoding (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys
+# or more runs the kernels too: the padded tile costs little beside streaming the cache (the
+# ``…-decode-…`` cases: as fast as the one-block reference at one query, faster at 16).
+# One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys is the exception: the
+# kernels' query tiles are all padding but one row, and the one-block reference (dense
+# over the keys) ran faster there (the ``fwdbwd-…-decode-b4-sq1-…`` cases; at 4096 keys
+# the kernels did).
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096

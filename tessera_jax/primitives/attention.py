@@ -148,10 +148,9 @@ _NAME = "flash_attention"
 # and decoding (a few queries against a long cache) then run as one block — one pair of
 # large matmuls instead of a loop of small ones — and long sequences keep O(Sq·block)
 # memory. Every step re-reads and re-writes the f32 output accumulator (Sq·D per head), so
-# a wider block is faster until its scores outgrow the caches' help: 1024 keys at 4096
-# rows ran the forward 2x faster than 128 on a GPU (benchmarks/archive/reference-probe-*).
-# The block depends on one head's problem only, never on the batch or head count, which
-# a mesh divides: the same bits on any mesh.
+# on a GPU wider blocks ran faster, up to about 2048 keys at 4096 rows
+# (benchmarks/archive/reference-probe-h200.txt). The block depends on one head's problem
+# only, never on the batch or head count, which a mesh divides: the same bits on any mesh.
 REFERENCE_BLOCK_ELEMENTS = 1 << 22
 REFERENCE_MIN_BLOCK = 128
 
@@ -890,9 +889,8 @@ def flash_attention(
     dtype there, one broadcast over the queries is not). Everything else — the gradient of
     ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, one
     query's backward against 32768 keys or more, an explicit ``config`` — runs the blocked
-    XLA reference. Both paths are deterministic:
-    bitwise identical outputs and gradients run to run (no atomics); there is no cuDNN
-    path.
+    XLA reference. Both paths are deterministic: bitwise identical outputs and gradients
+    run to run (no atomics); there is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
