@@ -262,12 +262,20 @@ RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
 RAGGED_D256 = (1, 72, 100, 1, 1, 256, True)
 
 
-class TestAttentionKernelsInterpret:
-    @pytest.fixture(autouse=True)
-    def _mode(self):
-        with ts.kernel_mode("interpret"):
-            yield
+@pytest.fixture
+def interpret_mode():
+    with ts.kernel_mode("interpret"):
+        yield
 
+
+@pytest.fixture
+def pallas_mode():
+    with ts.kernel_mode("pallas"):
+        yield
+
+
+@pytest.mark.usefixtures("interpret_mode")
+class TestAttentionKernelsInterpret:
     # The interpreter is slowest on these two: one of them per run (TESSERA_TEST_FULL=1: both).
     @pytest.mark.parametrize(
         "case",
@@ -369,12 +377,8 @@ SEGMENTS = [[0] * 300 + [1] * 200 + [2] * 524, [7] * 1024]
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("pallas_mode")
 class TestAttentionKernelsGPU:
-    @pytest.fixture(autouse=True)
-    def _mode(self):
-        with ts.kernel_mode("pallas"):
-            yield
-
     @pytest.mark.parametrize(
         "case",
         [
@@ -535,13 +539,8 @@ PIPELINED_INTERPRET = [
 ]
 
 
-@pytest.mark.usefixtures("pipelined_forward")
+@pytest.mark.usefixtures("pipelined_forward", "interpret_mode")
 class TestPipelinedForwardInterpret:
-    @pytest.fixture(autouse=True)
-    def _mode(self):
-        with ts.kernel_mode("interpret"):
-            yield
-
     @pytest.mark.parametrize("check", sample(PIPELINED_INTERPRET, 1))
     def test_pipelined_forward(self, check):
         check(jnp.bfloat16)
@@ -560,13 +559,8 @@ class TestPipelinedForwardInterpret:
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("pipelined_forward")
+@pytest.mark.usefixtures("pipelined_forward", "pallas_mode")
 class TestPipelinedForwardGPU:
-    @pytest.fixture(autouse=True)
-    def _mode(self):
-        with ts.kernel_mode("pallas"):
-            yield
-
     @pytest.mark.parametrize(
         "check",
         [

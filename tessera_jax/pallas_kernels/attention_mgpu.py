@@ -270,8 +270,8 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 # bounds known at compile time (benchmarks/results/attention-h100-sweep.json, ``pipelined``
 # rows). At 128 it holds a step's scores, the previous step's probabilities and the output
 # in registers at once and runs a little slower. Wherever its loop bounds are read at run
-# time (causal masks, windows, key lengths) it runs 1.5-2x slower than the serial loop, for
-# a reason not yet found (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
+# time (causal masks, windows, key lengths) it runs far slower than the serial loop, for a
+# reason not yet found (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
 FWD_PIPELINED = {64: False, 128: False, 256: True}
 
 
@@ -1794,6 +1794,12 @@ def _bias_reason(d: int, segments: bool, bias: str) -> str | None:
     return None
 
 
+def _fixed_operands(spec, avals: Sequence[Any]) -> int:
+    """How many of ``avals`` come before the spec's extras: 3 for the forward's
+    ``(q, k, v)``, 6 for the backward's ``(q, k, v, out, lse, dout)``."""
+    return len(avals) - spec.num_extras - int(spec.has_dlse)
+
+
 def supports(spec, avals: Sequence[Any]) -> str | None:
     """None if the kernels can run the case, else why not (never raises).
 
@@ -1822,7 +1828,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
             f"{DKV_ROLES_HEAD_DIM // 2})"
         )
     if spec.has_mask or spec.has_bias:
-        fixed = len(avals) - spec.num_extras - int(spec.has_dlse)
+        fixed = _fixed_operands(spec, avals)
         if fixed not in (3, 6):
             return (
                 f"{len(avals)} operands for a spec with {spec.num_extras} extras (the mask's "
@@ -1873,7 +1879,7 @@ def prefer(spec, avals: Sequence[Any]) -> bool:
     :data:`DECODE_BWD_REFERENCE_MIN_KV` keys or more. Asked only of cases :func:`supports`
     accepts."""
     sq, skv = avals[0].shape[1], avals[1].shape[1]
-    backward = len(avals) - spec.num_extras - int(spec.has_dlse) == 6
+    backward = _fixed_operands(spec, avals) == 6
     if backward and sq == 1 and skv >= DECODE_BWD_REFERENCE_MIN_KV:
         return False
     return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)

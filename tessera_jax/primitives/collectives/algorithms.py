@@ -35,10 +35,9 @@ caller may ask for; ``"auto"`` picks among them):
 
 ``"auto"`` takes ``"nvlink"`` where ``dispatch`` selects the kernel (in ``auto`` mode:
 messages of at least ``allreduce_mgpu.MIN_BYTES`` per rank, ``MIN_BYTES_VS_NCCL`` where
-the order is free); else ``"psum"`` where the
-order is free; else ``"gather"`` for messages up to ``SMALL_MESSAGE_BYTES`` per rank;
-else ``"binary_tree"``. The timings behind the thresholds are in
-``benchmarks/results/allreduce-*.json``.
+the order is free); else ``"psum"`` where the order is free; else ``"gather"`` for
+messages up to ``SMALL_MESSAGE_BYTES`` per rank; else ``"binary_tree"``. The timings
+behind the thresholds are in ``benchmarks/results/allreduce-*.json``.
 """
 
 from __future__ import annotations
