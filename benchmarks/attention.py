@@ -7,6 +7,7 @@ reference before it is timed::
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep   # forward, then backward knobs
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-fwd --only bf16  # forward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-decode  # key chunks, decoding
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --power   # watts and clocks, D=128
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
@@ -84,6 +85,7 @@ FEATURES = ("mask", "keypad", "bias", "kvlen", "qkvlen", "window", "segments")
 FEATURE_CASES = [
     *((4, s, s, 16, 128, f) for s in (1024, 4096) for f in FEATURES),
     *((4, sq, skv, 16, 128, "decode") for sq in (1, 8, 16) for skv in (4096, 32768)),
+    *((1, sq, skv, 8, 128, "decode") for sq in (1, 16) for skv in (4096, 32768)),
     *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),
     *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
 ]
@@ -454,6 +456,61 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
     return recs
 
 
+DECODE_SPLITS = (1024, 2048, 4096, 8192)
+
+
+def _sweep_decode(only: list[str] = ()) -> list[dict]:
+    """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
+    16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
+    ``dq_split_keys``) of :data:`DECODE_SPLITS`, against no split (baseline)."""
+    recs = []
+    d = 128
+    shapes = itertools.product(((4, 16), (1, 8)), (1, 8, 16), (4096, 32768), ("fwd", "bwd"))
+    for (b, h), sq, skv, kernel in shapes:
+        case = f"sweep-decode-{kernel}-noncausal-b{b}-sq{sq}-skv{skv}-h{h}-d{d}-bf16"
+        if only and not any(x in case for x in only):
+            continue
+        q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
+        k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
+        spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
+        variants = {"mosaic_gpu[no split]": skv}
+        variants.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
+        if kernel == "fwd":
+            args = (q, k, v)
+            fns = {
+                name: jax.jit(functools.partial(am.flash_fwd, spec, split_keys=n))
+                for name, n in variants.items()
+            }
+        else:
+            out, lse = jax.jit(functools.partial(am.flash_fwd, spec))(q, k, v)
+            args = (q, k, v, out, lse, do)
+            fns = {
+                name: jax.jit(functools.partial(am.flash_bwd, spec, dq_split_keys=n))
+                for name, n in variants.items()
+            }
+        base = "mosaic_gpu[no split]"
+        ref = fns[base](*args)
+        errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
+        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+        for name in fns:
+            recs.append(
+                dict(
+                    suite="attention-sweep",
+                    case=case,
+                    device=device_name(family=True),
+                    jax=jax.__version__,
+                    impl=name,
+                    baseline=base,
+                    ms=ms[name],
+                    baseline_ms=ms[base],
+                    ratio=ms[base] / ms[name],
+                    rel_err=errs[name],
+                )
+            )
+            print(f"   {case} {name:30s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+    return recs
+
+
 def run_power() -> list[dict]:
     """Board power and SM clock of ours and cuDNN at B4 S4096 H16 D128 bf16, non-causal,
     forward and forward+backward, each timed twice in alternation
@@ -498,6 +555,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="only the block_kv sweeps")
     p.add_argument("--sweep-fwd", action="store_true", help="only the forward's sweep")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
+    p.add_argument("--sweep-decode", action="store_true", help="only the key chunks of decoding")
     p.add_argument("--power", action="store_true", help="only power and clocks at D=128")
     args = p.parse_args()
     dev = jax.devices()[0]
@@ -506,13 +564,14 @@ def main():
         name = f"attention-{device_name(family=True)}-power.json"
         write_records(Path(args.json or results_path(name)), run_power())
         return
-    if args.sweep or args.sweep_fwd or args.sweep_bwd:
+    if args.sweep or args.sweep_fwd or args.sweep_bwd or args.sweep_decode:
         name = f"attention-{device_name(family=True)}-sweep.json"
         if args.sweep:
             recs = run_sweep()
         else:
             recs = _sweep_fwd(args.only) if args.sweep_fwd else []
             recs += _sweep_bwd(args.only) if args.sweep_bwd else []
+            recs += _sweep_decode(args.only) if args.sweep_decode else []
         write_records(Path(args.json or results_path(name)), recs)
         return
     cases = {}

@@ -254,6 +254,67 @@ INDEX_MASKS = [
     ),
 ]
 
+# Decoding: the forward and dQ kernels split the keys into chunks, one CTA each (shortened
+# to 256 keys in the interpreter, so that a few blocks make several chunks, the last one
+# short): a GQA group; a causal window with a key length (the chunks before the window
+# run empty); segment ids.
+DECODE_MASKS = [
+    pytest.param((2, 3, 700, 2, 1, 64), {}, id="gqa"),
+    pytest.param(
+        (1, 5, 900, 2, 2, 64),
+        dict(causal=True, local_window_size=(300, 0), key_value_seq_lengths=[850]),
+        id="causal-window-lengths",
+    ),
+    pytest.param(
+        (1, 4, 600, 1, 1, 64),
+        dict(q_segment_ids=[[1, 1, 2, 2]], kv_segment_ids=[[1] * 250 + [2] * 350]),
+        id="segments",
+    ),
+    # A key-padding mask (a vector of keys per block) and a bias per query (tiles): the
+    # chunks stream their own part of each.
+    pytest.param(
+        (1, 4, 600, 2, 1, 64),
+        dict(mask_shape=(1, 1, 1, 600), bias_shape=(1, 2, 4, 600)),
+        id="mask-bias",
+    ),
+]
+
+
+def _check_decode(dims, opts, dtype, *, repeat: int = 1):
+    """:func:`_check_index_masks` (or :func:`_check_mask_bias`, for ``opts`` naming a
+    mask's and a bias's shapes) on a decode shape whose forward and dQ kernels split the
+    keys, and the last batch entry alone gets the same bits as in the batch (the chunks
+    depend on the sequence lengths only, so a sharded batch computes the same sums)."""
+    chunks = {"fwd": [], "dq": []}
+    combine, sum_chunks = am._combine_chunks, am._sum_chunks
+
+    def spy_fwd(parts, lse):
+        chunks["fwd"].append(parts.shape[1])
+        return combine(parts, lse)
+
+    def spy_dq(parts):
+        chunks["dq"].append(parts.shape[1])
+        return sum_chunks(parts)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(am, "_combine_chunks", spy_fwd)
+        mp.setattr(am, "_sum_chunks", spy_dq)
+        if "mask_shape" in opts:
+            _check_mask_bias(dims, opts["mask_shape"], opts["bias_shape"], {}, dtype, repeat=repeat)
+        else:
+            _check_index_masks(dims, opts, dtype, repeat=repeat)
+        assert all(seen and min(seen) > 1 for seen in chunks.values()), chunks
+        if dims[0] == 1 or opts:
+            return
+        b, sq, skv, hq, hkv, d = dims
+        q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+        k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+        whole = _fwd_bwd(q, k, v, do, causal=False)
+        alone = _fwd_bwd(*(x[-1:] for x in (q, k, v, do)), causal=False)
+        for x, y in zip(whole, alone):
+            np.testing.assert_array_equal(np.asarray(x[-1:]), np.asarray(y))
+
+
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
@@ -313,6 +374,13 @@ class TestAttentionKernelsInterpret:
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
+
+    # One case per run.
+    @pytest.mark.parametrize("dims, opts", sample(DECODE_MASKS, 1))
+    def test_decode_splits_the_keys(self, dims, opts, monkeypatch):
+        monkeypatch.setattr(am, "FWD_SPLIT_KEYS", 256)
+        monkeypatch.setattr(am, "DQ_SPLIT_KEYS", 256)
+        _check_decode(dims, opts, jnp.bfloat16)
 
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
     # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
@@ -428,6 +496,29 @@ class TestAttentionKernelsGPU:
     )
     def test_index_masks(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16, repeat=3)
+
+    # The forward and dQ kernels' key chunks at their tuned lengths, ragged caches.
+    @pytest.mark.parametrize(
+        "dims, opts",
+        [
+            ((4, 1, 8192, 16, 16, 128), {}),
+            ((2, 16, 5000, 8, 2, 64), dict(causal=True)),
+            (
+                (2, 7, 4100, 4, 1, 256),
+                dict(causal=True, local_window_size=(1000, 0), key_value_seq_lengths=[4100, 2000]),
+            ),
+            (
+                (2, 8, 6000, 4, 2, 128),
+                dict(
+                    q_segment_ids=[[0] * 4 + [1] * 4] * 2,
+                    kv_segment_ids=[[0] * 2500 + [1] * 3500] * 2,
+                ),
+            ),
+            ((2, 4, 5000, 4, 2, 64), dict(mask_shape=(2, 1, 1, 5000), bias_shape=(1, 4, 4, 5000))),
+        ],
+    )
+    def test_decode_splits_the_keys(self, dims, opts):
+        _check_decode(dims, opts, jnp.bfloat16, repeat=3)
 
     @pytest.mark.parametrize(
         "dims, mask_shape, bias_shape, opts, empty_rows",
@@ -612,7 +703,7 @@ class TestPipelinedForwardGPU:
 def test_index_masks_lower_for_cuda(head_dim):
     """The kernels with both lengths, a window, segment ids and an lse cotangent go through
     the real Mosaic GPU lowering (layouts, the lengths' scalar loads, shared memory) at each
-    head_dim's tiles."""
+    head_dim's tiles; the forward and dQ kernels split the keys into chunks."""
     spec = AttentionSpec(
         causal=True,
         scale=0.1,
@@ -627,9 +718,9 @@ def test_index_masks_lower_for_cuda(head_dim):
     extras = (n, n) + (jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32)) * (
         spec.has_segment_ids
     )
-    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k, *extras)
     bwd = cuda_lowering(
-        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True), dq_split_keys=256),
         *(q, k, k, q, lse, q, *extras, lse),
     )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
@@ -657,9 +748,9 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
     mask = jnp.ones((2, 1, 1, 700), bool)
     bias = jnp.zeros((1, 4, bias_rows, 700), jnp.float32)
     extras = (mask, bias, n, jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32))
-    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, k, k, *extras)
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k, *extras)
     bwd = cuda_lowering(
-        functools.partial(am.flash_bwd, spec.replace(has_dlse=True)),
+        functools.partial(am.flash_bwd, spec.replace(has_dlse=True), dq_split_keys=256),
         *(q, k, k, q, lse, q, *extras, lse),
     )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
@@ -842,6 +933,35 @@ def test_reference_block_per_shape(rows, seq_kv, block):
     assert reference_block_kv(rows, seq_kv) == block
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_key_chunks_combine_in_float32(dtype):
+    """The forward's per-chunk outputs (as 16-bit pairs) and lse combine to the softmax over
+    all keys, a chunk that saw no key (lse = -inf) adding nothing and a row no chunk saw
+    coming out zeros with lse = -inf; the dQ partials sum to their f32 total."""
+    chunks, b, sq, h, d = 3, 2, 4, 2, 8
+    out = rand((chunks, b, sq, h, d), jnp.float32)
+    lse = np.array(rand((chunks, b, h, sq), jnp.float32, scale=3.0))
+    lse[1, 0, 0, 1] = -np.inf  # one chunk saw none of this row's keys
+    lse[:, 1, 1, 2] = -np.inf  # no chunk saw any
+    out = jnp.where(jnp.isneginf(jnp.swapaxes(lse, 2, 3))[..., None], 0.0, out)
+    hi = out.astype(dtype)
+    parts = jnp.stack([hi, (out - hi.astype(jnp.float32)).astype(dtype)])
+    got_out, got_lse = am._combine_chunks(parts, jnp.asarray(lse))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want_lse = np.logaddexp.reduce(f64(lse), axis=0)
+        w = np.exp(f64(lse) - want_lse)
+    w = np.where(np.isneginf(want_lse), 0.0, w)
+    want_out = np.einsum("cbhq,cbqhd->bqhd", w, f64(out))
+    np.testing.assert_array_equal(np.isneginf(f64(got_lse)), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(f64(got_lse)[seen], want_lse[seen], rtol=0, atol=1e-5)
+    assert got_out.dtype == dtype
+    assert_close(got_out, want_out, dtype, factor=2.0)
+    assert not np.any(f64(got_out)[1, 2, 1])
+    total = am._sum_chunks(parts)
+    assert_close(total, f64(out).sum(axis=0), dtype, factor=2.0)
+
+
 def test_decode_reference_runs_one_block():
     """A decode shape compiles to no loop over kv blocks (one pair of matmuls)."""
     q = jax.ShapeDtypeStruct((2, 4, 4, 64), jnp.float32)
@@ -867,11 +987,14 @@ def test_forward_block_kv_override_is_checked(block_kv):
         (256, dict(dkv_stages=3), "dkv_stages=3 must be one of"),
         (128, dict(dkv_stages=1), "dkv_stages=1 must be one of"),
         (256, dict(dkv_paired=True), "dkv_paired=True applies to head_dim 64, 128, not 256"),
+        (128, dict(dq_split_keys=192), "dq_split_keys=192 must be a positive multiple of .* 128"),
+        (256, dict(dq_split_keys=0), "dq_split_keys=0 must be a positive multiple of .* 64"),
     ],
 )
 def test_backward_overrides_are_checked(head_dim, override, match):
-    """A tuning override whose ring does not fit shared memory (or is not a choice) is a
-    ValueError before any kernel is built."""
+    """A tuning override whose ring does not fit shared memory (or is not a choice, or a
+    key chunk not a whole number of the dQ kernel's steps) is a ValueError before any
+    kernel is built."""
     q = jnp.zeros((1, 128, 1, head_dim), jnp.bfloat16)
     lse = jnp.zeros((1, 1, 128), jnp.float32)
     with pytest.raises(ValueError, match=match):

@@ -19,6 +19,11 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
 
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
+Decoding (a head's queries fit one tile) against a long cache, the forward and dQ kernels
+split the keys into chunks (:data:`FWD_SPLIT_KEYS`, :data:`DQ_SPLIT_KEYS`), a CTA each,
+that write partial results as pairs of 16-bit terms; XLA combines them in f32 in key order
+(:func:`_combine_chunks`, :func:`_sum_chunks`). A warpgroup whose rows are all padding
+computes nothing, and the dK/dV kernel streams no query block of padding only.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
 Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
@@ -129,6 +134,10 @@ class Problem:
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
         released early in a step, K only at its end); None: as many as K.
+      kv_split: kv blocks per CTA of the forward or dQ kernel: the keys are split into
+        chunks of this many blocks, one CTA per query tile and chunk, each writing its
+        partial result (:func:`flash_fwd` and :func:`flash_bwd` combine them in a fixed
+        order); None: one CTA per query tile loops over all keys.
       window: ``(left, right)``: query ``i`` sees keys ``i + offset − left`` to
         ``i + offset + right`` (the operator's ``local_window_size``); None: no window.
       kv_lengths: the forward and dQ kernels read each batch entry's key count from an
@@ -159,6 +168,7 @@ class Problem:
     stages: int
     dkv_stages: int = 2
     dq_v_stages: int | None = None
+    kv_split: int | None = None
     dkv_paired: bool = False
     fwd_pipelined: bool = False
     window: tuple[int, int] | None = None
@@ -194,6 +204,13 @@ class Problem:
         return self.heads_q // self.heads_kv
 
     @property
+    def kv_chunks(self) -> int:
+        """Key chunks (:attr:`kv_split`); 1: none."""
+        if self.kv_split is None:
+            return 1
+        return -(-self.seq_kv_pad // (self.block_kv * self.kv_split))
+
+    @property
     def seq_q_pad(self) -> int:
         return -(-self.seq_q // TILE) * TILE
 
@@ -221,6 +238,41 @@ class Problem:
     def c(self) -> float:
         """Scores to the exp2 domain: ``s · scale · log2(e)``."""
         return self.scale * LOG2E
+
+
+# Decoding (a head's queries fit one tile), the forward and dQ kernels would run one CTA
+# per (batch, head) through every key: at a small batch times heads, too few CTAs for the
+# GPU. There the keys are split into chunks of these lengths, a CTA per chunk, and the
+# chunks' partial results are combined in a fixed order (``benchmarks/attention.py
+# --sweep-decode`` measures the lengths). The chunks depend on the sequence lengths
+# only, not on batch or heads, so that a sharded batch or head axis gets the same bits.
+FWD_SPLIT_KEYS = 4096
+DQ_SPLIT_KEYS = 4096
+
+
+def _kv_split(
+    seq_q: int, seq_kv: int, block_kv: int, split_keys: int | None, default: int
+) -> int | None:
+    """:attr:`Problem.kv_split`: ``split_keys`` (or ``default`` where the queries fit one
+    tile) in kv blocks; None where one chunk would hold every key."""
+    if split_keys is None:
+        if seq_q > TILE:
+            return None
+        split_keys = default
+    return split_keys // block_kv if split_keys < seq_kv else None
+
+
+def _check_split_keys(kernel: str, arg: str, split_keys, block_kv: int) -> None:
+    """A ValueError unless ``split_keys`` (the tuning override ``arg``) is None or a
+    positive multiple of the kernel's ``block_kv``."""
+    if split_keys is None:
+        return
+    number = isinstance(split_keys, int) and not isinstance(split_keys, bool)
+    if not (number and split_keys > 0 and split_keys % block_kv == 0):
+        raise ValueError(
+            f"attention_mgpu.{kernel}: {arg}={split_keys!r} must be a positive multiple of "
+            f"the kernel's {block_kv} keys per step"
+        )
 
 
 # The forward's keys per loop step, by head_dim: a (64, 256) f32 accumulator leaves room in
@@ -276,13 +328,21 @@ FWD_PIPELINED = {64: False, 128: False, 256: True}
 
 
 def _fwd_problem(
-    q, k, causal: bool, scale: float, block_kv: int | None = None, bias: str | None = None
+    q,
+    k,
+    causal: bool,
+    scale: float,
+    block_kv: int | None = None,
+    bias: str | None = None,
+    split_keys: int | None = None,
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
     stages = _fwd_stages(d, block_kv, bias)
-    return Problem(b, hq, hkv, d, sq, skv, np.dtype(q.dtype), causal, scale, block_kv, stages)
+    split = _kv_split(sq, skv, block_kv, split_keys, FWD_SPLIT_KEYS)
+    dtype = np.dtype(q.dtype)
+    return Problem(b, hq, hkv, d, sq, skv, dtype, causal, scale, block_kv, stages, kv_split=split)
 
 
 def _fwd_pipelined(p: Problem) -> bool:
@@ -364,6 +424,7 @@ def _bwd_problem(
     dkv_paired: bool | None = None,
     extra: int = 0,
     bias: str | None = None,
+    dq_split_keys: int | None = None,
 ) -> Problem:
     """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
@@ -372,9 +433,22 @@ def _bwd_problem(
     stages, v_stages = _dq_stages(d, bkv, extra, bias)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
-    dt = np.dtype(q.dtype)
     return Problem(
-        b, hq, hkv, d, sq, skv, dt, causal, scale, bkv, stages, dkv_stages, v_stages, paired
+        b,
+        hq,
+        hkv,
+        d,
+        sq,
+        skv,
+        np.dtype(q.dtype),
+        causal,
+        scale,
+        bkv,
+        stages,
+        dkv_stages,
+        v_stages,
+        _kv_split(sq, skv, bkv, dq_split_keys, DQ_SPLIT_KEYS),
+        paired,
     )
 
 
@@ -702,14 +776,44 @@ def _bias_src(p: Problem, bias_ref, b, h, row0, col0, cols: int):
     return src
 
 
-def _q_tile(p: Problem):
-    """The forward CTA's 128-row query tile. Causal loops grow with the tile index, so the
-    grid runs the tiles last to first: the longest CTAs start first and the shortest fill
-    the last wave (FA3's order). (The dQ kernel keeps the launch order: at head_dim 256
-    with seq_q != seq_kv its gradients came out wrong on the H100 in the reversed order,
-    while the interpreter's were right; not yet understood.)"""
-    i = lax.axis_index("q_seq")
-    return p.seq_q_pad // TILE - 1 - i if p.causal else i
+def _tile_and_chunk(p: Problem, *, reverse: bool = False):
+    """The CTA's 128-row query tile and key chunk (None without :attr:`Problem.kv_split`):
+    the grid's ``q_seq`` axis runs the chunks of a tile side by side. ``reverse``: the
+    tiles last to first (the forward's causal grid: its loops grow with the tile index,
+    so the longest CTAs start first and the shortest fill the last wave, FA3's order. The
+    dQ kernel keeps the launch order: at head_dim 256 with seq_q != seq_kv its gradients
+    came out wrong on the H100 in the reversed order, while the interpreter's were right;
+    not yet understood.)"""
+    i, chunk = lax.axis_index("q_seq"), None
+    if p.kv_chunks > 1:
+        n = jnp.int32(p.kv_chunks)
+        i, chunk = lax.div(i, n), lax.rem(i, n)
+    return (p.seq_q_pad // TILE - 1 - i if reverse else i), chunk
+
+
+def _in_chunk(p: Problem, chunk, bounds):
+    """Block bounds (:func:`_kv_ranges`) clipped to key chunk ``chunk``'s blocks (as they
+    are where ``chunk`` is None)."""
+    if chunk is None:
+        return tuple(_i32(x) for x in bounds)
+    c0 = chunk * p.kv_split
+    return tuple(lax.clamp(c0, _i32(x), c0 + p.kv_split) for x in bounds)
+
+
+def _cta_kv_ranges(p: Problem, tile0, chunk, kv_len):
+    """``(cta_first, cta_steps, ranges(q_base))``: the CTA's loop over kv blocks, from its
+    first warpgroup's first block to the last block of its last warpgroup with a query
+    row, and a warpgroup's :func:`_kv_ranges` in the chunk (empty for a warpgroup of
+    padded rows only, which computes nothing)."""
+    first0, *_, steps0 = _in_chunk(p, chunk, _kv_ranges(p, tile0, kv_len))
+    steps1 = _in_chunk(p, chunk, _kv_ranges(p, tile0 + WG_ROWS, kv_len))[3]
+    cta_steps = lax.select(tile0 + WG_ROWS < p.seq_q, steps1, steps0)
+
+    def ranges(q_base):
+        own = _in_chunk(p, chunk, _kv_ranges(p, q_base, kv_len))
+        return tuple(lax.select(q_base < p.seq_q, x, first0) for x in own)
+
+    return first0, cta_steps, ranges
 
 
 # --- forward --------------------------------------------------------------------------------
@@ -736,12 +840,10 @@ def _fwd_kernel(
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
-    tile0 = _q_tile(p) * TILE
+    tile, chunk = _tile_and_chunk(p, reverse=p.causal)
+    tile0 = tile * TILE
     kv_len = _kv_len(p, kv_len_ref, b)
-    # The CTA's loop runs from its first warpgroup's first block to its second warpgroup's
-    # last (the later rows see later keys).
-    cta_first = _kv_ranges(p, tile0, kv_len)[0]
-    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
+    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len)
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     def schedule():
@@ -755,7 +857,7 @@ def _fwd_kernel(
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        ranges = _kv_ranges(p, q_base, kv_len)
+        ranges = wg_ranges(q_base)
         qs = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -949,12 +1051,25 @@ def _fwd_kernel(
         empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
         l_safe = jnp.where(empty, 1.0, l_)
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        qs[...] = acc.astype(p.dtype)
-        lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qs, out_ref.at[b, pl.ds(q_base, bq), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        q_rows = pl.ds(q_base, bq)
+
+        @pl.when(q_base < p.seq_q)  # (padded rows are cut off)
+        def _write():
+            hi = acc.astype(p.dtype)
+            qs[...] = hi
+            lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+            plgpu.commit_smem()
+            at = (b,) if chunk is None else (0, chunk, b)
+            plgpu.copy_smem_to_gmem(qs, out_ref.at[(*at, q_rows, h)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[(*at[-2:], h, q_rows)])
+            plgpu.wait_smem_to_gmem(0)
+            if chunk is not None:
+                # A chunk's output as a pair of 16-bit terms (as the dQ kernel's partials),
+                # the second through the same tile once the first has left it.
+                qs[...] = (acc - hi.astype(jnp.float32)).astype(p.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs, out_ref.at[1, chunk, b, q_rows, h])
+                plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
@@ -987,15 +1102,15 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         *_segment_scratch(p, NUM_COMPUTE_WGS, p.stages, bkv),
         *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
-    out_type = (
-        jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
-        jax.ShapeDtypeStruct((p.batch, p.heads_q, p.seq_q_pad), jnp.float32),
-    )
+    out = (p.batch, p.seq_q_pad, p.heads_q, d)
+    lse = (p.batch, p.heads_q, p.seq_q_pad)
+    if p.kv_chunks > 1:  # per chunk: (hi, lo) and its lse
+        out, lse = (2, p.kv_chunks, *out), (p.kv_chunks, *lse)
     return plgpu.kernel(
         functools.partial(_fwd_kernel, p=p, interpret=interpret),
-        out_type=out_type,
+        out_type=(jax.ShapeDtypeStruct(out, p.dtype), jax.ShapeDtypeStruct(lse, jnp.float32)),
         scratch_types=scratch,
-        grid=(p.heads_q, p.seq_q_pad // TILE, p.batch),
+        grid=(p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
@@ -1033,10 +1148,10 @@ def _dq_kernel(
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
-    tile0 = lax.axis_index("q_seq") * TILE
+    tile, chunk = _tile_and_chunk(p)
+    tile0 = tile * TILE
     kv_len = _kv_len(p, kv_len_ref, b)
-    cta_first = _kv_ranges(p, tile0, kv_len)[0]
-    cta_steps = _kv_ranges(p, tile0 + WG_ROWS, kv_len)[3]
+    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len)
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -1044,7 +1159,8 @@ def _dq_kernel(
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
-        ranges = _kv_ranges(p, q_base, kv_len)
+        live = q_base < p.seq_q
+        ranges = wg_ranges(q_base)
         rows = pl.ds(q_base, bq)
         qs, dos = q_smem.at[wg], do_smem.at[wg]
         bars = [q_bar.at[wg * 4 + i] for i in range(4)]
@@ -1092,11 +1208,23 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
-        dq = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq)
-        qs[...] = (dq * p.scale).astype(p.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
-        plgpu.wait_smem_to_gmem(0)
+        dq = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq) * p.scale
+
+        @pl.when(live)  # (padded rows are cut off)
+        def _write():
+            hi = dq.astype(p.dtype)
+            qs[...] = hi
+            if chunk is None:
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
+            else:
+                # A chunk's partial dQ as a pair of 16-bit terms, through the Q and dO
+                # tiles: ``hi + lo`` is the f32 partial to about 16 bits of mantissa.
+                dos[...] = (dq - hi.astype(jnp.float32)).astype(p.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs, dq_ref.at[0, chunk, b, rows, h])
+                plgpu.copy_smem_to_gmem(dos, dq_ref.at[1, chunk, b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
@@ -1133,11 +1261,14 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
         *_segment_scratch(p, w, p.stages, bkv),
         *_bias_scratch(p, p.stages, _bias_parts(p), bkv),
     ]
+    out = (p.batch, p.seq_q_pad, p.heads_q, d)
+    if p.kv_chunks > 1:  # (hi, lo) per chunk
+        out = (2, p.kv_chunks, *out)
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), p.dtype),
+        out_type=jax.ShapeDtypeStruct(out, p.dtype),
         scratch_types=scratch,
-        grid=(p.heads_q, p.seq_q_pad // TILE, p.batch),
+        grid=(p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -1155,7 +1286,7 @@ def _q_ranges(p: Problem, kv_base):
     blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
     ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them
     (none with segment ids or a bias)."""
-    nq = p.seq_q_pad // WG_ROWS
+    nq = -(-p.seq_q // WG_ROWS)  # (blocks of padded rows only contribute nothing)
     start, lo, hi, stop = 0, 0, nq, nq
     if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
         stop = _clip(_cdiv(kv_base + (WG_ROWS - p.offset + p.left), WG_ROWS), nq)
@@ -1606,16 +1737,22 @@ def flash_fwd(
     interpret: bool = False,
     block_kv: int | None = None,
     pipelined: bool | None = None,
+    split_keys: int | None = None,
 ):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
     ``extras``: the spec's mask, bias, query/key lengths and segment ids
     (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
     kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
-    gradients in :func:`flash_bwd`). ``block_kv`` and ``pipelined`` (benchmarks, tests)
-    replace the tuned keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with
-    a bias) and loop schedule (:func:`_fwd_pipelined`); a ``block_kv`` whose K/V (and bias)
-    ring does not fit shared memory is a ValueError.
+    gradients in :func:`flash_bwd`). Where the kernel splits the keys
+    (:data:`FWD_SPLIT_KEYS`), the chunks' outputs and lse are combined in f32 in a fixed
+    order (:func:`_combine_chunks`).
+
+    ``block_kv``, ``pipelined`` and ``split_keys`` (benchmarks, tests) replace the tuned
+    keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a bias), loop
+    schedule (:func:`_fwd_pipelined`) and keys per chunk (a multiple of the keys per step;
+    at least ``seq_kv``: no split); a ``block_kv`` whose K/V (and bias) ring does not fit
+    shared memory is a ValueError.
     """
     if pipelined is not None and not isinstance(pipelined, bool):
         raise TypeError(f"attention_mgpu.flash_fwd: {pipelined=} must be a bool or None")
@@ -1625,9 +1762,8 @@ def flash_fwd(
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
-        out, lse = flash_fwd(
-            spec, q, k, v, *extras, interpret=interpret, block_kv=block_kv, pipelined=pipelined
-        )
+        knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
+        out, lse = flash_fwd(spec, q, k, v, *extras, interpret=interpret, **knobs)
         return out[..., :d], lse
     kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
@@ -1640,14 +1776,19 @@ def flash_fwd(
     causal, scale = _decode(spec)
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
-    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind), spec, bias)
+    p = _fwd_problem(q, k, causal, scale, block_kv, kind, split_keys)
+    _check_split_keys("flash_fwd", "split_keys", split_keys, p.block_kv)
+    p = _with_features(p, spec, bias)
     p = dataclasses.replace(p, fwd_pipelined=_fwd_pipelined(p) if pipelined is None else pipelined)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
     operands = (qp, kp, vp, kv_len, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
     out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
-    out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
+    if p.kv_chunks > 1:
+        out, lse = _combine_chunks(out[..., : p.seq_q, :, :], lse[..., : p.seq_q])
+    else:
+        out, lse = out[:, : p.seq_q], lse[:, :, : p.seq_q]
     if ex.q_lengths is not None:
         real = _positions_below(ex.q_lengths, p.seq_q)
         out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
@@ -1668,6 +1809,7 @@ def flash_bwd(
     dq_block_kv: int | None = None,
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
+    dq_split_keys: int | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -1675,10 +1817,15 @@ def flash_bwd(
     cotangent if it has one (:data:`FEATURES`; the bias is not differentiated here). Keys
     past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
 
-    ``dq_block_kv``, ``dkv_stages`` and ``dkv_paired`` (benchmarks, tests) replace the dQ
-    kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots
-    (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`); a choice that does not fit
-    shared memory is a ValueError.
+    Where the dQ kernel splits the keys (:data:`DQ_SPLIT_KEYS`), dQ is the sum of the
+    chunks' partials in f32, chunk by chunk from the first key on, each chunk's two
+    16-bit terms added first; then rounded once to the inputs' dtype.
+
+    ``dq_block_kv``, ``dkv_stages``, ``dkv_paired`` and ``dq_split_keys`` (benchmarks,
+    tests) replace the dQ kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the
+    dK/dV kernel's ring slots (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`),
+    and the dQ kernel's keys per chunk (a multiple of its keys per step; at least
+    ``seq_kv``: no split); a choice that does not fit shared memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -1686,7 +1833,12 @@ def flash_bwd(
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v, out, dout = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v, out, dout))
-        knobs = dict(dq_block_kv=dq_block_kv, dkv_stages=dkv_stages, dkv_paired=dkv_paired)
+        knobs = dict(
+            dq_block_kv=dq_block_kv,
+            dkv_stages=dkv_stages,
+            dkv_paired=dkv_paired,
+            dq_split_keys=dq_split_keys,
+        )
         grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
         return tuple(g[..., :d] for g in grads)
     extra = SEGMENT_SMEM_BYTES if spec.has_segment_ids else 0
@@ -1719,7 +1871,10 @@ def flash_bwd(
     ex = spec.split(extras[: spec.num_extras])
     bias = _bias_operand(spec, ex, q, k)
     # Segment ids take shared memory too (``extra``; checked by the cuda lowering test).
-    p = _bwd_problem(q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind)
+    p = _bwd_problem(
+        q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind, dq_split_keys
+    )
+    _check_split_keys("flash_bwd", "dq_split_keys", dq_split_keys, p.block_kv)
     p = _with_features(p, spec, bias)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
@@ -1739,12 +1894,45 @@ def flash_bwd(
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
     dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
-    dq, dk, dv = dq[:, : p.seq_q], dk[:, : p.seq_kv], dv[:, : p.seq_kv]
+    dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
+    dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
     if ex.kv_lengths is not None:  # the dK/dV kernel ran past the length in its last CTA
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
         dk = jnp.where(real, dk, jnp.zeros((), dk.dtype))
         dv = jnp.where(real, dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv
+
+
+def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` from the forward kernel's ``(2, chunks, B, Sq, H, D)`` outputs and
+    ``(chunks, B, H, Sq)`` lse, in f32: ``lse = m + log Σ_c exp(lse_c − m)`` (``m`` their
+    max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums chunk by chunk in key
+    order; a row no chunk saw keeps zeros and ``lse = -inf``."""
+    dtype, parts = parts.dtype, parts.astype(jnp.float32)
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    total = functools.reduce(
+        lambda t, c: t + jnp.exp(lse[c] - m), range(1, len(lse)), jnp.exp(lse[0] - m)
+    )
+    seen = total > 0
+    lse_all = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+    def term(c):
+        w = jnp.where(seen, jnp.exp(lse[c] - lse_all), 0.0)  # (B, H, Sq)
+        return jnp.swapaxes(w, 1, 2)[..., None] * (parts[0, c] + parts[1, c])
+
+    out = functools.reduce(lambda o, c: o + term(c), range(1, len(lse)), term(0))
+    return out.astype(dtype), lse_all
+
+
+def _sum_chunks(parts: jax.Array) -> jax.Array:
+    """dQ from the dQ kernel's ``(2, chunks, ...)`` partials (:func:`flash_bwd`): in f32,
+    chunk by chunk in key order, each chunk's ``hi + lo`` first."""
+    dtype, parts = parts.dtype, parts.astype(jnp.float32)
+    total = parts[0, 0] + parts[1, 0]
+    for c in range(1, parts.shape[1]):
+        total = total + (parts[0, c] + parts[1, c])
+    return total.astype(dtype)
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -1861,11 +2049,11 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # 128-256 keys are not re-measured). Below PREFER_MIN_SEQ queries or keys the 128-row tile
 # padding is unmeasured. Decoding (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys
 # or more runs the kernels too: the padded tile costs little beside streaming the cache (the
-# ``…-decode-…`` cases: as fast as the one-block reference at one query, faster at 16).
+# ``…-decode-b4-…`` cases; at B1 H8, ``…-decode-b1-…``, kernels and one-block reference
+# alike run short of XLA: a few tens of microseconds, mostly fixed costs).
 # One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys is the exception: the
-# kernels' query tiles are all padding but one row, and the one-block reference (dense
-# over the keys) ran faster there (the ``fwdbwd-…-decode-b4-sq1-…`` cases; at 4096 keys
-# the kernels did).
+# one-block reference (dense over the keys, one pass for dQ, dK and dV) ran faster there
+# (the ``fwdbwd-…-decode-b4-sq1-…`` cases; at 4096 keys the kernels did).
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
