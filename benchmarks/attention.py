@@ -413,6 +413,32 @@ def _bwd_variants(d: int) -> dict:
     return out
 
 
+def _time_variants(case: str, fns: dict, args, base: str, flops: float | None = None) -> list:
+    """Sweep records of the jitted ``fns`` on ``args``: error against ``base``'s result,
+    then the times of all of them, interleaved, and ratios against ``base``."""
+    ref = fns[base](*args)
+    errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
+    ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    recs = []
+    for name in fns:
+        rec = dict(
+            suite="attention-sweep",
+            case=case,
+            device=device_name(family=True),
+            jax=jax.__version__,
+            impl=name,
+            baseline=base,
+            ms=ms[name],
+            baseline_ms=ms[base],
+            ratio=ms[base] / ms[name],
+        )
+        if flops is not None:
+            rec["tflops"] = flops / (ms[name] * 1e-3) / 1e12
+        recs.append(dict(rec, rel_err=errs[name]))
+        print(f"   {case} {name:30s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+    return recs
+
+
 def _sweep_bwd(only: list[str] = ()) -> list[dict]:
     """The backward kernels with each tuning knob that fits (baseline: the tuned defaults),
     B4 S4096 H16."""
@@ -431,28 +457,8 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
                 name: jax.jit(functools.partial(am.flash_bwd, spec, **kw))
                 for name, kw in _bwd_variants(d).items()
             }
-            base = "mosaic_gpu"
-            ref = fns[base](*args)
-            errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
-            ms = time_interleaved(fns, args, repeats=5, target_ms=40)
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * 2.5
-            for name in fns:
-                recs.append(
-                    dict(
-                        suite="attention-sweep",
-                        case=case,
-                        device=device_name(family=True),
-                        jax=jax.__version__,
-                        impl=name,
-                        baseline=base,
-                        ms=ms[name],
-                        baseline_ms=ms[base],
-                        ratio=ms[base] / ms[name],
-                        tflops=flops / (ms[name] * 1e-3) / 1e12,
-                        rel_err=errs[name],
-                    )
-                )
-                print(f"   {case} {name:26s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+            recs += _time_variants(case, fns, args, "mosaic_gpu", flops)
     return recs
 
 
@@ -488,26 +494,7 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
                 name: jax.jit(functools.partial(am.flash_bwd, spec, dq_split_keys=n))
                 for name, n in variants.items()
             }
-        base = "mosaic_gpu[no split]"
-        ref = fns[base](*args)
-        errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
-        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
-        for name in fns:
-            recs.append(
-                dict(
-                    suite="attention-sweep",
-                    case=case,
-                    device=device_name(family=True),
-                    jax=jax.__version__,
-                    impl=name,
-                    baseline=base,
-                    ms=ms[name],
-                    baseline_ms=ms[base],
-                    ratio=ms[base] / ms[name],
-                    rel_err=errs[name],
-                )
-            )
-            print(f"   {case} {name:30s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
+        recs += _time_variants(case, fns, args, "mosaic_gpu[no split]")
     return recs
 
 
