@@ -280,11 +280,13 @@ DECODE_MASKS = [
 ]
 
 
-def _check_decode(dims, opts, dtype, *, repeat: int = 1):
+def _check_decode(dims, opts, dtype, *, repeat: int = 1, batch_alone: bool = False):
     """:func:`_check_index_masks` (or :func:`_check_mask_bias`, for ``opts`` naming a
     mask's and a bias's shapes) on a decode shape whose forward and dQ kernels split the
-    keys, and the last batch entry alone gets the same bits as in the batch (the chunks
-    depend on the sequence lengths only, so a sharded batch computes the same sums)."""
+    keys; ``batch_alone`` (and no ``opts``): the last batch entry alone gets the same bits
+    as in the batch (the chunks depend on the sequence lengths only, so a sharded batch
+    computes the same sums; :func:`test_key_chunks_depend_on_the_lengths_only` checks the
+    rule on the CPU, where compiling the two programs in the interpreter is slow)."""
     chunks = {"fwd": [], "dq": []}
     combine, sum_chunks = am._combine_chunks, am._sum_chunks
 
@@ -304,7 +306,7 @@ def _check_decode(dims, opts, dtype, *, repeat: int = 1):
         else:
             _check_index_masks(dims, opts, dtype, repeat=repeat)
         assert all(seen and min(seen) > 1 for seen in chunks.values()), chunks
-        if dims[0] == 1 or opts:
+        if not batch_alone or dims[0] == 1 or opts:
             return
         b, sq, skv, hq, hkv, d = dims
         q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
@@ -534,7 +536,7 @@ class TestAttentionKernelsGPU:
         ],
     )
     def test_decode_splits_the_keys(self, dims, opts):
-        _check_decode(dims, opts, jnp.bfloat16, repeat=3)
+        _check_decode(dims, opts, jnp.bfloat16, repeat=3, batch_alone=True)
 
     @pytest.mark.parametrize(
         "dims, mask_shape, bias_shape, opts, empty_rows",
@@ -976,6 +978,27 @@ def test_key_chunks_combine_in_float32(dtype):
     assert not np.any(f64(got_out)[1, 2, 1])
     total = am._sum_chunks(parts)
     assert_close(total, f64(out).sum(axis=0), dtype, factor=2.0)
+
+
+def test_key_chunks_depend_on_the_lengths_only():
+    """The forward's and dQ kernel's key chunks for decoding are the same whatever the batch
+    and heads (a sharded batch or head axis keeps the bits); longer queries, or a cache
+    that fits one chunk, are not split."""
+
+    def chunks(b, sq, skv, hq, hkv, d):
+        q = jax.ShapeDtypeStruct((b, sq, hq, d), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((b, skv, hkv, d), jnp.bfloat16)
+        fwd, bwd = am._fwd_problem(q, k, False, 0.1), am._bwd_problem(q, k, False, 0.1)
+        return (fwd.kv_split, fwd.kv_chunks), (bwd.kv_split, bwd.kv_chunks)
+
+    for d in (64, 128, 256):
+        want = chunks(1, 1, 32768, 1, 1, d)
+        assert all(n > 1 for _, n in want)
+        for b, hq, hkv in ((4, 16, 16), (2, 8, 2), (8, 32, 1)):
+            assert chunks(b, 1, 32768, hq, hkv, d) == want
+            assert chunks(b, 16, 32768, hq, hkv, d) == want
+        assert chunks(1, 200, 32768, 1, 1, d) == ((None, 1), (None, 1))
+        assert chunks(1, 1, am.FWD_SPLIT_KEYS, 1, 1, d)[0] == (None, 1)
 
 
 def test_decode_reference_runs_one_block():
