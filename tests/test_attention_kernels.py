@@ -270,6 +270,12 @@ DECODE_MASKS = [
         dict(q_segment_ids=[[1, 1, 2, 2]], kv_segment_ids=[[1] * 250 + [2] * 350]),
         id="segments",
     ),
+    # A batch entry with no keys (every chunk empty: zeros, lse = -inf) and one padded query.
+    pytest.param(
+        (2, 2, 600, 1, 1, 64),
+        dict(key_value_seq_lengths=[0, 600], query_seq_lengths=[2, 1]),
+        id="empty-cache-lengths",
+    ),
     # A key-padding mask (a vector of keys per block) and a bias per query (tiles): the
     # chunks stream their own part of each.
     pytest.param(
