@@ -340,6 +340,7 @@ def _fwd_problem(
     skv, hkv = k.shape[1], k.shape[2]
     block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
     stages = _fwd_stages(d, block_kv, bias)
+    _check_split_keys("flash_fwd", "split_keys", split_keys, block_kv)
     split = _kv_split(sq, skv, block_kv, split_keys, FWD_SPLIT_KEYS)
     dtype = np.dtype(q.dtype)
     return Problem(b, hq, hkv, d, sq, skv, dtype, causal, scale, block_kv, stages, kv_split=split)
@@ -433,6 +434,7 @@ def _bwd_problem(
     stages, v_stages = _dq_stages(d, bkv, extra, bias)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
+    _check_split_keys("flash_bwd", "dq_split_keys", dq_split_keys, bkv)
     return Problem(
         b,
         hq,
@@ -1776,9 +1778,7 @@ def flash_fwd(
     causal, scale = _decode(spec)
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
-    p = _fwd_problem(q, k, causal, scale, block_kv, kind, split_keys)
-    _check_split_keys("flash_fwd", "split_keys", split_keys, p.block_kv)
-    p = _with_features(p, spec, bias)
+    p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind, split_keys), spec, bias)
     p = dataclasses.replace(p, fwd_pipelined=_fwd_pipelined(p) if pipelined is None else pipelined)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
@@ -1874,7 +1874,6 @@ def flash_bwd(
     p = _bwd_problem(
         q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind, dq_split_keys
     )
-    _check_split_keys("flash_bwd", "dq_split_keys", dq_split_keys, p.block_kv)
     p = _with_features(p, spec, bias)
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
@@ -1903,36 +1902,39 @@ def flash_bwd(
     return dq, dk, dv
 
 
+def _in_key_order(chunks: int, term) -> jax.Array:
+    """``Σ_c term(c)`` over the key chunks, added one after the other from the first: the
+    fixed order every combination of the kernels' partials uses."""
+    return functools.reduce(lambda total, c: total + term(c), range(1, chunks), term(0))
+
+
+def _chunk(parts: jax.Array, c: int) -> jax.Array:
+    """Chunk ``c``'s f32 partial from a kernel's ``(2, chunks, ...)`` 16-bit pairs."""
+    return parts[0, c].astype(jnp.float32) + parts[1, c].astype(jnp.float32)
+
+
 def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` from the forward kernel's ``(2, chunks, B, Sq, H, D)`` outputs and
     ``(chunks, B, H, Sq)`` lse, in f32: ``lse = m + log Σ_c exp(lse_c − m)`` (``m`` their
-    max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums chunk by chunk in key
-    order; a row no chunk saw keeps zeros and ``lse = -inf``."""
-    dtype, parts = parts.dtype, parts.astype(jnp.float32)
+    max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums in key order
+    (:func:`_in_key_order`); a row no chunk saw keeps zeros and ``lse = -inf``."""
     m = jnp.max(lse, axis=0)
     m = jnp.where(m == -jnp.inf, 0.0, m)
-    total = functools.reduce(
-        lambda t, c: t + jnp.exp(lse[c] - m), range(1, len(lse)), jnp.exp(lse[0] - m)
-    )
+    total = _in_key_order(len(lse), lambda c: jnp.exp(lse[c] - m))
     seen = total > 0
     lse_all = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
     def term(c):
         w = jnp.where(seen, jnp.exp(lse[c] - lse_all), 0.0)  # (B, H, Sq)
-        return jnp.swapaxes(w, 1, 2)[..., None] * (parts[0, c] + parts[1, c])
+        return jnp.swapaxes(w, 1, 2)[..., None] * _chunk(parts, c)
 
-    out = functools.reduce(lambda o, c: o + term(c), range(1, len(lse)), term(0))
-    return out.astype(dtype), lse_all
+    return _in_key_order(len(lse), term).astype(parts.dtype), lse_all
 
 
 def _sum_chunks(parts: jax.Array) -> jax.Array:
-    """dQ from the dQ kernel's ``(2, chunks, ...)`` partials (:func:`flash_bwd`): in f32,
-    chunk by chunk in key order, each chunk's ``hi + lo`` first."""
-    dtype, parts = parts.dtype, parts.astype(jnp.float32)
-    total = parts[0, 0] + parts[1, 0]
-    for c in range(1, parts.shape[1]):
-        total = total + (parts[0, c] + parts[1, c])
-    return total.astype(dtype)
+    """dQ from the dQ kernel's ``(2, chunks, ...)`` partials (:func:`flash_bwd`): their f32
+    sum in key order (:func:`_in_key_order`), rounded once."""
+    return _in_key_order(parts.shape[1], functools.partial(_chunk, parts)).astype(parts.dtype)
 
 
 # --- dispatch -------------------------------------------------------------------------------
