@@ -386,8 +386,7 @@ class TestAttentionKernelsInterpret:
     # One case per run.
     @pytest.mark.parametrize("dims, opts", sample(DECODE_MASKS, 1))
     def test_decode_splits_the_keys(self, dims, opts, monkeypatch):
-        monkeypatch.setattr(am, "FWD_SPLIT_KEYS", 256)
-        monkeypatch.setattr(am, "DQ_SPLIT_KEYS", 256)
+        monkeypatch.setattr(am, "default_split_keys", lambda seq_kv: 256)
         _check_decode(dims, opts, jnp.bfloat16)
 
     def test_decode_chunks_no_races(self):
@@ -750,6 +749,20 @@ def test_index_masks_lower_for_cuda(head_dim):
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
+@pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))
+def test_decode_chunks_lower_for_cuda(head_dim):
+    """Decoding's key chunks write 8-row slices of their 64-row tiles (the partials keep
+    the few queries only) through the real Mosaic GPU lowering: the tiled, swizzled
+    shared-memory slices and the lse vector's."""
+    spec = AttentionSpec(causal=True, scale=0.1, config=FlashAttentionConfig())
+    q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((3, 4), (700, 2)))
+    lse = jnp.zeros((2, 4, 3), jnp.float32)
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k)
+    bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256)
+    bwd = cuda_lowering(bwd_fn, q, k, k, q, lse, q)
+    assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
+
+
 @pytest.mark.parametrize(
     "head_dim, bias_rows", sample([(64, 1), (64, 300), (128, 1), (128, 300)], 1)
 )
@@ -1004,7 +1017,16 @@ def test_key_chunks_depend_on_the_lengths_only():
             assert chunks(b, 1, 32768, hq, hkv, d) == want
             assert chunks(b, 16, 32768, hq, hkv, d) == want
         assert chunks(1, 200, 32768, 1, 1, d) == ((None, 1), (None, 1))
-        assert chunks(1, 1, am.FWD_SPLIT_KEYS, 1, 1, d)[0] == (None, 1)
+        assert chunks(1, 1, am.SPLIT_KEYS_MIN, 1, 1, d) == ((None, 1), (None, 1))
+
+
+def test_decode_chunk_lengths():
+    """About SPLIT_CHUNKS chunks of a power of two keys, within the bounds, a whole number
+    of every kernel's kv blocks."""
+    lengths = [am.default_split_keys(n) for n in (1, 1000, 4096, 8192, 16384, 32768, 10**6)]
+    assert lengths == [1024, 1024, 1024, 1024, 2048, 4096, 4096]
+    blocks = {*am.FWD_BLOCK_KV_CHOICES, *am.DQ_BLOCK_KV_CHOICES}
+    assert all(keys % bkv == 0 for keys in lengths for bkv in blocks)
 
 
 def test_decode_reference_runs_one_block():

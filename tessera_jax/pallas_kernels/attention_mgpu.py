@@ -20,7 +20,7 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
 of fixed order, so outputs and all three gradients are bitwise identical run to run.
 Decoding (a head's queries fit one tile) against a long cache, the forward and dQ kernels
-split the keys into chunks (:data:`FWD_SPLIT_KEYS`, :data:`DQ_SPLIT_KEYS`), a CTA each,
+split the keys into chunks (:func:`default_split_keys`), a CTA each,
 that write partial results as pairs of 16-bit terms; XLA combines them in f32 in key order
 (:func:`_combine_chunks`, :func:`_sum_chunks`). A warpgroup whose rows are all padding
 computes nothing, and the dK/dV kernel streams no query block of padding only.
@@ -211,6 +211,19 @@ class Problem:
         return -(-self.seq_kv_pad // (self.block_kv * self.kv_split))
 
     @property
+    def part_rows(self) -> int:
+        """Query rows of a warpgroup that a key chunk's partial result keeps: decoding's
+        few queries (at most one warpgroup's) rounded up to a tile of 8 rows, else all 64.
+        (Every chunk writes its partials and XLA reads them back: a 64-row tile of one
+        query would move 8 times the bytes.)"""
+        return -(-self.seq_q // 8) * 8 if self.seq_q <= WG_ROWS else WG_ROWS
+
+    @property
+    def part_seq(self) -> int:
+        """Query rows of the chunks' partial outputs (:attr:`part_rows`)."""
+        return self.part_rows if self.seq_q <= WG_ROWS else self.seq_q_pad
+
+    @property
     def seq_q_pad(self) -> int:
         return -(-self.seq_q // TILE) * TILE
 
@@ -241,25 +254,34 @@ class Problem:
 
 
 # Decoding (a head's queries fit one tile), the forward and dQ kernels would run one CTA
-# per (batch, head) through every key: at a small batch times heads, too few CTAs for the
-# GPU. There the keys are split into chunks of these lengths, a CTA per chunk, and the
-# chunks' partial results are combined in a fixed order (``benchmarks/attention.py
-# --sweep-decode`` measures the lengths). The chunks depend on the sequence lengths
-# only, not on batch or heads, so that a sharded batch or head axis gets the same bits.
-FWD_SPLIT_KEYS = 4096
-DQ_SPLIT_KEYS = 4096
+# per (batch, head) through every key: one CTA streams keys at a small fraction of the
+# memory bandwidth, so at a small batch times heads the GPU idles. There the keys are split
+# into about SPLIT_CHUNKS chunks of SPLIT_KEYS_MIN to SPLIT_KEYS_MAX keys (a power of two),
+# a CTA per chunk, and the chunks' partial results are combined in a fixed order. Each
+# chunk adds a partial's write and read and the combination, which a large batch times
+# heads (enough CTAs without chunks) pays for nothing: the bounds trade the two
+# (``benchmarks/attention.py --sweep-decode``, the ``sweep-decode-…`` records). The
+# chunks depend on the sequence lengths only, not on batch or heads, so that a sharded
+# batch or head axis gets the same bits.
+SPLIT_CHUNKS = 8
+SPLIT_KEYS_MIN = 1024
+SPLIT_KEYS_MAX = 4096
 
 
-def _kv_split(
-    seq_q: int, seq_kv: int, block_kv: int, split_keys: int | None, default: int
-) -> int | None:
-    """:attr:`Problem.kv_split`: ``split_keys`` (or ``default`` where the queries fit one
-    tile) in kv blocks; None where one chunk would hold every key."""
-    if split_keys is None:
+def default_split_keys(seq_kv: int) -> int:
+    """Keys per chunk of a decode shape with ``seq_kv`` keys (:data:`SPLIT_CHUNKS`)."""
+    keys = 1 << max(0, math.ceil(math.log2(max(seq_kv, 1) / SPLIT_CHUNKS)))
+    return min(max(keys, SPLIT_KEYS_MIN), SPLIT_KEYS_MAX)
+
+
+def _kv_split(seq_q: int, seq_kv: int, block_kv: int, keys: int | None) -> int | None:
+    """:attr:`Problem.kv_split`: ``keys`` per chunk (or :func:`default_split_keys` where the
+    queries fit one tile) in kv blocks; None where one chunk would hold every key."""
+    if keys is None:
         if seq_q > TILE:
             return None
-        split_keys = default
-    return split_keys // block_kv if split_keys < seq_kv else None
+        keys = default_split_keys(seq_kv)
+    return keys // block_kv if keys < seq_kv else None
 
 
 def _check_split_keys(kernel: str, arg: str, split_keys, block_kv: int) -> None:
@@ -341,7 +363,7 @@ def _fwd_problem(
     block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
     stages = _fwd_stages(d, block_kv, bias)
     _check_split_keys("flash_fwd", "split_keys", split_keys, block_kv)
-    split = _kv_split(sq, skv, block_kv, split_keys, FWD_SPLIT_KEYS)
+    split = _kv_split(sq, skv, block_kv, split_keys)
     dtype = np.dtype(q.dtype)
     return Problem(b, hq, hkv, d, sq, skv, dtype, causal, scale, block_kv, stages, kv_split=split)
 
@@ -449,7 +471,7 @@ def _bwd_problem(
         stages,
         dkv_stages,
         v_stages,
-        _kv_split(sq, skv, bkv, dq_split_keys, DQ_SPLIT_KEYS),
+        _kv_split(sq, skv, bkv, dq_split_keys),
         paired,
     )
 
@@ -1061,17 +1083,24 @@ def _fwd_kernel(
             qs[...] = hi
             lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
             plgpu.commit_smem()
-            at = (b,) if chunk is None else (0, chunk, b)
-            plgpu.copy_smem_to_gmem(qs, out_ref.at[(*at, q_rows, h)])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[(*at[-2:], h, q_rows)])
-            plgpu.wait_smem_to_gmem(0)
-            if chunk is not None:
-                # A chunk's output as a pair of 16-bit terms (as the dQ kernel's partials),
-                # the second through the same tile once the first has left it.
-                qs[...] = (acc - hi.astype(jnp.float32)).astype(p.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qs, out_ref.at[1, chunk, b, q_rows, h])
+            lse_wg = lse_smem.at[wg]
+            if chunk is None:
+                plgpu.copy_smem_to_gmem(qs, out_ref.at[b, q_rows, h])
+                plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[b, h, q_rows])
                 plgpu.wait_smem_to_gmem(0)
+                return
+            # A chunk's output as a pair of 16-bit terms (as the dQ kernel's partials),
+            # the second through the same tile once the first has left it; rows past
+            # the partials' (:attr:`Problem.part_rows`) stay behind.
+            n = p.part_rows
+            rows, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
+            plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[0, chunk, b, rows, h])
+            plgpu.copy_smem_to_gmem(lse_wg.at[tile_rows], lse_ref.at[chunk, b, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+            qs[...] = (acc - hi.astype(jnp.float32)).astype(p.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[1, chunk, b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
@@ -1107,7 +1136,8 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
     out = (p.batch, p.seq_q_pad, p.heads_q, d)
     lse = (p.batch, p.heads_q, p.seq_q_pad)
     if p.kv_chunks > 1:  # per chunk: (hi, lo) and its lse
-        out, lse = (2, p.kv_chunks, *out), (p.kv_chunks, *lse)
+        out = (2, p.kv_chunks, p.batch, p.part_seq, p.heads_q, d)
+        lse = (p.kv_chunks, p.batch, p.heads_q, p.part_seq)
     return plgpu.kernel(
         functools.partial(_fwd_kernel, p=p, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(out, p.dtype), jax.ShapeDtypeStruct(lse, jnp.float32)),
@@ -1224,8 +1254,10 @@ def _dq_kernel(
                 # tiles: ``hi + lo`` is the f32 partial to about 16 bits of mantissa.
                 dos[...] = (dq - hi.astype(jnp.float32)).astype(p.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qs, dq_ref.at[0, chunk, b, rows, h])
-                plgpu.copy_smem_to_gmem(dos, dq_ref.at[1, chunk, b, rows, h])
+                n = p.part_rows
+                part_rows, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
+                plgpu.copy_smem_to_gmem(qs.at[tile_rows], dq_ref.at[0, chunk, b, part_rows, h])
+                plgpu.copy_smem_to_gmem(dos.at[tile_rows], dq_ref.at[1, chunk, b, part_rows, h])
             plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
@@ -1265,7 +1297,7 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
     ]
     out = (p.batch, p.seq_q_pad, p.heads_q, d)
     if p.kv_chunks > 1:  # (hi, lo) per chunk
-        out = (2, p.kv_chunks, *out)
+        out = (2, p.kv_chunks, p.batch, p.part_seq, p.heads_q, d)
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(out, p.dtype),
@@ -1747,7 +1779,7 @@ def flash_fwd(
     (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
     kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
     gradients in :func:`flash_bwd`). Where the kernel splits the keys
-    (:data:`FWD_SPLIT_KEYS`), the chunks' outputs and lse are combined in f32 in a fixed
+    (:func:`default_split_keys`), the chunks' outputs and lse are combined in f32 in a fixed
     order (:func:`_combine_chunks`).
 
     ``block_kv``, ``pipelined`` and ``split_keys`` (benchmarks, tests) replace the tuned
@@ -1817,7 +1849,7 @@ def flash_bwd(
     cotangent if it has one (:data:`FEATURES`; the bias is not differentiated here). Keys
     past ``key_value_seq_lengths`` get zero ``dk``/``dv``.
 
-    Where the dQ kernel splits the keys (:data:`DQ_SPLIT_KEYS`), dQ is the sum of the
+    Where the dQ kernel splits the keys (:func:`default_split_keys`), dQ is the sum of the
     chunks' partials in f32, chunk by chunk from the first key on, each chunk's two
     16-bit terms added first; then rounded once to the inputs' dtype.
 
@@ -1918,7 +1950,9 @@ def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Ar
     ``(chunks, B, H, Sq)`` lse, in f32: ``lse = m + log Σ_c exp(lse_c − m)`` (``m`` their
     max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums in key order
     (:func:`_in_key_order`); a row no chunk saw keeps zeros and ``lse = -inf``."""
-    m = jnp.max(lse, axis=0)
+    # (A chain of maxima rather than a reduction: XLA fuses all of the combination into
+    # one loop over the rows.)
+    m = functools.reduce(jnp.maximum, list(lse))
     m = jnp.where(m == -jnp.inf, 0.0, m)
     total = _in_key_order(len(lse), lambda c: jnp.exp(lse[c] - m))
     seen = total > 0
@@ -2051,11 +2085,11 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # 128-256 keys are not re-measured). Below PREFER_MIN_SEQ queries or keys the 128-row tile
 # padding is unmeasured. Decoding (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys
 # or more runs the kernels too: the padded tile costs little beside streaming the cache (the
-# ``…-decode-b4-…`` cases; at B1 H8, ``…-decode-b1-…``, kernels and one-block reference
-# alike run short of XLA: a few tens of microseconds, mostly fixed costs).
+# ``…-decode-…`` cases, timed inside one program; at B1 H8 the backward kernels run short
+# of XLA, and so does the forward for 16 queries against 4096 keys).
 # One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys is the exception: the
 # one-block reference (dense over the keys, one pass for dQ, dK and dV) ran faster there
-# (the ``fwdbwd-…-decode-b4-sq1-…`` cases; at 4096 keys the kernels did).
+# (the ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases; at 4096 keys the kernels did).
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
