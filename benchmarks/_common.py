@@ -101,6 +101,51 @@ def time_interleaved(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+L2_ROTATE_BYTES = 256 << 20  # several times a Hopper's 50 MiB L2 cache
+IN_GRAPH_MIN_CALLS = 8
+
+
+def rotation(set_bytes: int) -> int:
+    """How many input sets :func:`time_in_graph` rotates through so that they hold at least
+    :data:`L2_ROTATE_BYTES` together (at most 16)."""
+    return max(1, min(16, -(-L2_ROTATE_BYTES // max(set_bytes, 1))))
+
+
+def time_in_graph(
+    fns: dict[str, Callable[..., Any]],
+    arg_sets: Sequence[Sequence[Any]],
+    chain: Callable[[Sequence[Any], Any], Sequence[Any]],
+    *,
+    jit: Callable[[str, Callable[..., Any]], Callable[..., Any]] = lambda name, f: jax.jit(f),
+    **timing: Any,
+) -> dict[str, float]:
+    """Median milliseconds per call of each ``fn`` run back to back inside one jitted
+    program, as a model's layers run: call ``i`` takes ``arg_sets[i % n]`` (sets whose
+    buffers together exceed the L2 cache: :func:`rotation`), passed through
+    ``chain(args, previous result)`` so that every call depends on the one before and
+    none can be skipped or reordered. A call of a few tens of microseconds is shorter
+    than the host's dispatch of a jitted call; timed alone (:func:`time_interleaved`) it
+    measures the host, here the device. ``jit(name, program)`` compiles ``fns[name]``'s
+    program (default :func:`jax.jit`); ``timing`` goes to :func:`time_interleaved`.
+    """
+    calls = max(len(arg_sets), IN_GRAPH_MIN_CALLS)
+
+    def program(fn):
+        def run(sets):
+            results, prev = [], None
+            for i in range(calls):
+                args = sets[i % len(sets)]
+                prev = fn(*(args if prev is None else chain(args, prev)))
+                results.append(prev)
+            return results  # every result is an output: no call's work is dead code
+
+        return run
+
+    programs = {name: jit(name, program(fn)) for name, fn in fns.items()}
+    ms = time_interleaved(programs, (tuple(tuple(s) for s in arg_sets),), **timing)
+    return {name: t / calls for name, t in ms.items()}
+
+
 def power_draw(fn: Callable[..., Any], args: Sequence[Any], seconds: float = 4.0) -> dict:
     """``fn(*args)`` called back to back for about ``seconds`` while ``nvidia-smi`` samples
     the GPU every 100 ms: milliseconds per call and the median board power (W) and SM clock

@@ -27,9 +27,12 @@ mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
 the kernels forced (``mosaic_gpu``); ``--ref-blocks`` adds the reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
-Timing: ``benchmarks/_common.time_interleaved``. Prints a table last and writes JSON
-records ``{suite: "attention", case, device, jax, impl, baseline, ms, baseline_ms, ratio =
-baseline_ms / ms, tflops, rel_err, bitwise_repeatable, temp_bytes}``.
+Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
+decode cases, shorter than the host's dispatch of a call, per call inside one program
+through several K/V caches (``benchmarks/_common.time_in_graph``, ``"in_graph"``). Prints
+a table last and writes JSON records ``{suite: "attention", case, device, jax, impl,
+baseline, ms, baseline_ms, ratio = baseline_ms / ms, tflops, rel_err, bitwise_repeatable,
+temp_bytes, timing}``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from benchmarks._common import (  # noqa: E402
     device_name,
     power_draw,
     results_path,
+    rotation,
+    time_in_graph,
     time_interleaved,
     write_records,
 )
@@ -90,6 +95,9 @@ FEATURE_CASES = [
     *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
 ]
 FEATURE_BASELINE = "xla"
+# Cases of a few tens of microseconds, shorter than the host's dispatch of a jitted call:
+# timed per call inside one program (``timing = "in_graph"``), as a model's layers run.
+IN_GRAPH_FEATURES = ("short", "decode")
 
 
 def _ts(q, k, v, causal):
@@ -164,10 +172,31 @@ def _same_bits(a, b) -> bool:
     )
 
 
-def _measure(case, fns, args, ref, flops, baseline, backward) -> list[dict]:
+def _chain(backward: bool):
+    """:func:`benchmarks._common.time_in_graph`'s link from one call of a case's function
+    to the next: the next query is this call's output (plus its query gradient)."""
+
+    def chain(args, result):
+        q = (result[0] + result[1]) if backward else result
+        return (q.astype(args[0].dtype), *args[1:])
+
+    return chain
+
+
+def _kv_sets(k, v) -> list[tuple]:
+    """``(k, v)`` and more random K/V of its shape, enough to rotate through
+    (:func:`benchmarks._common.rotation`): each in-graph call reads its own from memory."""
+    more = range(1, rotation(k.nbytes + v.nbytes))
+    return [(k, v)] + [tuple(rand(10 * i + j, k.shape, k.dtype) for j in (1, 2)) for i in more]
+
+
+def _measure(case, fns, args, ref, flops, baseline, backward, sets=None) -> list[dict]:
     """Records of each ``name: (fn, kernel mode)`` in ``fns`` on ``args``: error against
     ``ref``, bitwise repeatability over 3 calls, compiled temporary memory, then the
-    times of all of them, interleaved, and ratios against ``baseline``."""
+    times of all of them, interleaved, and ratios against ``baseline``. With ``sets``
+    (argument tuples like ``args``, with K/V of their own) the times are per call inside
+    one program through the sets (:func:`benchmarks._common.time_in_graph`; record
+    ``timing = "in_graph"``), else of calls from the host (``"per_call"``)."""
     jitted, errs, temp, repeat = {}, {}, {}, {}
     for name, (fn, mode) in fns.items():
         try:
@@ -181,7 +210,15 @@ def _measure(case, fns, args, ref, flops, baseline, backward) -> list[dict]:
             traceback.print_exc()
             print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del ref
-    ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
+    if sets is None:
+        ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
+    else:
+
+        def jit(name, program):
+            return _compiled(program, fns[name][1], (sets,), COMPILER_OPTIONS.get(name))[0]
+
+        graph = {name: fns[name][0] for name in jitted}
+        ms = time_in_graph(graph, sets, _chain(backward), jit=jit, repeats=5, target_ms=40)
     base_ms = ms.get(baseline)
     recs = []
     for name in jitted:
@@ -200,6 +237,7 @@ def _measure(case, fns, args, ref, flops, baseline, backward) -> list[dict]:
                 rel_err=errs[name],
                 bitwise_repeatable=repeat[name],
                 temp_bytes=temp[name],
+                timing="per_call" if sets is None else "in_graph",
             )
         )
         r = recs[-1]
@@ -305,7 +343,10 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
     ref = ref if backward else (ref,)
     flops = 4.0 * b * sq * skv * h * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
     fns = {impl: (wrap(fn), mode) for impl, (fn, mode) in fns.items()}
-    return _measure(name, fns, args, ref, flops, FEATURE_BASELINE, backward)
+    sets = None
+    if feature in IN_GRAPH_FEATURES:
+        sets = [(q, *kv_i, do, kw) for kv_i in _kv_sets(k, v)]
+    return _measure(name, fns, args, ref, flops, FEATURE_BASELINE, backward, sets)
 
 
 def _jax_fa3(causal: bool, d: int):
@@ -413,12 +454,18 @@ def _bwd_variants(d: int) -> dict:
     return out
 
 
-def _time_variants(case: str, fns: dict, args, base: str, flops: float | None = None) -> list:
+def _time_variants(
+    case: str, fns: dict, args, base: str, flops: float | None = None, sets=None, chain=None
+) -> list:
     """Sweep records of the jitted ``fns`` on ``args``: error against ``base``'s result,
-    then the times of all of them, interleaved, and ratios against ``base``."""
+    then the times of all of them, interleaved, and ratios against ``base``; with
+    ``sets`` and ``chain``, per call inside one program (:func:`time_in_graph`)."""
     ref = fns[base](*args)
     errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
-    ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    if sets is None:
+        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
+    else:
+        ms = time_in_graph(fns, sets, chain, repeats=5, target_ms=40)
     recs = []
     for name in fns:
         rec = dict(
@@ -431,6 +478,7 @@ def _time_variants(case: str, fns: dict, args, base: str, flops: float | None = 
             ms=ms[name],
             baseline_ms=ms[base],
             ratio=ms[base] / ms[name],
+            timing="per_call" if sets is None else "in_graph",
         )
         if flops is not None:
             rec["tflops"] = flops / (ms[name] * 1e-3) / 1e12
@@ -462,13 +510,15 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
     return recs
 
 
-DECODE_SPLITS = (1024, 2048, 4096, 8192)
+DECODE_SPLITS = (512, 1024, 2048, 4096, 8192)
 
 
 def _sweep_decode(only: list[str] = ()) -> list[dict]:
     """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
     16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
-    ``dq_split_keys``) of :data:`DECODE_SPLITS`, against no split (baseline)."""
+    ``dq_split_keys``) of :data:`DECODE_SPLITS`, against no split (baseline), timed inside
+    one program (:func:`time_in_graph`): the forward's output is the next call's query,
+    the dQ kernel's dQ the next call's dO."""
     recs = []
     d = 128
     shapes = itertools.product(((4, 16), (1, 8)), (1, 8, 16), (4096, 32768), ("fwd", "bwd"))
@@ -481,20 +531,25 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
         spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
         variants = {"mosaic_gpu[no split]": skv}
         variants.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
+        kv = _kv_sets(k, v)
         if kernel == "fwd":
             args = (q, k, v)
+            sets = [(q, *kv_i) for kv_i in kv]
             fns = {
                 name: jax.jit(functools.partial(am.flash_fwd, spec, split_keys=n))
                 for name, n in variants.items()
             }
+            chain = lambda args, res: (res[0], *args[1:])  # the next query: this output
         else:
-            out, lse = jax.jit(functools.partial(am.flash_fwd, spec))(q, k, v)
-            args = (q, k, v, out, lse, do)
+            fwd = jax.jit(functools.partial(am.flash_fwd, spec))
+            args = (q, k, v, *fwd(q, k, v), do)
+            sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
             fns = {
                 name: jax.jit(functools.partial(am.flash_bwd, spec, dq_split_keys=n))
                 for name, n in variants.items()
             }
-        recs += _time_variants(case, fns, args, "mosaic_gpu[no split]")
+            chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
+        recs += _time_variants(case, fns, args, "mosaic_gpu[no split]", None, sets, chain)
     return recs
 
 
