@@ -190,6 +190,20 @@ def _kv_sets(k, v) -> list[tuple]:
     return [(k, v)] + [tuple(rand(10 * i + j, k.shape, k.dtype) for j in (1, 2)) for i in more]
 
 
+def _times(fns: dict, args, sets=None, chain=None, **kw) -> dict[str, float]:
+    """Milliseconds per call of each of ``fns``: called from the host on ``args``
+    (:func:`time_interleaved`), or with ``sets`` inside one program, each call fed by the
+    one before through ``chain`` (:func:`time_in_graph`, which takes ``kw``)."""
+    if sets is None:
+        return time_interleaved(fns, args, repeats=5, target_ms=40)
+    return time_in_graph(fns, sets, chain, repeats=5, target_ms=40, **kw)
+
+
+def _timing(sets) -> str:
+    """A record's ``timing`` field for :func:`_times` with or without ``sets``."""
+    return "per_call" if sets is None else "in_graph"
+
+
 def _measure(case, fns, args, ref, flops, baseline, backward, sets=None) -> list[dict]:
     """Records of each ``name: (fn, kernel mode)`` in ``fns`` on ``args``: error against
     ``ref``, bitwise repeatability over 3 calls, compiled temporary memory, then the
@@ -211,14 +225,13 @@ def _measure(case, fns, args, ref, flops, baseline, backward, sets=None) -> list
             print(f"!! {case} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del ref
     if sets is None:
-        ms = time_interleaved(jitted, args, repeats=5, target_ms=40)
+        ms = _times(jitted, args)
     else:
 
         def jit(name, program):
             return _compiled(program, fns[name][1], (sets,), COMPILER_OPTIONS.get(name))[0]
 
-        graph = {name: fns[name][0] for name in jitted}
-        ms = time_in_graph(graph, sets, _chain(backward), jit=jit, repeats=5, target_ms=40)
+        ms = _times({n: fns[n][0] for n in jitted}, args, sets, _chain(backward), jit=jit)
     base_ms = ms.get(baseline)
     recs = []
     for name in jitted:
@@ -237,7 +250,7 @@ def _measure(case, fns, args, ref, flops, baseline, backward, sets=None) -> list
                 rel_err=errs[name],
                 bitwise_repeatable=repeat[name],
                 temp_bytes=temp[name],
-                timing="per_call" if sets is None else "in_graph",
+                timing=_timing(sets),
             )
         )
         r = recs[-1]
@@ -412,23 +425,11 @@ def _sweep_fwd(only: list[str] = ()) -> list[dict]:
                 except Exception as e:
                     print(f"!! sweep d{d} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     del fns[name]
-            ms = time_interleaved(fns, (q, k, v), repeats=5, target_ms=40)
+            ms = _times(fns, (q, k, v))
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
             for name in fns:
-                r = dict(
-                    suite="attention-sweep",
-                    case=case,
-                    device=device_name(family=True),
-                    jax=jax.__version__,
-                    impl=name,
-                    baseline=BASELINE,
-                    ms=ms[name],
-                    baseline_ms=ms["cudnn"],
-                    ratio=ms["cudnn"] / ms[name],
-                    tflops=flops / (ms[name] * 1e-3) / 1e12,
-                    rel_err=errs[name],
-                    repeatable=same[name],
-                )
+                r = _sweep_record(case, name, "cudnn", ms, flops, None, errs[name])
+                r["repeatable"] = same[name]
                 recs.append(r)
                 print(
                     f"   {case} {name:34s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TF/s "
@@ -462,29 +463,32 @@ def _time_variants(
     ``sets`` and ``chain``, per call inside one program (:func:`time_in_graph`)."""
     ref = fns[base](*args)
     errs = {n: max(_rel(x, y) for x, y in zip(f(*args), ref)) for n, f in fns.items()}
-    if sets is None:
-        ms = time_interleaved(fns, args, repeats=5, target_ms=40)
-    else:
-        ms = time_in_graph(fns, sets, chain, repeats=5, target_ms=40)
+    ms = _times(fns, args, sets, chain)
     recs = []
     for name in fns:
-        rec = dict(
-            suite="attention-sweep",
-            case=case,
-            device=device_name(family=True),
-            jax=jax.__version__,
-            impl=name,
-            baseline=base,
-            ms=ms[name],
-            baseline_ms=ms[base],
-            ratio=ms[base] / ms[name],
-            timing="per_call" if sets is None else "in_graph",
-        )
-        if flops is not None:
-            rec["tflops"] = flops / (ms[name] * 1e-3) / 1e12
-        recs.append(dict(rec, rel_err=errs[name]))
+        recs.append(_sweep_record(case, name, base, ms, flops, sets, errs[name]))
         print(f"   {case} {name:30s} {ms[name]:7.3f} ms x{ms[base] / ms[name]:.3f}")
     return recs
+
+
+def _sweep_record(case, name, base, ms, flops, sets, rel_err) -> dict:
+    """A sweep record of variant ``name`` against ``base`` from their times ``ms``
+    (:func:`_times`, with ``sets`` or not); ``tflops`` where ``flops`` is given."""
+    rec = dict(
+        suite="attention-sweep",
+        case=case,
+        device=device_name(family=True),
+        jax=jax.__version__,
+        impl=name,
+        baseline=base,
+        ms=ms[name],
+        baseline_ms=ms[base],
+        ratio=ms[base] / ms[name],
+        timing=_timing(sets),
+    )
+    if flops is not None:
+        rec["tflops"] = flops / (ms[name] * 1e-3) / 1e12
+    return dict(rec, rel_err=rel_err)
 
 
 def _sweep_bwd(only: list[str] = ()) -> list[dict]:

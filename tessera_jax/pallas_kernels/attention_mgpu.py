@@ -1950,8 +1950,8 @@ def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Ar
     ``(chunks, B, H, Sq)`` lse, in f32: ``lse = m + log Σ_c exp(lse_c − m)`` (``m`` their
     max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums in key order
     (:func:`_in_key_order`); a row no chunk saw keeps zeros and ``lse = -inf``."""
-    # (A chain of maxima rather than a reduction: XLA fuses all of the combination into
-    # one loop over the rows.)
+    # (A chain of maxima rather than a reduction over the chunk axis: elementwise, like
+    # the rest of the combination, so XLA may fuse all of it into one loop over the rows.)
     m = functools.reduce(jnp.maximum, list(lse))
     m = jnp.where(m == -jnp.inf, 0.0, m)
     total = _in_key_order(len(lse), lambda c: jnp.exp(lse[c] - m))
