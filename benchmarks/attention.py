@@ -515,14 +515,16 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
 
 
 DECODE_SPLITS = (512, 1024, 2048, 4096, 8192)
+DKV_TILES = (1, 2, 4, 8, 16)
 
 
 def _sweep_decode(only: list[str] = ()) -> list[dict]:
     """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
     16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
-    ``dq_split_keys``) of :data:`DECODE_SPLITS`, against no split (baseline), timed inside
-    one program (:func:`time_in_graph`): the forward's output is the next call's query,
-    the dQ kernel's dQ the next call's dO."""
+    ``dq_split_keys``) of :data:`DECODE_SPLITS`, and the backward with the dK/dV kernel's
+    key tiles per CTA (``dkv_tiles``) of :data:`DKV_TILES`, against no split (baseline),
+    timed inside one program (:func:`time_in_graph`): the forward's output is the next
+    call's query, the dQ kernel's dQ the next call's dO."""
     recs = []
     d = 128
     shapes = itertools.product(((4, 16), (1, 8)), (1, 8, 16), (4096, 32768), ("fwd", "bwd"))
@@ -533,26 +535,27 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
         q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
         k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
         spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
-        variants = {"mosaic_gpu[no split]": skv}
-        variants.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
+        splits = {"mosaic_gpu[no split]": skv}
+        splits.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
         kv = _kv_sets(k, v)
         if kernel == "fwd":
             args = (q, k, v)
             sets = [(q, *kv_i) for kv_i in kv]
-            fns = {
-                name: jax.jit(functools.partial(am.flash_fwd, spec, split_keys=n))
-                for name, n in variants.items()
-            }
+            variants = {name: dict(split_keys=n) for name, n in splits.items()}
             chain = lambda args, res: (res[0], *args[1:])  # the next query: this output
+            kernel_fn = am.flash_fwd
         else:
             fwd = jax.jit(functools.partial(am.flash_fwd, spec))
             args = (q, k, v, *fwd(q, k, v), do)
             sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
-            fns = {
-                name: jax.jit(functools.partial(am.flash_bwd, spec, dq_split_keys=n))
-                for name, n in variants.items()
-            }
+            variants = {name: dict(dq_split_keys=n) for name, n in splits.items()}
+            # The dK/dV kernel's key tiles per CTA, beside the dQ kernel's default chunks.
+            variants.update({f"mosaic_gpu[dkv_tiles={t}]": dict(dkv_tiles=t) for t in DKV_TILES})
             chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
+            kernel_fn = am.flash_bwd
+        fns = {
+            name: jax.jit(functools.partial(kernel_fn, spec, **kw)) for name, kw in variants.items()
+        }
         recs += _time_variants(case, fns, args, "mosaic_gpu[no split]", None, sets, chain)
     return recs
 

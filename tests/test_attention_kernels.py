@@ -405,6 +405,45 @@ class TestAttentionKernelsInterpret:
         for got, ref in zip(grads, want):
             assert_close(got, ref, factor=2.0)
 
+    # The dK/dV kernel running several key tiles per CTA, as at a long cache: the same bits
+    # as a tile per CTA. The last CTA is short; a batch entry's length ends inside a live
+    # CTA, whose tiles past it only skip. Race detection on. One case per run.
+    @pytest.mark.parametrize(
+        "dims, causal, tiles",
+        sample(
+            [
+                # (the diagonal in the second tile of the last CTA)
+                pytest.param((2, 3, 700, 2, 1, 64), True, 4, id="gqa-causal"),
+                pytest.param((2, 5, 300, 1, 1, 256), False, 4, id="d256-roles"),
+            ],
+            1,
+        ),
+    )
+    def test_dkv_tiles_per_cta(self, dims, causal, tiles):
+        b, sq, skv, hq, hkv, d = dims
+        dtype = jnp.float16
+        q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+        k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+        dl = rand((b, hq, sq), jnp.float32)
+        n = jnp.array([skv, 100], jnp.int32)
+        spec = AttentionSpec(
+            causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
+        )
+        out, lse = am.flash_fwd(spec, q, k, v, n, interpret=True)
+        bwd = functools.partial(
+            am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl
+        )
+        assert am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles % tiles != 0
+        with _compat.gpu_interpret_mode(detect_races=True):
+            grads = [np.asarray(g) for g in bwd(interpret=True, dkv_tiles=tiles)]
+        assert _compat.races_detected() is False
+        for got, one in zip(grads, bwd(interpret=True, dkv_tiles=1)):
+            np.testing.assert_array_equal(got, np.asarray(one))
+        opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
+        want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
+        for got, ref in zip(grads, want):
+            assert_close(got, ref, factor=2.0)
+
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
     # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
     # forward kernel, then the reference's backward) (TESSERA_TEST_FULL=1: all).
@@ -753,12 +792,12 @@ def test_index_masks_lower_for_cuda(head_dim):
 def test_decode_chunks_lower_for_cuda(head_dim):
     """Decoding's key chunks write 8-row slices of their 64-row tiles (the partials keep
     the few queries only) through the real Mosaic GPU lowering: the tiled, swizzled
-    shared-memory slices and the lse vector's."""
+    shared-memory slices and the lse vector's; the dK/dV kernel runs 4 key tiles per CTA."""
     spec = AttentionSpec(causal=True, scale=0.1, config=FlashAttentionConfig())
     q, k = (jnp.zeros((2, s, h, head_dim), jnp.bfloat16) for s, h in ((3, 4), (700, 2)))
     lse = jnp.zeros((2, 4, 3), jnp.float32)
     fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k)
-    bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256)
+    bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256, dkv_tiles=4)
     bwd = cuda_lowering(bwd_fn, q, k, k, q, lse, q)
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
@@ -1029,6 +1068,23 @@ def test_decode_chunk_lengths():
     assert all(keys % bkv == 0 for keys in lengths for bkv in blocks)
 
 
+@pytest.mark.parametrize(
+    "b, sq, skv, h, d, tiles",
+    [
+        (1, 16, 4096, 8, 128, 2),  # 256 tiles of 128 keys: 128 CTAs of 2
+        (1, 1, 32768, 8, 128, 16),  # at most DKV_TILES_MAX
+        (4, 16, 4096, 16, 128, 16),
+        (1, 16, 4096, 8, 256, 4),  # 64-key tiles
+        (1, 16, 4096, 4, 128, 1),  # 128 CTAs of one tile
+        (1, 128, 4096, 8, 128, 2),  # two query blocks per tile
+        (1, 129, 32768, 8, 128, 1),  # three: the query loop is the CTA's work
+    ],
+)
+def test_dkv_tiles_per_cta(b, sq, skv, h, d, tiles):
+    q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, h, d), jnp.bfloat16)
+    assert am._bwd_problem(q, k, False, 1.0).dkv_tiles == tiles
+
+
 def test_decode_reference_runs_one_block():
     """A decode shape compiles to no loop over kv blocks (one pair of matmuls)."""
     q = jax.ShapeDtypeStruct((2, 4, 4, 64), jnp.float32)
@@ -1053,6 +1109,7 @@ def test_forward_block_kv_override_is_checked(block_kv):
         (64, dict(dq_block_kv=32), "dq_block_kv=32 must be one of"),
         (256, dict(dkv_stages=3), "dkv_stages=3 must be one of"),
         (128, dict(dkv_stages=1), "dkv_stages=1 must be one of"),
+        (128, dict(dkv_tiles=0), "dkv_tiles=0 must be an int >= 1"),
         (256, dict(dkv_paired=True), "dkv_paired=True applies to head_dim 64, 128, not 256"),
         (128, dict(dq_split_keys=192), "dq_split_keys=192 must be a positive multiple of .* 128"),
         (256, dict(dq_split_keys=0), "dq_split_keys=0 must be a positive multiple of .* 64"),

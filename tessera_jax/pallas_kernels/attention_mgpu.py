@@ -153,6 +153,9 @@ class Problem:
         over the queries. None: no mask or bias.
       bias_batch, bias_heads: the bias operand has a batch (a head) dimension of its own;
         False: of size 1, read at index 0 for every batch entry (head).
+      dkv_tiles: key tiles (of :attr:`dkv_rows` keys) a dK/dV CTA runs one after the other
+        (:func:`_dkv_tiles`); each tile's gradients are summed over the same queries in the
+        same order whatever the count, so it changes no bit.
     """
 
     batch: int
@@ -177,6 +180,7 @@ class Problem:
     bias: str | None = None
     bias_batch: bool = False
     bias_heads: bool = False
+    dkv_tiles: int = 1
 
     @property
     def every_block_masked(self) -> bool:
@@ -246,6 +250,11 @@ class Problem:
     def dkv_rows(self) -> int:
         """Key rows of a dK/dV CTA: 64 per warpgroup, or 64 shared when roles split."""
         return _dkv_rows(self.head_dim)
+
+    @property
+    def kv_tiles(self) -> int:
+        """Key tiles of the dK/dV kernel (:attr:`dkv_rows` keys each)."""
+        return self.seq_kv_pad // self.dkv_rows
 
     @property
     def c(self) -> float:
@@ -418,6 +427,31 @@ def _dq_block_kv(d: int, extra: int, bias: str | None) -> int | None:
     return max(fits, default=None)
 
 
+# Decoding (a key tile sees one or two query blocks), a dK/dV CTA is short, and CTAs run
+# one per SM (the compute warpgroups' registers fill an SM's register file), in many waves
+# at a long cache. There a CTA runs consecutive key tiles, as many as leave at least
+# DKV_MIN_CTAS CTAs (a power of two, at most DKV_TILES_MAX): it starts once, and its Q/dO
+# ring streams the next tile's queries during the current tile. A tile's K/V load, products
+# and write stay in series, so this gains a few percent, at a large batch times heads; more
+# tiles than the bound leave SMs idle (``--sweep-decode``, the ``dkv_tiles`` rows).
+DKV_TILES_MAX = 16
+DKV_MIN_CTAS = 128
+DKV_TILES_MAX_STEPS = 2  # query steps (heads of the group × query blocks) per key tile
+
+
+def _dkv_tiles(p: Problem) -> int:
+    """Key tiles per dK/dV CTA (:attr:`Problem.dkv_tiles`)."""
+    if p.group * -(-p.seq_q // WG_ROWS) > DKV_TILES_MAX_STEPS:
+        return 1
+    tiles = 1
+    while (
+        tiles < DKV_TILES_MAX
+        and p.batch * p.heads_kv * -(-p.kv_tiles // (2 * tiles)) >= DKV_MIN_CTAS
+    ):
+        tiles *= 2
+    return tiles
+
+
 def _dkv_roles(d: int) -> bool:
     return d >= DKV_ROLES_HEAD_DIM
 
@@ -448,6 +482,7 @@ def _bwd_problem(
     extra: int = 0,
     bias: str | None = None,
     dq_split_keys: int | None = None,
+    dkv_tiles: int | None = None,
 ) -> Problem:
     """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
@@ -457,7 +492,7 @@ def _bwd_problem(
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
     _check_split_keys("flash_bwd", "dq_split_keys", dq_split_keys, bkv)
-    return Problem(
+    p = Problem(
         b,
         hq,
         hkv,
@@ -474,6 +509,8 @@ def _bwd_problem(
         _kv_split(sq, skv, bkv, dq_split_keys),
         paired,
     )
+    tiles = _dkv_tiles(p) if dkv_tiles is None else dkv_tiles
+    return dataclasses.replace(p, dkv_tiles=tiles)
 
 
 def _smem(shape, dtype) -> Any:
@@ -1363,56 +1400,41 @@ def _dkv_kernel(
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile0 = lax.axis_index("kv_seq") * p.dkv_rows
+    # The CTA's key tiles, one after the other: ``tiles`` from ``first`` on.
+    first = lax.axis_index("kv_seq") * p.dkv_tiles
+    tiles = p.dkv_tiles
+    if p.kv_tiles % p.dkv_tiles:  # the last CTA has fewer
+        tiles = lax.min(_i32(p.dkv_tiles), p.kv_tiles - first)
+
+    def tile_rows(t):
+        return (first + t) * p.dkv_rows
+
     # The CTA's query blocks: from its first key rows' first to its last key rows' last.
-    cta_start = _q_ranges(p, tile0)[0]
-    cta_stop = _q_ranges(p, tile0 + p.dkv_rows - WG_ROWS)[3]
-    # Key rows past the batch entry's length (whole CTAs of them) see no query: the CTA's
-    # loops are empty (the wrapper zeroes such rows' gradients).
-    alive = tile0 < _kv_len(p, kv_len_ref, b) if p.kv_lengths else None
-    if alive is not None:
-        cta_stop = lax.select(alive, _i32(cta_stop), _i32(cta_start))
+    cta_start = _q_ranges(p, tile_rows(0))[0]
+    cta_stop = _q_ranges(p, tile_rows(tiles) - WG_ROWS)[3]
+    # Key rows past the batch entry's length (whole tiles of them) see no query: their
+    # loops only skip, or a CTA of them has none (the wrapper zeroes such rows' gradients).
+    kv_len = _kv_len(p, kv_len_ref, b) if p.kv_lengths else None
+    if kv_len is not None:
+        cta_stop = lax.select(tile_rows(0) < kv_len, _i32(cta_stop), _i32(cta_start))
     per_head = cta_stop - cta_start
+    per_tile = p.group * per_head  # query steps per key tile
     bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
-        # Each warpgroup owns 64 key rows, or (roles) both share the CTA's 64 rows.
+        # Each warpgroup owns 64 key rows of a tile, or (roles) both share the tile's 64.
         r = 0 if roles else wg
-        kv_base = tile0 + r * bkv
-        start, lo, hi, stop = _q_ranges(p, kv_base)
-        if alive is not None:
-            start, lo, hi, stop = (
-                lax.select(alive, _i32(x), _i32(cta_start)) for x in (start, lo, hi, stop)
-            )
-        rows = pl.ds(kv_base, bkv)
         ks, vs = k_smem.at[r], v_smem.at[r]
-        for i, (ref, tile) in enumerate(((k_ref, ks), (v_ref, vs))):
-
-            def load(ref=ref, tile=tile, i=i):
-                plgpu.copy_gmem_to_smem(ref.at[b, rows, hk], tile, kv_bar.at[2 * r + i])
-                plgpu.barrier_wait(kv_bar.at[2 * r + i])
-
-            # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
-            pl.when(wg == i)(load) if roles else load()
-
-        if p.segments:  # the key rows' ids, read by the warpgroup(s) computing Pᵀ
-
-            def load_ids():
-                plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[r], kseg_bar.at[r])
-                plgpu.barrier_wait(kseg_bar.at[r])
-
-            pl.when(wg == 0)(load_ids) if roles else load_ids()
-
         zeros = jnp.zeros((bkv, p.head_dim), jnp.float32)
 
         def wait(slot):
             for bars in (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if p.segments else ()):
                 plgpu.barrier_wait(bars.at[slot])
 
-        def probs(st, slot, qi, masked: bool):
+        def probs(st, slot, qi, kv_base, masked: bool):
             lse = lse_smem[slot]
             st = st * p.c
             bias = _bias_tile(p, bias_smem, bias_bar, slot, r, (bkv, bq), 0)
@@ -1430,18 +1452,19 @@ def _dkv_kernel(
             delta = delta_smem[slot]
             return pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
 
-        def step(qi, carry, g, masked: bool):
+        def step(qi, carry, t, g, masked: bool):
             dk, dv = carry
-            n = g * per_head + qi - cta_start
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             qt, dot = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
             qs, dos = q_smem.at[slot], do_smem.at[slot]
+            kv_base = tile_rows(t) + r * bkv
             if p.dkv_paired:
                 # Two waits for the tensor cores per step: Sᵀ and dPᵀ (which need only
                 # shared memory) together, then dV and dK together.
                 st, dpt = _dots((bkv, bq), (ks, qt), (vs, dot))
-                pt = probs(st, slot, qi, masked)
+                pt = probs(st, slot, qi, kv_base, masked)
                 dst = dscores(pt, dpt, slot)
                 dv, dk = _dots_acc(
                     [(dv, pt.astype(p.dtype), dos), (dk, dst.astype(p.dtype), qs)],
@@ -1450,7 +1473,7 @@ def _dkv_kernel(
                 )
             else:
                 # One product at a time: fewer registers live, four waits per step.
-                pt = probs(_dot((bkv, bq), ks, qt), slot, qi, masked)
+                pt = probs(_dot((bkv, bq), ks, qt), slot, qi, kv_base, masked)
                 dpt = _dot((bkv, bq), vs, dot)
                 dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
                 dst = dscores(pt, dpt, slot)
@@ -1458,13 +1481,14 @@ def _dkv_kernel(
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
-        def step_dv(qi, dv, g, masked: bool):
+        def step_dv(qi, dv, t, g, masked: bool):
             # Roles, warpgroup 0: Pᵀ from Sᵀ = K·Qᵀ, handed to warpgroup 1 through shared
             # memory (in f32: the dK warpgroup forms dSᵀ from it), then dV += Pᵀ·dO.
-            n = g * per_head + qi - cta_start
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
-            pt = probs(_dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0))), slot, qi, masked)
+            st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
+            pt = probs(st, slot, qi, tile_rows(t), masked)
             _wait_if(n > 0, [p_free])()  # the dK warpgroup has read the previous Pᵀ
             p_smem[...] = pt
             plgpu.barrier_arrive(p_ready)
@@ -1472,11 +1496,11 @@ def _dkv_kernel(
             plgpu.barrier_arrive(done.at[slot])
             return dv
 
-        def step_dk(qi, dk, g, masked: bool):
+        def step_dk(qi, dk, t, g, masked: bool):
             # Roles, warpgroup 1: dPᵀ = V·dOᵀ (beside warpgroup 0's Sᵀ on the tensor cores),
             # then dSᵀ with warpgroup 0's Pᵀ, and dK += dSᵀ·Q.
             del masked  # Pᵀ arrives masked (and biased)
-            n = g * per_head + qi - cta_start
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
@@ -1488,61 +1512,105 @@ def _dkv_kernel(
             plgpu.barrier_arrive(done.at[slot])
             return dk
 
-        def skip(qi, _, g):
-            slot = _slot(g * per_head + qi - cta_start, s)
+        def skip(qi, _, t, g):
+            slot = _slot(t * per_tile + g * per_head + qi - cta_start, s)
             wait(slot)
             # The bias is read by the warpgroup(s) computing Pᵀ: with roles, warpgroup 0.
             flush = functools.partial(_bias_flush, p, bias_smem, bias_bar, slot, r)
             pl.when(wg == 0)(flush) if roles else flush()
             plgpu.barrier_arrive(done.at[slot])
 
-        def loops(body, carry):
+        def tile(t, body, carry, write):
+            """Key tile ``t``: load its K/V (and ids), run ``body`` over its query steps
+            from ``carry``, and ``write`` the result."""
+            kv_base = tile_rows(t) + r * bkv
+            rows = pl.ds(kv_base, bkv)
+            for i, (ref, buf) in enumerate(((k_ref, ks), (v_ref, vs))):
+
+                def load(ref=ref, buf=buf, i=i):
+                    plgpu.copy_gmem_to_smem(ref.at[b, rows, hk], buf, kv_bar.at[2 * r + i])
+                    plgpu.barrier_wait(kv_bar.at[2 * r + i])
+
+                # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
+                pl.when(wg == i)(load) if roles else load()
+
+            if p.segments:  # the key rows' ids, read by the warpgroup(s) computing Pᵀ
+
+                def load_ids():
+                    plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[r], kseg_bar.at[r])
+                    plgpu.barrier_wait(kseg_bar.at[r])
+
+                pl.when(wg == 0)(load_ids) if roles else load_ids()
+
+            start, lo, hi, stop = _q_ranges(p, kv_base)
+            # A tile past the length skips its CTA's steps (a CTA of such tiles has none).
+            dead_tiles = kv_len is not None and p.dkv_tiles > 1
+            if kv_len is not None:
+                start, lo, hi, stop = (
+                    lax.select(tile_rows(t) < kv_len, _i32(x), _i32(cta_stop))
+                    for x in (start, lo, hi, stop)
+                )
+
             def head(g, carry):
                 # The group's query heads in a fixed order: their dK/dV sum in the
                 # accumulator.
-                masked = functools.partial(body, g=g, masked=True)
+                masked = functools.partial(body, t=t, g=g, masked=True)
+                skips = functools.partial(skip, t=t, g=g)
+                if p.right is not None or dead_tiles:
+                    lax.fori_loop(cta_start, start, skips, None)
                 if p.right is not None:
-                    lax.fori_loop(cta_start, start, functools.partial(skip, g=g), None)
                     carry = lax.fori_loop(start, lo, masked, carry)
-                carry = lax.fori_loop(lo, hi, functools.partial(body, g=g, masked=False), carry)
+                unmasked = functools.partial(body, t=t, g=g, masked=False)
+                carry = lax.fori_loop(lo, hi, unmasked, carry)
                 if p.left is not None or p.every_block_masked:
                     carry = lax.fori_loop(hi, stop, masked, carry)
                 if p.left is not None:
-                    lax.fori_loop(stop, cta_stop, functools.partial(skip, g=g), None)
+                    lax.fori_loop(stop, cta_stop, skips, None)
                 return carry
 
-            return lax.fori_loop(0, p.group, head, carry)
+            write(rows, lax.fori_loop(0, p.group, head, carry))
 
-        def write(*results):
-            # Each result goes out through a K or V tile that only this warpgroup reads.
-            for tile, value, _ in results:
-                tile[...] = value.astype(p.dtype)
+        def write(rows, *results):
+            # Each result goes out through a K or V tile that only this warpgroup reads; the
+            # next tile's loads wait for the copies.
+            for buf, value, _ in results:
+                buf[...] = value.astype(p.dtype)
             plgpu.commit_smem()
-            for tile, _, out_ref in results:
-                plgpu.copy_smem_to_gmem(tile, out_ref.at[b, rows, hk])
+            for buf, _, out_ref in results:
+                plgpu.copy_smem_to_gmem(buf, out_ref.at[b, rows, hk])
             plgpu.wait_smem_to_gmem(0)
 
+        def tiles_loop(body, carry, out):
+            def one(t, _):
+                tile(t, body, carry, lambda rows, acc: write(rows, *out(acc)))
+
+            lax.fori_loop(0, tiles, one, None)
+
         if not roles:
-            dk, dv = loops(step, (zeros, zeros))
-            write((ks, dk * p.scale, dk_ref), (vs, dv, dv_ref))
+            tiles_loop(
+                step,
+                (zeros, zeros),
+                lambda acc: [(ks, acc[0] * p.scale, dk_ref), (vs, acc[1], dv_ref)],
+            )
             return
 
         @pl.when(wg == 0)
         def _dv():
-            dv = loops(step_dv, zeros)
+            tiles_loop(step_dv, zeros, lambda dv: [(ks, dv, dv_ref)])
             # Observe the last hand-over's release too (every barrier phase is awaited).
-            _wait_if(p.group * per_head > 0, [p_free])()
-            write((ks, dv, dv_ref))
+            _wait_if(tiles * per_tile > 0, [p_free])()
 
         @pl.when(wg == 1)
         def _dk():
-            write((vs, loops(step_dk, zeros) * p.scale, dk_ref))
+            tiles_loop(step_dk, zeros, lambda dk: [(vs, dk * p.scale, dk_ref)])
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
         def qh(step):
-            return hk * p.group + lax.div(step, per_head), (
-                cta_start + lax.rem(step, per_head)
+            # Every key tile streams the same query steps: heads of the group, then blocks.
+            local = lax.rem(step, per_tile)
+            return hk * p.group + lax.div(local, per_head), (
+                cta_start + lax.rem(local, per_head)
             ) * bq
 
         def rows_of(ref):
@@ -1565,7 +1633,7 @@ def _dkv_kernel(
         def bias_of(step, i):
             h, q0 = qh(step)
             bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
-            keys = pl.ds(tile0 + i * WG_ROWS, WG_ROWS)
+            keys = pl.ds(tile_rows(lax.div(step, per_tile)) + i * WG_ROWS, WG_ROWS)
             if p.bias == "rows":
                 return bias_t_ref.at[bb, bh, keys]
             return bias_t_ref.at[bb, bh, keys, pl.ds(q0, bq)]
@@ -1579,7 +1647,7 @@ def _dkv_kernel(
         if p.segments:
             loads.append((ids_of, qseg_smem, qseg_bar))
         loads += _bias_loads(p, bias_smem, bias_bar, bias_of)
-        _producer(p.group * per_head, s, [(done, loads)])
+        _producer(tiles * per_tile, s, [(done, loads)])
 
 
 def _build_dkv(p: Problem, interpret: bool) -> Any:
@@ -1613,7 +1681,7 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
         out_type=(kv, kv),
         scratch_types=scratch,
-        grid=(p.heads_kv, p.seq_kv_pad // p.dkv_rows, p.batch),
+        grid=(p.heads_kv, -(-p.kv_tiles // p.dkv_tiles), p.batch),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -1842,6 +1910,7 @@ def flash_bwd(
     dkv_stages: int | None = None,
     dkv_paired: bool | None = None,
     dq_split_keys: int | None = None,
+    dkv_tiles: int | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -1853,11 +1922,13 @@ def flash_bwd(
     chunks' partials in f32, chunk by chunk from the first key on, each chunk's two
     16-bit terms added first; then rounded once to the inputs' dtype.
 
-    ``dq_block_kv``, ``dkv_stages``, ``dkv_paired`` and ``dq_split_keys`` (benchmarks,
-    tests) replace the dQ kernel's tuned keys per loop step (:data:`DQ_BLOCK_KV`), the
-    dK/dV kernel's ring slots (:data:`DKV_STAGES`) and its schedule (:data:`DKV_PAIRED`),
-    and the dQ kernel's keys per chunk (a multiple of its keys per step; at least
-    ``seq_kv``: no split); a choice that does not fit shared memory is a ValueError.
+    ``dq_block_kv``, ``dkv_stages``, ``dkv_paired``, ``dq_split_keys`` and ``dkv_tiles``
+    (benchmarks, tests) replace the dQ kernel's tuned keys per loop step
+    (:data:`DQ_BLOCK_KV`), the dK/dV kernel's ring slots (:data:`DKV_STAGES`) and its
+    schedule (:data:`DKV_PAIRED`), the dQ kernel's keys per chunk (a multiple of its keys
+    per step; at least ``seq_kv``: no split) and the dK/dV kernel's key tiles per CTA
+    (:func:`_dkv_tiles`; the bits do not depend on it); a choice that does not fit shared
+    memory is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -1870,6 +1941,7 @@ def flash_bwd(
             dkv_stages=dkv_stages,
             dkv_paired=dkv_paired,
             dq_split_keys=dq_split_keys,
+            dkv_tiles=dkv_tiles,
         )
         grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
         return tuple(g[..., :d] for g in grads)
@@ -1891,6 +1963,10 @@ def flash_bwd(
             f"attention_mgpu.flash_bwd: {dkv_stages=} must be one of {DKV_STAGES_CHOICES} "
             f"with the ring fitting shared memory at head_dim {q.shape[-1]}"
         )
+    if dkv_tiles is not None and (
+        not isinstance(dkv_tiles, int) or isinstance(dkv_tiles, bool) or dkv_tiles < 1
+    ):
+        raise ValueError(f"attention_mgpu.flash_bwd: {dkv_tiles=} must be an int >= 1 or None")
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
@@ -1904,7 +1980,17 @@ def flash_bwd(
     bias = _bias_operand(spec, ex, q, k)
     # Segment ids take shared memory too (``extra``; checked by the cuda lowering test).
     p = _bwd_problem(
-        q, k, causal, scale, dq_block_kv, dkv_stages, dkv_paired, extra, kind, dq_split_keys
+        q,
+        k,
+        causal,
+        scale,
+        dq_block_kv,
+        dkv_stages,
+        dkv_paired,
+        extra,
+        kind,
+        dq_split_keys,
+        dkv_tiles,
     )
     p = _with_features(p, spec, bias)
     delta = jnp.einsum(
