@@ -8,7 +8,8 @@ Which backend a run uses:
   kernels run in interpret mode there. Tests marked ``gpu`` are skipped.
 * ``python -m pytest -m gpu`` runs only the ``gpu`` tests, on the default backend (a GPU):
   every compiled kernel against its reference at small shapes. Each has an interpret-mode
-  twin in the CPU run.
+  twin in the CPU run. Compiling is most of their time: ``-n 4`` runs four workers on one
+  GPU, each allocating device memory as it needs it rather than most of it up front.
 
 The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``):
 its thousands of small programs check what is computed, and LLVM's passes were most of the
@@ -24,6 +25,8 @@ import re
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
+if "PYTEST_XDIST_WORKER" in os.environ:  # workers share a GPU: no up-front allocation
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The suite neither reads nor writes the user's autotune cache (kernels consult it).
 os.environ.setdefault("TESSERA_CACHE_DIR", tempfile.mkdtemp(prefix="tessera-test-cache-"))
 
