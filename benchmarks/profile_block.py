@@ -6,10 +6,10 @@ Runs anywhere (the CPU with ``--small``); on the GPU machine::
 
 The block: ``rmsnorm → matmul (qkv) → flash_attention (causal) → matmul → + residual →
 rmsnorm → matmul → gelu → matmul → + residual``, bf16 activations and weights. ``--grad``
-profiles the loss's value and gradient instead of the forward. Prints the table and writes
-one record per row, ``{suite, case, device, jax, impl: row name, kind, ms, kernels,
-tflops, gbps}`` to ``profile-<device>.json`` (``$OUT`` on the GPU machine); the trace's
-path is printed with the table.
+profiles the loss's value and gradient instead of the forward. Prints the table and the
+largest kernels, and writes one record per row, ``{suite, case, device, jax, impl: row
+name, kind, ms, kernels, tflops, gbps}`` to ``profile-<device>.json`` (``$OUT`` on the GPU
+machine); the trace's path is printed with the table.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def main(argv=None) -> None:
         fn, case = fwd, "fwd"
     result = ts.profile(fn, params, x, plot=args.plot)
     print(result, flush=True)
+    print(result.kernel_table(top=12), flush=True)
     case = f"block-{case}-b{batch}-s{seq}-d{d}-{jnp.dtype(dtype).name}"
     records = [
         {

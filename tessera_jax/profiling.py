@@ -17,6 +17,9 @@ How a row comes about:
    row named after its jax primitive (``(xla) add``), and the device's idle time inside
    a step is the ``(idle)`` row. The rows therefore add up to the measured device time of
    a step (less the time kernels overlapped, which the summary reports).
+4. Below the rows, ``Profile.kernels`` keeps each instruction's own time
+   (:meth:`Profile.kernel_table`): an operator lowered to several kernels (a backward's
+   passes, the glue between them) shows each of them.
 
 FLOPs and bytes of a ts row come from its operators' shapes (the formulas in
 :func:`operator_cost`, summed over every bind of the operators in the traced program):
@@ -48,7 +51,7 @@ import numpy as np
 from tessera_jax.primitives._core import OPERATORS
 from tessera_jax.primitives.collectives import primitives as _collectives
 
-__all__ = ["PEAKS", "Peaks", "Profile", "Row", "operator_cost", "profile"]
+__all__ = ["PEAKS", "Kernel", "Peaks", "Profile", "Row", "operator_cost", "profile"]
 
 
 # --- device peaks -------------------------------------------------------------------------
@@ -559,6 +562,27 @@ class Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One instruction of the profiled program: its kernel's (or CPU thunk's) executions,
+    per step, averaged over the profiled steps.
+
+    Attributes:
+      name: the HLO instruction (``fusion.3``; a Pallas kernel's custom call).
+      launched: what the trace names the executed kernel (``anonymous_mosaic_gpu_kernel``,
+        a fusion's kernel, a CPU thunk).
+      row: the :class:`Row` its time is counted in (a ts operator, an ``(xla)`` row).
+      time_s: device time per step (exclusive of events nested in it).
+      calls: executions per step.
+    """
+
+    name: str
+    launched: str
+    row: str
+    time_s: float
+    calls: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     """What :func:`profile` measured; ``str()`` is the table.
 
@@ -579,6 +603,8 @@ class Profile:
       plot_path: the roofline PNG, if ``plot=`` was given.
       unattributed: ts operators of the program with no kernel of their own: XLA fused
         all their ops into other operators' kernels (see ``Row.fused``) or removed them.
+      kernels: the rows' kernels, one per instruction, largest time first
+        (:meth:`kernel_table`); a row's time is the sum of its kernels'.
     """
 
     rows: tuple[Row, ...]
@@ -596,6 +622,7 @@ class Profile:
     perfetto_path: str | None
     plot_path: str | None = None
     unattributed: tuple[str, ...] = ()
+    kernels: tuple[Kernel, ...] = ()
 
     def row(self, name: str) -> Row:
         """The row named ``name`` (a KeyError listing the names if none is)."""
@@ -603,6 +630,25 @@ class Profile:
             if r.name == name:
                 return r
         raise KeyError(f"Profile.row: no row {name!r}; rows: {[r.name for r in self.rows]}")
+
+    def kernel_table(self, top: int | None = None) -> str:
+        """The kernels (:attr:`kernels`), ``top`` largest (all if None): per step, the
+        time, its share of the device time, the executions, the row and the kernel."""
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+            raise ValueError(f"Profile.kernel_table: top={top!r} must be an int >= 1 or None")
+        head = f"{'time µs':>10} {'%':>5} {'calls':>5}  {'row':<28} {'instruction':<28} kernel"
+        lines = [head, "-" * len(head)]
+        for k in self.kernels[:top]:
+            share = 100 * k.time_s / self.device_s if self.device_s else 0.0
+            lines.append(
+                f"{k.time_s * 1e6:>10.2f} {share:>5.1f} {k.calls:>5.0f}  {k.row[:28]:<28} "
+                f"{k.name[:28]:<28} {k.launched}"
+            )
+        left = len(self.kernels) - len(self.kernels[:top])
+        if left:
+            rest = sum(k.time_s for k in self.kernels[top:])
+            lines.append(f"{rest * 1e6:>10.2f}  and {left} more kernels")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         head = (
@@ -854,6 +900,8 @@ def _tabulate(
     kind: dict[str, str] = {}
     fused: dict[str, set[str]] = collections.defaultdict(set)
     coll_bytes: dict[str, int] = collections.defaultdict(int)
+    # instruction -> [row, launched kernel, exclusive µs, executions]
+    per_kernel: dict[str, list] = {}
     device_us, overlap_us = 0.0, 0.0
     in_steps = []
     for lo, hi in windows:
@@ -880,6 +928,9 @@ def _tabulate(
                 coll_bytes[key] += inst.result_bytes
         time_us[key] += exclusive
         kernels[key] += 1
+        entry = per_kernel.setdefault(e["args"]["hlo_op"], [key, e.get("name", ""), 0.0, 0])
+        entry[2] += exclusive
+        entry[3] += 1
 
     rows = []
     for key, t in time_us.items():
@@ -926,6 +977,15 @@ def _tabulate(
         trace_path="",
         perfetto_path=None,
         unattributed=tuple(sorted(set(costs) - {r.name for r in rows})),
+        kernels=tuple(
+            sorted(
+                (
+                    Kernel(name, launched, row, t / steps * 1e-6, n / steps)
+                    for name, (row, launched, t, n) in per_kernel.items()
+                ),
+                key=lambda k: (-k.time_s, k.name),
+            )
+        ),
     )
 
 

@@ -65,6 +65,30 @@ def test_times_are_positive_and_sum_to_the_device_time(result):
     assert result.overlap_s >= 0
 
 
+def test_kernels_add_up_to_their_rows(result):
+    assert result.kernels and len({k.name for k in result.kernels}) == len(result.kernels)
+    times = [k.time_s for k in result.kernels]
+    assert times == sorted(times, reverse=True) and min(times) >= 0
+    for r in result.rows[:-1]:  # (idle) has no kernel
+        mine = [k for k in result.kernels if k.row == r.name]
+        assert mine, r.name
+        np.testing.assert_allclose(sum(k.time_s for k in mine), r.time_s, rtol=1e-9)
+        np.testing.assert_allclose(sum(k.calls for k in mine), r.kernels, rtol=1e-9)
+    assert {k.row for k in result.kernels} == {r.name for r in result.rows[:-1]}
+    assert all(k.launched for k in result.kernels)
+
+
+def test_kernel_table(result):
+    lines = result.kernel_table(top=2).splitlines()
+    assert len(lines) == 2 + 2 + (len(result.kernels) > 2)
+    assert result.kernels[0].name[:28] in lines[2] and result.kernels[1].row[:28] in lines[3]
+    if len(result.kernels) > 2:
+        assert f"and {len(result.kernels) - 2} more kernels" in lines[-1]
+    assert len(result.kernel_table().splitlines()) == 2 + len(result.kernels)
+    with pytest.raises(ValueError, match="top=0 must be an int >= 1 or None"):
+        result.kernel_table(top=0)
+
+
 def test_matmul_flops_and_bytes(result):
     row = result.row("ts_matmul")
     assert row.flops == 2 * M * N * K
