@@ -522,7 +522,8 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
     """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
     16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
     ``dq_split_keys``) of :data:`DECODE_SPLITS`, and the backward with the dK/dV kernel's
-    key tiles per CTA (``dkv_tiles``) of :data:`DKV_TILES`, against no split (baseline),
+    key tiles per CTA (``dkv_tiles``) of :data:`DKV_TILES` and with the dQ kernel computing
+    dK and dV too (``dq_dkv``), against no split (baseline),
     timed inside one program (:func:`time_in_graph`): the forward's output is the next
     call's query, the dQ kernel's dQ the next call's dO."""
     recs = []
@@ -549,8 +550,10 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
             args = (q, k, v, *fwd(q, k, v), do)
             sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
             variants = {name: dict(dq_split_keys=n) for name, n in splits.items()}
-            # The dK/dV kernel's key tiles per CTA, beside the dQ kernel's default chunks.
+            # The dK/dV kernel's key tiles per CTA, beside the dQ kernel's default chunks;
+            # the dQ kernel computing dK and dV too.
             variants.update({f"mosaic_gpu[dkv_tiles={t}]": dict(dkv_tiles=t) for t in DKV_TILES})
+            variants["mosaic_gpu[dq_dkv]"] = dict(dq_dkv=True)
             chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
             kernel_fn = am.flash_bwd
         fns = {

@@ -13,6 +13,7 @@ fail the test instead of testing the reference.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +324,37 @@ def _check_decode(dims, opts, dtype, *, repeat: int = 1, batch_alone: bool = Fal
             np.testing.assert_array_equal(np.asarray(x[-1:]), np.asarray(y))
 
 
+def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1):
+    """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths
+    and an lse cotangent vs float64; ``repeat`` runs agree bit for bit."""
+    b, sq, skv, h, d = dims
+    dtype = jnp.float16
+    q, do = rand((b, sq, h, d), dtype), rand((b, sq, h, d), dtype)
+    k, v = rand((b, skv, h, d), dtype), rand((b, skv, h, d), dtype)
+    dl = rand((b, h, sq), jnp.float32)
+    n = jnp.array(lengths, jnp.int32)
+    spec = AttentionSpec(
+        causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
+    )
+    out, lse = am.flash_fwd(spec, q, k, v, n, interpret=interpret)
+    bwd = functools.partial(
+        am.flash_bwd,
+        spec.replace(has_dlse=True),
+        *(q, k, v, out, lse, do, n, dl),
+        interpret=interpret,
+        dq_dkv=True,
+        dq_split_keys=split_keys,
+    )
+    runs = [[np.asarray(g) for g in bwd()] for _ in range(repeat)]
+    for later in runs[1:]:
+        for x, y in zip(runs[0], later):
+            np.testing.assert_array_equal(x, y)
+    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
+    want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
+    for got, ref in zip(runs[0], want):
+        assert_close(got, ref, factor=2.0)
+
+
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
@@ -444,6 +476,24 @@ class TestAttentionKernelsInterpret:
         for got, ref in zip(grads, want):
             assert_close(got, ref, factor=2.0)
 
+    # The dQ kernel computing dK and dV too: warpgroup 0 hands each key block's P and dS
+    # to warpgroup 1 through a ring, and writes dQ through tiles warpgroup 1 reads. Race
+    # detection on; chunks of keys, a length ending in a chunk's second block. One per run.
+    @pytest.mark.parametrize(
+        "dims, causal, lengths, split_keys",
+        sample(
+            [
+                pytest.param((2, 3, 600, 2, 64), True, [600, 100], 256, id="chunks-causal"),
+                pytest.param((1, 16, 300, 1, 128), False, [300], None, id="d128"),
+            ],
+            1,
+        ),
+    )
+    def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths, split_keys):
+        with _compat.gpu_interpret_mode(detect_races=True):
+            _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
+        assert _compat.races_detected() is False
+
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
     # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
     # forward kernel, then the reference's backward) (TESSERA_TEST_FULL=1: all).
@@ -558,6 +608,16 @@ class TestAttentionKernelsGPU:
     )
     def test_index_masks(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16, repeat=3)
+
+    @pytest.mark.parametrize(
+        "dims, causal, lengths",
+        [
+            ((4, 16, 4096, 8, 128), False, [4096, 3000, 1, 2048]),
+            ((2, 1, 32768, 4, 64), True, [32768, 100]),
+        ],
+    )
+    def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths):
+        _check_dq_dkv(dims, causal, lengths, interpret=False, repeat=3)
 
     # The forward and dQ kernels' key chunks at their tuned lengths, ragged caches.
     @pytest.mark.parametrize(
@@ -1066,6 +1126,36 @@ def test_decode_chunk_lengths():
     assert lengths == [1024, 1024, 1024, 1024, 2048, 4096, 4096]
     blocks = {*am.FWD_BLOCK_KV_CHOICES, *am.DQ_BLOCK_KV_CHOICES}
     assert all(keys % bkv == 0 for keys in lengths for bkv in blocks)
+
+
+@pytest.mark.parametrize("head_dim", sample([64, 128], 1))
+def test_dq_dkv_lowers_for_cuda(head_dim):
+    """The dQ kernel computing dK and dV too goes through the real Mosaic GPU lowering: the
+    hand-over ring's 16-bit tiles, written from registers and read transposed by wgmma."""
+    spec = AttentionSpec(causal=True, scale=0.1, config=FlashAttentionConfig(), has_kv_lengths=True)
+    q, k = (jnp.zeros((2, s, 2, head_dim), jnp.bfloat16) for s in (3, 700))
+    lse, n = jnp.zeros((2, 2, 3), jnp.float32), jnp.array([5, 700], jnp.int32)
+    bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256, dq_dkv=True)
+    assert len(mosaic_gpu_calls(cuda_lowering(bwd_fn, q, k, k, q, lse, q, n))) == 1
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, window, reason",
+    [
+        ((1, 65, 2, 64), (1, 700, 2, 64), None, "seq_q 65 > 64"),
+        ((1, 3, 4, 64), (1, 700, 2, 64), None, "GQA (4 query heads, 2 key heads)"),
+        ((1, 3, 2, 64), (1, 700, 2, 64), (100, 0), "local_window_size (100, 0)"),
+        ((1, 3, 2, 256), (1, 700, 2, 256), None, "head_dim 256"),
+    ],
+)
+def test_dq_dkv_declines_with_a_reason(q_shape, k_shape, window, reason):
+    spec = _spec(local_window_size=window)
+    q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
+    lse = jnp.zeros((1, q_shape[2], q_shape[1]), jnp.float32)
+    with pytest.raises(ValueError, match=re.escape(f"does not take the case: {reason}")):
+        am.flash_bwd(spec, q, k, k, q, lse, q, dq_dkv=True)
+    with pytest.raises(TypeError, match="dq_dkv=1 must be a bool"):
+        am.flash_bwd(spec, q, k, k, q, lse, q, dq_dkv=1)
 
 
 @pytest.mark.parametrize(

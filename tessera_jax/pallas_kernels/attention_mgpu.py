@@ -156,6 +156,9 @@ class Problem:
       dkv_tiles: key tiles (of :attr:`dkv_rows` keys) a dK/dV CTA runs one after the other
         (:func:`_dkv_tiles`); each tile's gradients are summed over the same queries in the
         same order whatever the count, so it changes no bit.
+      dq_dkv: the dQ kernel computes dK and dV too, and the dK/dV kernel does not run
+        (:func:`_dq_dkv_reason`: decoding without GQA; its second warpgroup, whose query
+        rows are padding, turns each key block's P and dS into the block's dV and dK).
     """
 
     batch: int
@@ -181,6 +184,7 @@ class Problem:
     bias_batch: bool = False
     bias_heads: bool = False
     dkv_tiles: int = 1
+    dq_dkv: bool = False
 
     @property
     def every_block_masked(self) -> bool:
@@ -483,10 +487,14 @@ def _bwd_problem(
     bias: str | None = None,
     dq_split_keys: int | None = None,
     dkv_tiles: int | None = None,
+    dq_dkv: bool = False,
 ) -> Problem:
     """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
+    if dq_dkv:  # 64 keys a step (warpgroup 1's dK and dV fit its registers), P and dS
+        dq_block_kv = WG_ROWS if dq_block_kv is None else dq_block_kv
+        extra += PDS_SLOTS * 2 * WG_ROWS * dq_block_kv * 2
     bkv = _dq_block_kv(d, extra, bias) if dq_block_kv is None else dq_block_kv
     stages, v_stages = _dq_stages(d, bkv, extra, bias)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
@@ -510,7 +518,30 @@ def _bwd_problem(
         paired,
     )
     tiles = _dkv_tiles(p) if dkv_tiles is None else dkv_tiles
-    return dataclasses.replace(p, dkv_tiles=tiles)
+    return dataclasses.replace(p, dkv_tiles=tiles, dq_dkv=dq_dkv)
+
+
+# The dQ kernel's hand-over ring of P and dS when it computes dK and dV too: warpgroup 0
+# runs this many key blocks ahead of warpgroup 1.
+PDS_SLOTS = 2
+
+
+def _dq_dkv_reason(spec, q, k) -> str | None:
+    """Why the dQ kernel cannot compute dK and dV too (:attr:`Problem.dq_dkv`), or None:
+    it needs one query tile of which the second warpgroup's rows are padding (at most 64
+    queries), one query head per key head (no GQA: a key block's gradients would sum over
+    several CTAs), no window (every key block the kernel skips must be past the lengths,
+    whose gradients the wrapper zeroes) and head_dim up to 128."""
+    sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    if sq > WG_ROWS:
+        return f"seq_q {sq} > {WG_ROWS}"
+    if hq != k.shape[2]:
+        return f"GQA ({hq} query heads, {k.shape[2]} key heads)"
+    if spec.local_window_size is not None:
+        return f"local_window_size {spec.local_window_size}"
+    if kernel_head_dim(d) not in (64, 128):
+        return f"head_dim {d}"
+    return None
 
 
 def _smem(shape, dtype) -> Any:
@@ -1205,15 +1236,19 @@ def _dq_kernel(
     bias_ref,
     bias_t_ref,
     dq_ref,
-    *scratch,
+    *refs,
     p,
     interpret,
 ):
     del bias_t_ref  # the dK/dV kernel's
+    dk_ref, dv_ref, *scratch = refs if p.dq_dkv else (None, None, *refs)
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
     q_bar, k_bar, v_bar, k_done, v_done = scratch[7:12]
     qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[12:16]
-    bias_smem, bias_bar = scratch[16:]  # a ring of bias tiles, released with K
+    bias_smem, bias_bar = scratch[16:18]  # a ring of bias tiles, released with K
+    # dq_dkv: a ring of PDS_SLOTS key blocks' P and dS (queries × keys, 16-bit), handed
+    # from warpgroup 0 to warpgroup 1, and the hand-over's barriers.
+    pds_smem, pds_ready, pds_free = scratch[18:] if p.dq_dkv else (None, None, None)
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(p.group))
@@ -1264,6 +1299,14 @@ def _dq_kernel(
                 )
                 pr = jnp.where(vis, pr, 0.0)
             ds = pr * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            if p.dq_dkv:  # once warpgroup 1 has read the slot's last block
+                n = j - cta_first
+                hand = _slot(n, PDS_SLOTS)
+                _wait_if(n >= PDS_SLOTS, [pds_free.at[hand]])()
+                pds_smem.at[hand, 0][...] = pr.astype(p.dtype)
+                pds_smem.at[hand, 1][...] = ds.astype(p.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(pds_ready.at[hand])
             dq = _dot_acc(dq, ds.astype(p.dtype), k_smem.at[slot], stg, interpret=interpret)
             plgpu.barrier_arrive(k_done.at[slot])
             return dq
@@ -1277,24 +1320,62 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_done.at[vslot])
             plgpu.barrier_arrive(k_done.at[slot])
 
-        dq = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq) * p.scale
+        def write(dq):
+            @pl.when(live)  # (padded rows are cut off)
+            def _write():
+                hi = dq.astype(p.dtype)
+                qs[...] = hi
+                if chunk is None:
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
+                else:
+                    # A chunk's partial dQ as a pair of 16-bit terms, through the Q and dO
+                    # tiles: ``hi + lo`` is the f32 partial to about 16 bits of mantissa.
+                    dos[...] = (dq - hi.astype(jnp.float32)).astype(p.dtype)
+                    plgpu.commit_smem()
+                    n = p.part_rows
+                    parts, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
+                    plgpu.copy_smem_to_gmem(qs.at[tile_rows], dq_ref.at[0, chunk, b, parts, h])
+                    plgpu.copy_smem_to_gmem(dos.at[tile_rows], dq_ref.at[1, chunk, b, parts, h])
+                plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(live)  # (padded rows are cut off)
-        def _write():
-            hi = dq.astype(p.dtype)
-            qs[...] = hi
-            if chunk is None:
+        if not p.dq_dkv:
+            write(_kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq) * p.scale)
+            return
+
+        @pl.when(wg == 0)
+        def _dq():
+            dq_out = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, dq) * p.scale
+
+            # dQ goes out through the Q and dO tiles: once warpgroup 1 has read them for
+            # the last blocks (this observes every release's phase, too).
+            @pl.loop(lax.max(cta_steps - PDS_SLOTS, cta_first), cta_steps)
+            def _drain(j):
+                plgpu.barrier_wait(pds_free.at[_slot(j - cta_first, PDS_SLOTS)])
+
+            write(dq_out)
+
+        @pl.when(wg == 1)
+        def _dkv():
+            # Warpgroup 1's query rows are padding: it streams the blocks as a flush does,
+            # and turns each block's P and dS into the block's dV = Pᵀ·dO and dK = dSᵀ·Q,
+            # written through its own Q and dO tiles.
+            def block(j, _):
+                flush(j, None)
+                hand = _slot(j - cta_first, PDS_SLOTS)
+                plgpu.barrier_wait(pds_ready.at[hand])
+                pt, dst = (pds_smem.at[hand, i].transpose((1, 0)) for i in (0, 1))
+                dv, dk = _dots((bkv, d), (pt, do_smem.at[0]), (dst, q_smem.at[0]))
+                plgpu.barrier_arrive(pds_free.at[hand])
+                plgpu.wait_smem_to_gmem(0)  # the last block's writes have left the tiles
+                qs[...] = (dk * p.scale).astype(p.dtype)
+                dos[...] = dv.astype(p.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qs, dq_ref.at[b, rows, h])
-            else:
-                # A chunk's partial dQ as a pair of 16-bit terms, through the Q and dO
-                # tiles: ``hi + lo`` is the f32 partial to about 16 bits of mantissa.
-                dos[...] = (dq - hi.astype(jnp.float32)).astype(p.dtype)
-                plgpu.commit_smem()
-                n = p.part_rows
-                part_rows, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
-                plgpu.copy_smem_to_gmem(qs.at[tile_rows], dq_ref.at[0, chunk, b, part_rows, h])
-                plgpu.copy_smem_to_gmem(dos.at[tile_rows], dq_ref.at[1, chunk, b, part_rows, h])
+                keys = pl.ds(j * bkv, bkv)
+                plgpu.copy_smem_to_gmem(qs, dk_ref.at[b, keys, h])
+                plgpu.copy_smem_to_gmem(dos, dv_ref.at[b, keys, h])
+
+            lax.fori_loop(cta_first, cta_steps, block, None)
             plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
@@ -1335,9 +1416,18 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
     out = (p.batch, p.seq_q_pad, p.heads_q, d)
     if p.kv_chunks > 1:  # (hi, lo) per chunk
         out = (2, p.kv_chunks, p.batch, p.part_seq, p.heads_q, d)
+    out_type = jax.ShapeDtypeStruct(out, p.dtype)
+    if p.dq_dkv:
+        scratch += [
+            _smem((PDS_SLOTS, 2, WG_ROWS, bkv), p.dtype),
+            plgpu.Barrier(num_barriers=PDS_SLOTS),
+            plgpu.Barrier(num_barriers=PDS_SLOTS),
+        ]
+        kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
+        out_type = (out_type, kv, kv)
     return plgpu.kernel(
         functools.partial(_dq_kernel, p=p, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct(out, p.dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch),
         grid_names=("heads", "q_seq", "batch"),
@@ -1911,6 +2001,7 @@ def flash_bwd(
     dkv_paired: bool | None = None,
     dq_split_keys: int | None = None,
     dkv_tiles: int | None = None,
+    dq_dkv: bool = False,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -1928,7 +2019,9 @@ def flash_bwd(
     schedule (:data:`DKV_PAIRED`), the dQ kernel's keys per chunk (a multiple of its keys
     per step; at least ``seq_kv``: no split) and the dK/dV kernel's key tiles per CTA
     (:func:`_dkv_tiles`; the bits do not depend on it); a choice that does not fit shared
-    memory is a ValueError.
+    memory is a ValueError. ``dq_dkv`` has the dQ kernel compute dK and dV too
+    (:attr:`Problem.dq_dkv`; a ValueError where :func:`_dq_dkv_reason` gives a reason):
+    one kernel streams the keys once instead of two kernels streaming them.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -1942,6 +2035,7 @@ def flash_bwd(
             dkv_paired=dkv_paired,
             dq_split_keys=dq_split_keys,
             dkv_tiles=dkv_tiles,
+            dq_dkv=dq_dkv,
         )
         grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
         return tuple(g[..., :d] for g in grads)
@@ -1967,6 +2061,10 @@ def flash_bwd(
         not isinstance(dkv_tiles, int) or isinstance(dkv_tiles, bool) or dkv_tiles < 1
     ):
         raise ValueError(f"attention_mgpu.flash_bwd: {dkv_tiles=} must be an int >= 1 or None")
+    if not isinstance(dq_dkv, bool):
+        raise TypeError(f"attention_mgpu.flash_bwd: {dq_dkv=} must be a bool")
+    if dq_dkv and (why := _dq_dkv_reason(spec, q, k)) is not None:
+        raise ValueError(f"attention_mgpu.flash_bwd: dq_dkv=True does not take the case: {why}")
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
@@ -1991,6 +2089,7 @@ def flash_bwd(
         kind,
         dq_split_keys,
         dkv_tiles,
+        dq_dkv,
     )
     p = _with_features(p, spec, bias)
     delta = jnp.einsum(
@@ -2009,8 +2108,11 @@ def flash_bwd(
     operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
-    dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
-    dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+    if p.dq_dkv:
+        dq, dk, dv = _run(_build_dq(p, interpret), operands, interpret=interpret)
+    else:
+        dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
+        dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
     dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
     dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
     if ex.kv_lengths is not None:  # the dK/dV kernel ran past the length in its last CTA
