@@ -494,6 +494,35 @@ class TestAttentionKernelsInterpret:
             _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
         assert _compat.races_detected() is False
 
+    # The same with segment ids, a bias or a key-padding mask (which the P handed over
+    # carries): against the two-kernel backward. One case per run.
+    @pytest.mark.parametrize("feature", sample(["segments", "bias", "mask"], 1))
+    def test_dq_kernel_computes_dk_dv_with_masks(self, feature):
+        b, sq, skv, h, d = 2, 5, 260, 2, 64  # three chunks of keys, the last short
+        q, do = rand((b, sq, h, d), jnp.float16), rand((b, sq, h, d), jnp.float16)
+        k, v = rand((b, skv, h, d), jnp.float16), rand((b, skv, h, d), jnp.float16)
+        if feature == "segments":
+            q_seg = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], jnp.int32)
+            kv_seg = np.searchsorted([0, 100, 200], np.arange(skv), side="right") - 1
+            extras = (q_seg, jnp.asarray(np.stack([kv_seg] * b), jnp.int32))
+        elif feature == "bias":
+            extras = (rand((1, h, sq, skv), jnp.float16),)
+        else:
+            extras = (jax.random.bernoulli(jax.random.key(3), 0.8, (b, 1, 1, skv)),)
+        spec = AttentionSpec(
+            causal=feature == "bias",
+            scale=d**-0.5,
+            config=FlashAttentionConfig(),
+            **{f"has_{'segment_ids' if feature == 'segments' else feature}": True},
+        )
+        out, lse = am.flash_fwd(spec, q, k, v, *extras, interpret=True)
+        bwd = functools.partial(am.flash_bwd, spec, q, k, v, out, lse, do, *extras)
+        with _compat.gpu_interpret_mode(detect_races=True):
+            got = [np.asarray(g) for g in bwd(interpret=True, dq_dkv=True, dq_split_keys=128)]
+        assert _compat.races_detected() is False
+        for x, y in zip(got, bwd(interpret=True)):
+            assert_close(x, y, factor=2.0)
+
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
     # or a race-detecting, bitwise-repeated one, or one differentiating the bias (the
     # forward kernel, then the reference's backward) (TESSERA_TEST_FULL=1: all).
