@@ -91,13 +91,22 @@ FEATURE_CASES = [
     *((4, s, s, 16, 128, f) for s in (1024, 4096) for f in FEATURES),
     *((4, sq, skv, 16, 128, "decode") for sq in (1, 8, 16) for skv in (4096, 32768)),
     *((1, sq, skv, 8, 128, "decode") for sq in (1, 16) for skv in (4096, 32768)),
+    # GQA: 32 query heads on 8 kv heads (``GQA_GROUP``)
+    *(
+        (b, sq, skv, 32, 128, "decode-gqa")
+        for b in (1, 4)
+        for sq in (1, 16)
+        for skv in (4096, 32768)
+    ),
     *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),
     *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
 ]
 FEATURE_BASELINE = "xla"
 # Cases of a few tens of microseconds, shorter than the host's dispatch of a jitted call:
 # timed per call inside one program (``timing = "in_graph"``), as a model's layers run.
-IN_GRAPH_FEATURES = ("short", "decode")
+IN_GRAPH_FEATURES = ("short", "decode", "decode-gqa")
+# Query heads per kv head of the ``decode-gqa`` cases.
+GQA_GROUP = 4
 
 
 def _ts(q, k, v, causal):
@@ -329,7 +338,8 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
     b, sq, skv, h, d, feature = case
     name = feature_case_name(case, causal, backward)
     q = rand(0, (b, sq, h, d), BF16)
-    k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
+    h_kv = h // GQA_GROUP if feature == "decode-gqa" else h
+    k, v = (rand(i, (b, skv, h_kv, d), BF16) for i in (1, 2))
     do = rand(3, (b, sq, h, d), BF16)
     kw = _feature_kwargs(feature, b, sq, skv, h, causal)
 
@@ -345,7 +355,7 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
 
     fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
-    if feature in ("short", "decode"):  # the kernels take the case, but auto may not
+    if feature in IN_GRAPH_FEATURES:  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
     for blk in ref_blocks:
         cfg = FlashAttentionConfig(block_kv=blk or skv)
@@ -638,7 +648,7 @@ def main():
                 cases[name] = (run_case, shape, causal, backward)
     for fcase in FEATURE_CASES:
         for backward in (False, True):
-            for causal in (False,) if fcase[-1] == "decode" else (False, True):
+            for causal in (False,) if fcase[-1].startswith("decode") else (False, True):
                 cases[feature_case_name(fcase, causal, backward)] = (
                     functools.partial(run_feature_case, ref_blocks=tuple(args.ref_blocks)),
                     fcase,

@@ -327,11 +327,11 @@ def _check_decode(dims, opts, dtype, *, repeat: int = 1, batch_alone: bool = Fal
 def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1):
     """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths
     and an lse cotangent vs float64; ``repeat`` runs agree bit for bit."""
-    b, sq, skv, h, d = dims
+    b, sq, skv, hq, hkv, d = dims
     dtype = jnp.float16
-    q, do = rand((b, sq, h, d), dtype), rand((b, sq, h, d), dtype)
-    k, v = rand((b, skv, h, d), dtype), rand((b, skv, h, d), dtype)
-    dl = rand((b, h, sq), jnp.float32)
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    dl = rand((b, hq, sq), jnp.float32)
     n = jnp.array(lengths, jnp.int32)
     spec = AttentionSpec(
         causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
@@ -483,8 +483,10 @@ class TestAttentionKernelsInterpret:
         "dims, causal, lengths, split_keys",
         sample(
             [
-                pytest.param((2, 3, 600, 2, 64), True, [600, 100], 256, id="chunks-causal"),
-                pytest.param((1, 16, 300, 1, 128), False, [300], None, id="d128"),
+                pytest.param((2, 3, 600, 2, 2, 64), True, [600, 100], 256, id="chunks-causal"),
+                pytest.param((1, 16, 300, 1, 1, 128), False, [300], None, id="d128"),
+                # (the group folded into the rows: :func:`am._fold`)
+                pytest.param((2, 4, 300, 8, 2, 64), False, [300, 70], 128, id="gqa"),
             ],
             1,
         ),
@@ -493,6 +495,39 @@ class TestAttentionKernelsInterpret:
         with _compat.gpu_interpret_mode(detect_races=True):
             _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
         assert _compat.races_detected() is False
+
+    # Decoding with GQA folds the group's queries into one tile's rows: the forward's bits
+    # are those of the unfolded kernels; the gradients against float64. One case per run.
+    @pytest.mark.parametrize(
+        "dims, opts",
+        sample(
+            [
+                pytest.param((2, 3, 600, 4, 1, 64), dict(key_value_seq_lengths=[600, 90])),
+                pytest.param((1, 1, 300, 8, 2, 64), dict(causal=True)),
+            ],
+            1,
+        ),
+    )
+    def test_decode_folds_the_gqa_group(self, dims, opts, monkeypatch):
+        b, sq, skv, hq, hkv, d = dims
+        assert (
+            am._folded_group(
+                _spec(**{"causal": opts.get("causal", False)}),
+                *(jnp.zeros((b, sq, h, d)) for h in (hq, hkv)),
+            )
+            == hq // hkv
+        )
+        q = rand((b, sq, hq, d), jnp.bfloat16)
+        k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
+        lengths = opts.get("key_value_seq_lengths")
+        spec = _spec(causal=opts.get("causal", False), has_kv_lengths=lengths is not None)
+        extras = () if lengths is None else (jnp.array(lengths, jnp.int32),)
+        folded = am.flash_fwd(spec, q, k, v, *extras, interpret=True)
+        monkeypatch.setattr(am, "_folded_group", lambda spec, q, k: 1)
+        for x, y in zip(folded, am.flash_fwd(spec, q, k, v, *extras, interpret=True)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        monkeypatch.undo()
+        _check_index_masks(dims, opts, jnp.bfloat16)
 
     # The same with segment ids, a bias or a key-padding mask (which the P handed over
     # carries): against the two-kernel backward. One case per run.
@@ -641,8 +676,9 @@ class TestAttentionKernelsGPU:
     @pytest.mark.parametrize(
         "dims, causal, lengths",
         [
-            ((4, 16, 4096, 8, 128), False, [4096, 3000, 1, 2048]),
-            ((2, 1, 32768, 4, 64), True, [32768, 100]),
+            ((4, 16, 4096, 8, 8, 128), False, [4096, 3000, 1, 2048]),
+            ((2, 1, 32768, 4, 4, 64), True, [32768, 100]),
+            ((2, 1, 8192, 32, 4, 128), True, [8192, 5000]),
         ],
     )
     def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths):
@@ -1172,7 +1208,8 @@ def test_dq_dkv_lowers_for_cuda(head_dim):
     "q_shape, k_shape, window, reason",
     [
         ((1, 65, 2, 64), (1, 700, 2, 64), None, "seq_q 65 > 64"),
-        ((1, 3, 4, 64), (1, 700, 2, 64), None, "GQA (4 query heads, 2 key heads)"),
+        # (a group too large to fold into one tile's rows)
+        ((1, 40, 4, 64), (1, 700, 2, 64), None, "GQA (4 query heads, 2 key heads)"),
         ((1, 3, 2, 64), (1, 700, 2, 64), (100, 0), "local_window_size (100, 0)"),
         ((1, 3, 2, 256), (1, 700, 2, 256), None, "head_dim 256"),
     ],

@@ -23,7 +23,11 @@ Decoding (a head's queries fit one tile) against a long cache, the forward and d
 split the keys into chunks (:func:`default_split_keys`), a CTA each,
 that write partial results as pairs of 16-bit terms; XLA combines them in f32 in key order
 (:func:`_combine_chunks`, :func:`_sum_chunks`). A warpgroup whose rows are all padding
-computes nothing, and the dK/dV kernel streams no query block of padding only.
+computes nothing, and the dK/dV kernel streams no query block of padding only. Decoding
+with GQA, the wrappers fold the group's queries into one tile's rows (:func:`_fold`).
+Decoding, the dQ kernel can also compute dK and dV (``flash_bwd(dq_dkv=True)``): its
+second warpgroup, whose rows are padding, takes each key block's P and dS from the first
+through shared memory; the dK/dV kernel does not run.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
 Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
@@ -521,6 +525,61 @@ def _bwd_problem(
     return dataclasses.replace(p, dkv_tiles=tiles, dq_dkv=dq_dkv)
 
 
+# Decoding with GQA, each query head of a group would stream its kv head's keys in CTAs of
+# its own. Where no mask depends on the query's position or head, the wrappers fold the
+# group's queries into the rows of one query tile per kv head (head-major: row
+# ``i·seq_q + s`` is query ``s`` of the group's head ``i``): the keys are streamed once per
+# kv head, by as many CTAs per chunk as without GQA. Each row's forward is computed as
+# before (a row's products and softmax do not depend on the other rows: the same bits),
+# and the backward sums a key block's gradients over the group inside one product.
+
+
+def _folded_group(spec, q, k) -> int:
+    """The GQA group folded into the query rows (:func:`_fold`), or 1: at most 64 rows,
+    non-causal or one query (whose causal mask hides no key), and no window, query
+    lengths, segment ids, mask or bias."""
+    sq, g = q.shape[1], q.shape[2] // k.shape[2]
+    per_query = (
+        spec.local_window_size is not None
+        or spec.has_q_lengths
+        or spec.has_segment_ids
+        or spec.has_mask
+        or spec.has_bias
+    )
+    if g == 1 or g * sq > WG_ROWS or (spec.causal and sq > 1) or per_query:
+        return 1
+    return g
+
+
+def _unfolded_spec(spec):
+    """The spec of the folded call: one query sees every key, causal or not."""
+    return spec.replace(causal=False)
+
+
+def _fold(x: jax.Array, g: int) -> jax.Array:
+    """``(B, Sq, Hkv·g, D)`` → ``(B, g·Sq, Hkv, D)``, a group's queries head-major."""
+    b, sq, hq, d = x.shape
+    return x.reshape(b, sq, hq // g, g, d).transpose(0, 3, 1, 2, 4).reshape(b, g * sq, -1, d)
+
+
+def _unfold(x: jax.Array, g: int) -> jax.Array:
+    """:func:`_fold`'s inverse."""
+    b, rows, hkv, d = x.shape
+    return x.reshape(b, g, rows // g, hkv, d).transpose(0, 2, 3, 1, 4).reshape(b, -1, hkv * g, d)
+
+
+def _fold_rows(x: jax.Array, g: int) -> jax.Array:
+    """``(B, Hkv·g, Sq)`` (lse and its cotangent) → ``(B, Hkv, g·Sq)``, as :func:`_fold`."""
+    b, hq, sq = x.shape
+    return x.reshape(b, hq // g, g * sq)
+
+
+def _unfold_rows(x: jax.Array, g: int) -> jax.Array:
+    """:func:`_fold_rows`' inverse."""
+    b, hkv, rows = x.shape
+    return x.reshape(b, hkv * g, rows // g)
+
+
 # The dQ kernel's hand-over ring of P and dS when it computes dK and dV too: warpgroup 0
 # runs this many key blocks ahead of warpgroup 1.
 PDS_SLOTS = 2
@@ -529,9 +588,10 @@ PDS_SLOTS = 2
 def _dq_dkv_reason(spec, q, k) -> str | None:
     """Why the dQ kernel cannot compute dK and dV too (:attr:`Problem.dq_dkv`), or None:
     it needs one query tile of which the second warpgroup's rows are padding (at most 64
-    queries), one query head per key head (no GQA: a key block's gradients would sum over
-    several CTAs), no window (every key block the kernel skips must be past the lengths,
-    whose gradients the wrapper zeroes) and head_dim up to 128."""
+    queries), one query head per key head (no GQA, whose key blocks' gradients would sum
+    over several CTAs, unless :func:`_fold` folded the group into the rows), no window
+    (every key block the kernel skips must be past the lengths, whose gradients the
+    wrapper zeroes) and head_dim up to 128."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
     if sq > WG_ROWS:
         return f"seq_q {sq} > {WG_ROWS}"
@@ -1957,6 +2017,12 @@ def flash_fwd(
         knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
         out, lse = flash_fwd(spec, q, k, v, *extras, interpret=interpret, **knobs)
         return out[..., :d], lse
+    if (g := _folded_group(spec, q, k)) > 1:
+        knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
+        out, lse = flash_fwd(
+            _unfolded_spec(spec), _fold(q, g), k, v, *extras, interpret=interpret, **knobs
+        )
+        return _unfold(out, g), _unfold_rows(lse, g)
     kind = _extras_bias_kind(spec, extras)
     if block_kv is not None and (
         block_kv not in FWD_BLOCK_KV_CHOICES or _fwd_stages(q.shape[-1], block_kv, kind) < 2
@@ -2039,6 +2105,25 @@ def flash_bwd(
         )
         grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
         return tuple(g[..., :d] for g in grads)
+    if (g := _folded_group(spec, q, k)) > 1:
+        knobs = dict(
+            dq_block_kv=dq_block_kv,
+            dkv_stages=dkv_stages,
+            dkv_paired=dkv_paired,
+            dq_split_keys=dq_split_keys,
+            dkv_tiles=dkv_tiles,
+            dq_dkv=dq_dkv,
+        )
+        if spec.has_dlse:  # the lse cotangent comes last, rows like lse's
+            extras = (*extras[:-1], _fold_rows(extras[-1], g))
+        q, out, dout = (_fold(x, g) for x in (q, out, dout))
+        dq, dk, dv = flash_bwd(
+            _unfolded_spec(spec),
+            *(q, k, v, out, _fold_rows(lse, g), dout, *extras),
+            interpret=interpret,
+            **knobs,
+        )
+        return _unfold(dq, g), dk, dv
     extra = SEGMENT_SMEM_BYTES if spec.has_segment_ids else 0
     kind = _extras_bias_kind(spec, extras[: spec.num_extras])
     if dq_block_kv is not None and (
