@@ -161,8 +161,9 @@ class Problem:
         (:func:`_dkv_tiles`); each tile's gradients are summed over the same queries in the
         same order whatever the count, so it changes no bit.
       dq_dkv: the dQ kernel computes dK and dV too, and the dK/dV kernel does not run
-        (:func:`_dq_dkv_reason`: decoding without GQA; its second warpgroup, whose query
-        rows are padding, turns each key block's P and dS into the block's dV and dK).
+        (:func:`_dq_dkv_reason`: decoding, one query head per kv head or the group folded
+        into the rows; its second warpgroup, whose query rows are padding, turns each key
+        block's P and dS into the block's dV and dK).
     """
 
     batch: int
