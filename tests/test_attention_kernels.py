@@ -355,6 +355,51 @@ def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1
         assert_close(got, ref, factor=2.0)
 
 
+def _check_dkv_tiles(dims, causal, tiles, *, interpret):
+    """The dK/dV kernel at ``tiles`` key tiles per CTA (the last CTA short, the second
+    batch entry's length of 100 keys ending in a live CTA) against one tile per CTA, bit
+    for bit, and the gradients of ``(out, lse)``'s cotangents against float64."""
+    b, sq, skv, hq, hkv, d = dims
+    dtype = jnp.float16
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    dl = rand((b, hq, sq), jnp.float32)
+    n = jnp.array([skv, 100], jnp.int32)
+    spec = AttentionSpec(
+        causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
+    )
+    out, lse = am.flash_fwd(spec, q, k, v, n, interpret=interpret)
+    bwd = functools.partial(am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl)
+    assert am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles % tiles != 0
+    grads = [np.asarray(g) for g in bwd(interpret=interpret, dkv_tiles=tiles)]
+    for got, one in zip(grads, bwd(interpret=interpret, dkv_tiles=1)):
+        np.testing.assert_array_equal(got, np.asarray(one))
+    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
+    want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
+    for got, ref in zip(grads, want):
+        assert_close(got, ref, factor=2.0)
+
+
+def _check_folded_group(dims, opts, *, interpret):
+    """Decoding with GQA (``opts``: key lengths or causal) folds the group into the rows:
+    the forward has the bits of the unfolded kernels; forward and gradients through
+    ``ts.flash_attention`` against float64 (:func:`_check_index_masks`)."""
+    b, sq, skv, hq, hkv, d = dims
+    causal, lengths = opts.get("causal", False), opts.get("key_value_seq_lengths")
+    q = rand((b, sq, hq, d), jnp.bfloat16)
+    k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
+    spec = _spec(causal=causal, has_kv_lengths=lengths is not None)
+    assert am._folded_group(spec, q, k) == hq // hkv
+    extras = () if lengths is None else (jnp.array(lengths, jnp.int32),)
+    folded = am.flash_fwd(spec, q, k, v, *extras, interpret=interpret)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(am, "_folded_group", lambda spec, q, k: 1)
+        unfolded = am.flash_fwd(spec, q, k, v, *extras, interpret=interpret)
+    for x, y in zip(folded, unfolded):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _check_index_masks(dims, opts, jnp.bfloat16)
+
+
 # (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal)
 # Padded query and key tails, a GQA group of 2, seq_q < seq_kv (the bottom-right diagonal).
 RAGGED_GQA = (1, 72, 100, 2, 1, 64, True)
@@ -452,29 +497,9 @@ class TestAttentionKernelsInterpret:
         ),
     )
     def test_dkv_tiles_per_cta(self, dims, causal, tiles):
-        b, sq, skv, hq, hkv, d = dims
-        dtype = jnp.float16
-        q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-        k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
-        dl = rand((b, hq, sq), jnp.float32)
-        n = jnp.array([skv, 100], jnp.int32)
-        spec = AttentionSpec(
-            causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
-        )
-        out, lse = am.flash_fwd(spec, q, k, v, n, interpret=True)
-        bwd = functools.partial(
-            am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl
-        )
-        assert am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles % tiles != 0
         with _compat.gpu_interpret_mode(detect_races=True):
-            grads = [np.asarray(g) for g in bwd(interpret=True, dkv_tiles=tiles)]
+            _check_dkv_tiles(dims, causal, tiles, interpret=True)
         assert _compat.races_detected() is False
-        for got, one in zip(grads, bwd(interpret=True, dkv_tiles=1)):
-            np.testing.assert_array_equal(got, np.asarray(one))
-        opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
-        want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
-        for got, ref in zip(grads, want):
-            assert_close(got, ref, factor=2.0)
 
     # The dQ kernel computing dK and dV too: warpgroup 0 hands each key block's P and dS
     # to warpgroup 1 through a ring, and writes dQ through tiles warpgroup 1 reads. Race
@@ -508,26 +533,8 @@ class TestAttentionKernelsInterpret:
             1,
         ),
     )
-    def test_decode_folds_the_gqa_group(self, dims, opts, monkeypatch):
-        b, sq, skv, hq, hkv, d = dims
-        assert (
-            am._folded_group(
-                _spec(**{"causal": opts.get("causal", False)}),
-                *(jnp.zeros((b, sq, h, d)) for h in (hq, hkv)),
-            )
-            == hq // hkv
-        )
-        q = rand((b, sq, hq, d), jnp.bfloat16)
-        k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
-        lengths = opts.get("key_value_seq_lengths")
-        spec = _spec(causal=opts.get("causal", False), has_kv_lengths=lengths is not None)
-        extras = () if lengths is None else (jnp.array(lengths, jnp.int32),)
-        folded = am.flash_fwd(spec, q, k, v, *extras, interpret=True)
-        monkeypatch.setattr(am, "_folded_group", lambda spec, q, k: 1)
-        for x, y in zip(folded, am.flash_fwd(spec, q, k, v, *extras, interpret=True)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        monkeypatch.undo()
-        _check_index_masks(dims, opts, jnp.bfloat16)
+    def test_decode_folds_the_gqa_group(self, dims, opts):
+        _check_folded_group(dims, opts, interpret=True)
 
     # The same with segment ids, a bias or a key-padding mask (which the P handed over
     # carries): against the two-kernel backward. One case per run.
@@ -683,6 +690,26 @@ class TestAttentionKernelsGPU:
     )
     def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths):
         _check_dq_dkv(dims, causal, lengths, interpret=False, repeat=3)
+
+    @pytest.mark.parametrize(
+        "dims, causal, tiles",
+        [
+            ((2, 16, 4000, 8, 8, 128), False, 3),  # 32 tiles: CTAs of 3, the last of 2
+            ((2, 3, 9000, 8, 2, 64), True, 16),
+        ],
+    )
+    def test_dkv_tiles_per_cta(self, dims, causal, tiles):
+        _check_dkv_tiles(dims, causal, tiles, interpret=False)
+
+    @pytest.mark.parametrize(
+        "dims, opts",
+        [
+            ((4, 16, 4096, 16, 4, 128), dict(key_value_seq_lengths=[4096, 3000, 1, 2048])),
+            ((2, 1, 32768, 32, 4, 64), dict(causal=True)),
+        ],
+    )
+    def test_decode_folds_the_gqa_group(self, dims, opts):
+        _check_folded_group(dims, opts, interpret=False)
 
     # The forward and dQ kernels' key chunks at their tuned lengths, ragged caches.
     @pytest.mark.parametrize(

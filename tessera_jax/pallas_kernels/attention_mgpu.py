@@ -2012,14 +2012,14 @@ def flash_fwd(
     reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
+    # (for the calls on padded head dims or a folded group)
+    knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
-        knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
         out, lse = flash_fwd(spec, q, k, v, *extras, interpret=interpret, **knobs)
         return out[..., :d], lse
     if (g := _folded_group(spec, q, k)) > 1:
-        knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
         out, lse = flash_fwd(
             _unfolded_spec(spec), _fold(q, g), k, v, *extras, interpret=interpret, **knobs
         )
@@ -2093,28 +2093,21 @@ def flash_bwd(
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_bwd: this kernel cannot run the case: {reason}")
+    # (for the calls on padded head dims or a folded group)
+    knobs = dict(
+        dq_block_kv=dq_block_kv,
+        dkv_stages=dkv_stages,
+        dkv_paired=dkv_paired,
+        dq_split_keys=dq_split_keys,
+        dkv_tiles=dkv_tiles,
+        dq_dkv=dq_dkv,
+    )
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v, out, dout = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v, out, dout))
-        knobs = dict(
-            dq_block_kv=dq_block_kv,
-            dkv_stages=dkv_stages,
-            dkv_paired=dkv_paired,
-            dq_split_keys=dq_split_keys,
-            dkv_tiles=dkv_tiles,
-            dq_dkv=dq_dkv,
-        )
         grads = flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret=interpret, **knobs)
         return tuple(g[..., :d] for g in grads)
     if (g := _folded_group(spec, q, k)) > 1:
-        knobs = dict(
-            dq_block_kv=dq_block_kv,
-            dkv_stages=dkv_stages,
-            dkv_paired=dkv_paired,
-            dq_split_keys=dq_split_keys,
-            dkv_tiles=dkv_tiles,
-            dq_dkv=dq_dkv,
-        )
         if spec.has_dlse:  # the lse cotangent comes last, rows like lse's
             extras = (*extras[:-1], _fold_rows(extras[-1], g))
         q, out, dout = (_fold(x, g) for x in (q, out, dout))
