@@ -8,6 +8,7 @@ reference before it is timed::
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-fwd --only bf16  # forward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-decode  # key chunks, decoding
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-dq-dkv  # decode backward
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --power   # watts and clocks, D=128
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
@@ -559,9 +560,9 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
             fwd = jax.jit(functools.partial(am.flash_fwd, spec))
             args = (q, k, v, *fwd(q, k, v), do)
             sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
-            variants = {name: dict(dq_split_keys=n) for name, n in splits.items()}
-            # The dK/dV kernel's key tiles per CTA, beside the dQ kernel's default chunks;
-            # the dQ kernel computing dK and dV too.
+            # The two kernels: the dQ kernel's chunks, the dK/dV kernel's key tiles per CTA
+            # beside the dQ kernel's default chunks; then the dQ kernel computing dK and dV.
+            variants = {name: dict(dq_split_keys=n, dq_dkv=False) for name, n in splits.items()}
             variants.update({f"mosaic_gpu[dkv_tiles={t}]": dict(dkv_tiles=t) for t in DKV_TILES})
             variants["mosaic_gpu[dq_dkv]"] = dict(dq_dkv=True)
             chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
@@ -570,6 +571,40 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
             name: jax.jit(functools.partial(kernel_fn, spec, **kw)) for name, kw in variants.items()
         }
         recs += _time_variants(case, fns, args, "mosaic_gpu[no split]", None, sets, chain)
+    return recs
+
+
+# (batch, query heads, kv heads, seq_q, seq_kv) of the ``--sweep-dq-dkv`` cases, D128.
+DQ_DKV_SHAPES = [
+    *((b, h, h, sq, skv) for b, h in ((1, 8), (4, 16)) for sq in (1, 16) for skv in (4096, 32768)),
+    *((b, 32, 8, sq, skv) for b, sq, skv in ((1, 1, 32768), (4, 1, 32768), (1, 16, 4096))),
+]
+
+
+def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
+    """The backward at decode shapes (:data:`DQ_DKV_SHAPES`, GQA groups folded into the
+    rows) with the dQ kernel computing dK and dV (``dq_dkv``, the default there) against
+    the dQ and dK/dV kernels (baseline), timed inside one program as :func:`_sweep_decode`
+    does; ``rel_err`` against the two kernels, whose bits differ from more than one row."""
+    recs = []
+    d = 128
+    for b, h, hkv, sq, skv in DQ_DKV_SHAPES:
+        case = f"sweep-dqdkv-bwd-noncausal-b{b}-sq{sq}-skv{skv}-h{h}-hkv{hkv}-d{d}-bf16"
+        if only and not any(x in case for x in only):
+            continue
+        q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
+        k, v = (rand(i, (b, skv, hkv, d), BF16) for i in (1, 2))
+        spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
+        fwd = jax.jit(functools.partial(am.flash_fwd, spec))
+        args = (q, k, v, *fwd(q, k, v), do)
+        sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in _kv_sets(k, v)]
+        variants = {"mosaic_gpu[two kernels]": False, "mosaic_gpu[dq_dkv]": True}
+        fns = {
+            name: jax.jit(functools.partial(am.flash_bwd, spec, dq_dkv=on))
+            for name, on in variants.items()
+        }
+        chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
+        recs += _time_variants(case, fns, args, "mosaic_gpu[two kernels]", None, sets, chain)
     return recs
 
 
@@ -618,6 +653,9 @@ def main():
     p.add_argument("--sweep-fwd", action="store_true", help="only the forward's sweep")
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     p.add_argument("--sweep-decode", action="store_true", help="only the key chunks of decoding")
+    p.add_argument(
+        "--sweep-dq-dkv", action="store_true", help="only the decode backward's one or two kernels"
+    )
     p.add_argument("--power", action="store_true", help="only power and clocks at D=128")
     args = p.parse_args()
     dev = jax.devices()[0]
@@ -626,7 +664,7 @@ def main():
         name = f"attention-{device_name(family=True)}-power.json"
         write_records(Path(args.json or results_path(name)), run_power())
         return
-    if args.sweep or args.sweep_fwd or args.sweep_bwd or args.sweep_decode:
+    if args.sweep or args.sweep_fwd or args.sweep_bwd or args.sweep_decode or args.sweep_dq_dkv:
         name = f"attention-{device_name(family=True)}-sweep.json"
         if args.sweep:
             recs = run_sweep()
@@ -634,6 +672,7 @@ def main():
             recs = _sweep_fwd(args.only) if args.sweep_fwd else []
             recs += _sweep_bwd(args.only) if args.sweep_bwd else []
             recs += _sweep_decode(args.only) if args.sweep_decode else []
+            recs += _sweep_dq_dkv(args.only) if args.sweep_dq_dkv else []
         write_records(Path(args.json or results_path(name)), recs)
         return
     cases = {}

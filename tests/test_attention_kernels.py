@@ -474,7 +474,10 @@ class TestAttentionKernelsInterpret:
         spec = _spec(causal=True)
         with _compat.gpu_interpret_mode(detect_races=True):
             out, lse = am.flash_fwd(spec, q, k, v, interpret=True, split_keys=256)
-            grads = am.flash_bwd(spec, q, k, v, out, lse, do, interpret=True, dq_split_keys=256)
+            # (the two kernels: the dQ kernel computing dK and dV has a race test of its own)
+            grads = am.flash_bwd(
+                spec, q, k, v, out, lse, do, interpret=True, dq_split_keys=256, dq_dkv=False
+            )
             grads = [np.asarray(g) for g in grads]
         assert _compat.races_detected() is False
         assert_close(out, np_attention(f64(q), f64(k), f64(v), True), factor=2.0)
@@ -562,7 +565,7 @@ class TestAttentionKernelsInterpret:
         with _compat.gpu_interpret_mode(detect_races=True):
             got = [np.asarray(g) for g in bwd(interpret=True, dq_dkv=True, dq_split_keys=128)]
         assert _compat.races_detected() is False
-        for x, y in zip(got, bwd(interpret=True)):
+        for x, y in zip(got, bwd(interpret=True, dq_dkv=False)):
             assert_close(x, y, factor=2.0)
 
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
@@ -1131,12 +1134,20 @@ def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
 
 
 @pytest.mark.parametrize(
-    "sq, skv, preferred", [(1, 32768, False), (1, 4096, True), (8, 32768, True)]
+    "sq, skv, hq, hkv, preferred",
+    [
+        (1, 32768, 16, 16, False),
+        (1, 4096, 16, 16, True),
+        (8, 32768, 16, 16, True),
+        (1, 32768, 32, 8, True),  # the group folded into the rows
+        (1, 32768, 128, 1, False),  # a group of 128: too many rows to fold
+    ],
 )
-def test_prefer_decoding_backward(sq, skv, preferred):
+def test_prefer_decoding_backward(sq, skv, hq, hkv, preferred):
     """One query's backward against a long cache runs the one-block reference, which
-    measured faster there; more queries, or a shorter cache, the kernels."""
-    avals = _avals(4, sq, skv, 16, 16, 128, jnp.bfloat16, backward=True)
+    measured as fast there, unless a GQA group folds into the kernels' rows; more queries,
+    or a shorter cache, the kernels."""
+    avals = _avals(4, sq, skv, hq, hkv, 128, jnp.bfloat16, backward=True)
     assert am.prefer(_spec(), avals) is preferred
     assert am.prefer(_spec(has_dlse=True), (*avals, avals[4])) is preferred
 
@@ -1249,6 +1260,43 @@ def test_dq_dkv_declines_with_a_reason(q_shape, k_shape, window, reason):
         am.flash_bwd(spec, q, k, k, q, lse, q, dq_dkv=True)
     with pytest.raises(TypeError, match="dq_dkv=1 must be a bool"):
         am.flash_bwd(spec, q, k, k, q, lse, q, dq_dkv=1)
+
+
+@pytest.mark.parametrize(
+    "knobs, reason",
+    [
+        (dict(dkv_tiles=2), "dkv_tiles=2 tune the two-kernel backward"),
+        (dict(dkv_stages=2, dkv_paired=True), "dkv_stages=2, dkv_paired=True tune the two"),
+        (dict(dq_block_kv=128), "dq_block_kv=128 (dq_dkv steps 64 keys) tune the two"),
+    ],
+)
+def test_dq_dkv_declines_the_two_kernel_knobs(knobs, reason):
+    """Knobs of the dK/dV kernel, which does not run when the dQ kernel computes dK and
+    dV, are a ValueError beside ``dq_dkv=True``; by default they select the two kernels."""
+    q, k = jnp.zeros((1, 3, 2, 64), jnp.bfloat16), jnp.zeros((1, 700, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 3), jnp.float32)
+    with pytest.raises(ValueError, match=re.escape(f"does not take the case: {reason}")):
+        am.flash_bwd(_spec(), q, k, k, q, lse, q, dq_dkv=True, **knobs)
+    lowered = cuda_lowering(functools.partial(am.flash_bwd, _spec(), **knobs), q, k, k, q, lse, q)
+    assert len(mosaic_gpu_calls(lowered)) == 2
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, calls",
+    [
+        ((1, 16, 4, 128), (1, 4096, 4, 128), 1),  # decoding
+        ((1, 4, 8, 64), (1, 700, 2, 64), 1),  # a GQA group folded into 16 rows
+        ((1, 65, 2, 64), (1, 700, 2, 64), 2),  # more queries than one warpgroup's rows
+        ((1, 3, 2, 256), (1, 700, 2, 256), 2),
+    ],
+)
+def test_dq_dkv_by_default_where_it_fits(q_shape, k_shape, calls):
+    """By default the dQ kernel computes dK and dV wherever it can (one Mosaic GPU call),
+    else the dQ and dK/dV kernels run (two)."""
+    q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
+    lse = jnp.zeros((1, q_shape[2], q_shape[1]), jnp.float32)
+    lowered = cuda_lowering(functools.partial(am.flash_bwd, _spec()), q, k, k, q, lse, q)
+    assert len(mosaic_gpu_calls(lowered)) == calls
 
 
 @pytest.mark.parametrize(

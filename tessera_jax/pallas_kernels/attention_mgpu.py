@@ -25,9 +25,10 @@ that write partial results as pairs of 16-bit terms; XLA combines them in f32 in
 (:func:`_combine_chunks`, :func:`_sum_chunks`). A warpgroup whose rows are all padding
 computes nothing, and the dK/dV kernel streams no query block of padding only. Decoding
 with GQA, the wrappers fold the group's queries into one tile's rows (:func:`_fold`).
-Decoding, the dQ kernel can also compute dK and dV (``flash_bwd(dq_dkv=True)``): its
-second warpgroup, whose rows are padding, takes each key block's P and dS from the first
-through shared memory; the dK/dV kernel does not run.
+Decoding (at most 64 query rows), the dQ kernel computes dK and dV too
+(:attr:`Problem.dq_dkv`, on by default where :func:`_dq_dkv_reason` allows): its second
+warpgroup, whose rows are padding, takes each key block's P and dS from the first through
+shared memory; the dK/dV kernel does not run, and the cache is read once, not twice.
 ``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
 
 Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
@@ -163,7 +164,8 @@ class Problem:
       dq_dkv: the dQ kernel computes dK and dV too, and the dK/dV kernel does not run
         (:func:`_dq_dkv_reason`: decoding, one query head per kv head or the group folded
         into the rows; its second warpgroup, whose query rows are padding, turns each key
-        block's P and dS into the block's dV and dK).
+        block's P and dS into the block's dV and dK). ``flash_bwd``'s default wherever it
+        fits.
     """
 
     batch: int
@@ -2068,7 +2070,7 @@ def flash_bwd(
     dkv_paired: bool | None = None,
     dq_split_keys: int | None = None,
     dkv_tiles: int | None = None,
-    dq_dkv: bool = False,
+    dq_dkv: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -2086,9 +2088,15 @@ def flash_bwd(
     schedule (:data:`DKV_PAIRED`), the dQ kernel's keys per chunk (a multiple of its keys
     per step; at least ``seq_kv``: no split) and the dK/dV kernel's key tiles per CTA
     (:func:`_dkv_tiles`; the bits do not depend on it); a choice that does not fit shared
-    memory is a ValueError. ``dq_dkv`` has the dQ kernel compute dK and dV too
-    (:attr:`Problem.dq_dkv`; a ValueError where :func:`_dq_dkv_reason` gives a reason):
-    one kernel streams the keys once instead of two kernels streaming them.
+    memory is a ValueError. ``dq_dkv``: whether the dQ kernel computes dK and dV too
+    (:attr:`Problem.dq_dkv`: one kernel streams the keys once instead of two kernels
+    streaming them); None: wherever :func:`_dq_dkv_reason` gives no reason (it depends
+    on the query rows, the GQA group, the window and head_dim, never on batch or heads, so
+    a data- or head-sharded run takes the same path on every device count) and no knob of
+    the two-kernel backward is given (the dK/dV kernel's, or ``dq_block_kv`` other than
+    64). True where either holds is a ValueError. The two paths sum a key's gradients
+    over the same queries in a different order: for more than one query row their bits
+    differ.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -2140,10 +2148,19 @@ def flash_bwd(
         not isinstance(dkv_tiles, int) or isinstance(dkv_tiles, bool) or dkv_tiles < 1
     ):
         raise ValueError(f"attention_mgpu.flash_bwd: {dkv_tiles=} must be an int >= 1 or None")
-    if not isinstance(dq_dkv, bool):
-        raise TypeError(f"attention_mgpu.flash_bwd: {dq_dkv=} must be a bool")
-    if dq_dkv and (why := _dq_dkv_reason(spec, q, k)) is not None:
+    if dq_dkv is not None and not isinstance(dq_dkv, bool):
+        raise TypeError(f"attention_mgpu.flash_bwd: {dq_dkv=} must be a bool or None")
+    # Knobs of the dK/dV kernel, or of a dQ step other than 64 keys (warpgroup 1's dK and
+    # dV accumulators fill its registers at 64), ask for the two kernels.
+    dkv_knobs = {"dkv_stages": dkv_stages, "dkv_paired": dkv_paired, "dkv_tiles": dkv_tiles}
+    two_kernels = [f"{n}={x}" for n, x in dkv_knobs.items() if x is not None]
+    if dq_block_kv not in (None, WG_ROWS):
+        two_kernels.append(f"{dq_block_kv=} (dq_dkv steps {WG_ROWS} keys)")
+    why = _dq_dkv_reason(spec, q, k)
+    if dq_dkv and (why is not None or two_kernels):
+        why = why or f"{', '.join(two_kernels)} tune the two-kernel backward"
         raise ValueError(f"attention_mgpu.flash_bwd: dq_dkv=True does not take the case: {why}")
+    dq_dkv = why is None and not two_kernels if dq_dkv is None else dq_dkv
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
@@ -2352,11 +2369,15 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # 128-256 keys are not re-measured). Below PREFER_MIN_SEQ queries or keys the 128-row tile
 # padding is unmeasured. Decoding (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys
 # or more runs the kernels too: the padded tile costs little beside streaming the cache (the
-# ``…-decode-…`` cases, timed inside one program; at B1 H8 the backward kernels run short
-# of XLA, and so does the forward for 16 queries against 4096 keys).
-# One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys is the exception: the
-# one-block reference (dense over the keys, one pass for dQ, dK and dV) ran faster there
-# (the ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases; at 4096 keys the kernels did).
+# ``…-decode-…`` cases, timed inside one program; at B1 H8 the forward for 16 queries
+# against 4096 keys runs short of XLA).
+# One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys, one query head per kv
+# head, is the exception: the one-block reference (dense over the keys, one pass for dQ,
+# dK and dV) ran faster there than the two backward kernels and as fast as the dQ kernel
+# computing dK and dV too (the ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases and the
+# ``sweep-dqdkv-…`` rows of attention-h100-sweep.json). With a GQA group folded into the
+# rows the kernels ran faster (the ``…-decode-gqa-b4-sq1-skv32768-…`` case): the
+# reference's backward sums the group's gradients per kv head outside the products.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
@@ -2367,10 +2388,11 @@ def prefer(spec, avals: Sequence[Any]) -> bool:
     """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
     from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`,
     :data:`DECODE_MIN_KV`), but not one query's backward against
-    :data:`DECODE_BWD_REFERENCE_MIN_KV` keys or more. Asked only of cases :func:`supports`
-    accepts."""
-    sq, skv = avals[0].shape[1], avals[1].shape[1]
+    :data:`DECODE_BWD_REFERENCE_MIN_KV` keys or more unless a GQA group is folded into the
+    rows (:func:`_folded_group`). Asked only of cases :func:`supports` accepts."""
+    q, k = avals[0], avals[1]
+    sq, skv = q.shape[1], k.shape[1]
     backward = _fixed_operands(spec, avals) == 6
     if backward and sq == 1 and skv >= DECODE_BWD_REFERENCE_MIN_KV:
-        return False
+        return _folded_group(spec, q, k) > 1
     return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)
