@@ -529,6 +529,24 @@ DECODE_SPLITS = (512, 1024, 2048, 4096, 8192)
 DKV_TILES = (1, 2, 4, 8, 16)
 
 
+def _decode_operands(b, sq, skv, h, hkv, d, backward: bool):
+    """A non-causal spec, the forward's (or with ``backward``, the backward kernels')
+    operands at a decode shape, and their sets over more K/V caches (:func:`_kv_sets`)."""
+    q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
+    k, v = (rand(i, (b, skv, hkv, d), BF16) for i in (1, 2))
+    spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
+    kv = _kv_sets(k, v)
+    if not backward:
+        return spec, (q, k, v), [(q, *kv_i) for kv_i in kv]
+    fwd = jax.jit(functools.partial(am.flash_fwd, spec))
+    return spec, (q, k, v, *fwd(q, k, v), do), [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
+
+
+def _next_do(args, res):
+    """The next backward call's operands: this call's dQ as its dO."""
+    return (*args[:5], res[0])
+
+
 def _sweep_decode(only: list[str] = ()) -> list[dict]:
     """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
     16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
@@ -544,28 +562,20 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
         case = f"sweep-decode-{kernel}-noncausal-b{b}-sq{sq}-skv{skv}-h{h}-d{d}-bf16"
         if only and not any(x in case for x in only):
             continue
-        q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
-        k, v = (rand(i, (b, skv, h, d), BF16) for i in (1, 2))
-        spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
+        spec, args, sets = _decode_operands(b, sq, skv, h, h, d, kernel == "bwd")
         splits = {"mosaic_gpu[no split]": skv}
         splits.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
-        kv = _kv_sets(k, v)
         if kernel == "fwd":
-            args = (q, k, v)
-            sets = [(q, *kv_i) for kv_i in kv]
             variants = {name: dict(split_keys=n) for name, n in splits.items()}
             chain = lambda args, res: (res[0], *args[1:])  # the next query: this output
             kernel_fn = am.flash_fwd
         else:
-            fwd = jax.jit(functools.partial(am.flash_fwd, spec))
-            args = (q, k, v, *fwd(q, k, v), do)
-            sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in kv]
             # The two kernels: the dQ kernel's chunks, the dK/dV kernel's key tiles per CTA
             # beside the dQ kernel's default chunks; then the dQ kernel computing dK and dV.
             variants = {name: dict(dq_split_keys=n, dq_dkv=False) for name, n in splits.items()}
             variants.update({f"mosaic_gpu[dkv_tiles={t}]": dict(dkv_tiles=t) for t in DKV_TILES})
             variants["mosaic_gpu[dq_dkv]"] = dict(dq_dkv=True)
-            chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
+            chain = _next_do
             kernel_fn = am.flash_bwd
         fns = {
             name: jax.jit(functools.partial(kernel_fn, spec, **kw)) for name, kw in variants.items()
@@ -592,19 +602,13 @@ def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
         case = f"sweep-dqdkv-bwd-noncausal-b{b}-sq{sq}-skv{skv}-h{h}-hkv{hkv}-d{d}-bf16"
         if only and not any(x in case for x in only):
             continue
-        q, do = (rand(i, (b, sq, h, d), BF16) for i in (0, 3))
-        k, v = (rand(i, (b, skv, hkv, d), BF16) for i in (1, 2))
-        spec = AttentionSpec(causal=False, scale=d**-0.5, config=FlashAttentionConfig())
-        fwd = jax.jit(functools.partial(am.flash_fwd, spec))
-        args = (q, k, v, *fwd(q, k, v), do)
-        sets = [(q, *kv_i, *fwd(q, *kv_i), do) for kv_i in _kv_sets(k, v)]
+        spec, args, sets = _decode_operands(b, sq, skv, h, hkv, d, True)
         variants = {"mosaic_gpu[two kernels]": False, "mosaic_gpu[dq_dkv]": True}
         fns = {
             name: jax.jit(functools.partial(am.flash_bwd, spec, dq_dkv=on))
             for name, on in variants.items()
         }
-        chain = lambda args, res: (*args[:5], res[0])  # the next dO: this dQ
-        recs += _time_variants(case, fns, args, "mosaic_gpu[two kernels]", None, sets, chain)
+        recs += _time_variants(case, fns, args, "mosaic_gpu[two kernels]", None, sets, _next_do)
     return recs
 
 
