@@ -2376,8 +2376,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # dK and dV) ran faster there than the two backward kernels and as fast as the dQ kernel
 # computing dK and dV too (the ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases and the
 # ``sweep-dqdkv-…`` rows of attention-h100-sweep.json). With a GQA group folded into the
-# rows the kernels ran faster (the ``…-decode-gqa-b4-sq1-skv32768-…`` case): the
-# reference's backward sums the group's gradients per kv head outside the products.
+# rows the kernels ran faster (the ``…-decode-gqa-b4-sq1-skv32768-…`` case).
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
