@@ -1299,6 +1299,24 @@ def test_dq_dkv_by_default_where_it_fits(q_shape, k_shape, calls):
     assert len(mosaic_gpu_calls(lowered)) == calls
 
 
+def test_dq_dkv_fits_beside_every_feature():
+    """At head_dim 128 the hand-over ring fits shared memory beside a key-padding mask,
+    a bias tile ring, segment ids and key lengths: the one kernel lowers for cuda."""
+    b, sq, skv, h, d = 2, 16, 1000, 2, 128
+    q, k = jnp.zeros((b, sq, h, d), jnp.bfloat16), jnp.zeros((b, skv, h, d), jnp.bfloat16)
+    lse = jnp.zeros((b, h, sq), jnp.float32)
+    extras = (
+        jnp.ones((b, 1, 1, skv), bool),
+        jnp.zeros((1, h, sq, skv), jnp.bfloat16),
+        jnp.array([skv, 10], jnp.int32),
+        jnp.zeros((b, sq), jnp.int32),
+        jnp.zeros((b, skv), jnp.int32),
+    )
+    spec = _spec(has_mask=True, has_bias=True, has_kv_lengths=True, has_segment_ids=True)
+    lowered = cuda_lowering(functools.partial(am.flash_bwd, spec), q, k, k, q, lse, q, *extras)
+    assert len(mosaic_gpu_calls(lowered)) == 1
+
+
 @pytest.mark.parametrize(
     "b, sq, skv, h, d, tiles",
     [
