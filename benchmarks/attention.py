@@ -332,10 +332,13 @@ def feature_case_name(case, causal: bool, backward: bool) -> str:
     return f"{mode}-{'causal' if causal else 'noncausal'}-{tag}b{b}-{seq}-h{h}-d{d}-bf16"
 
 
-def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[dict]:
+def run_feature_case(
+    case, causal: bool, backward: bool, impls: tuple[str, ...] = (), ref_blocks=()
+) -> list[dict]:
     """``ts.flash_attention`` in ``auto`` mode (``impl = "ts_auto"``) against jax.nn's
-    default (XLA, the baseline) and cuDNN where it accepts the case; ``ref_blocks`` adds
-    the blocked reference with those ``block_kv`` (0: one block of all keys)."""
+    default (XLA, the baseline) and cuDNN where it accepts the case, or only those of them
+    named in ``impls`` beside the baseline; ``ref_blocks`` adds the blocked reference with
+    those ``block_kv`` (0: one block of all keys)."""
     b, sq, skv, h, d, feature = case
     name = feature_case_name(case, causal, backward)
     q = rand(0, (b, sq, h, d), BF16)
@@ -358,6 +361,8 @@ def run_feature_case(case, causal: bool, backward: bool, ref_blocks=()) -> list[
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
     if feature in IN_GRAPH_FEATURES:  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
+    if impls:
+        fns = {n: f for n, f in fns.items() if n in impls or n == FEATURE_BASELINE}
     for blk in ref_blocks:
         cfg = FlashAttentionConfig(block_kv=blk or skv)
         fns[f"ts_reference[block_kv={blk or 'all'}]"] = (ts_fn(cfg), "xla")
@@ -644,7 +649,7 @@ def main():
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--json", default=None, help="output path (default $OUT/ or results/)")
     p.add_argument(
-        "--impls", nargs="*", default=[], help="only these implementations (and the cudnn baseline)"
+        "--impls", nargs="*", default=[], help="only these implementations (and the baseline)"
     )
     p.add_argument(
         "--ref-blocks",
@@ -705,8 +710,7 @@ def main():
     recs = []
     for name, (run, shape, causal, backward) in cases.items():
         try:
-            extra = (tuple(args.impls),) if run is run_case else ()
-            recs.extend(run(shape, causal, backward, *extra))
+            recs.extend(run(shape, causal, backward, tuple(args.impls)))
         except Exception as e:
             traceback.print_exc()
             print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
