@@ -184,10 +184,17 @@ def results_path(filename: str) -> Path:
 
 
 def record(
-    suite: str, case: str, impl: str, baseline: str, ms: float, baseline_ms: float, **fields: Any
+    suite: str,
+    case: str,
+    impl: str,
+    baseline: str,
+    ms: float,
+    baseline_ms: float | None,
+    **fields: Any,
 ) -> dict[str, Any]:
     """One record of the benchmarks' common schema: the device family, the jax version, both
-    times and ``ratio = baseline_ms / ms`` (above 1: ``impl`` is faster), then ``fields``."""
+    times and ``ratio = baseline_ms / ms`` (above 1: ``impl`` is faster; None where the
+    baseline did not run), then ``fields``."""
     return dict(
         suite=suite,
         case=case,
@@ -197,7 +204,7 @@ def record(
         baseline=baseline,
         ms=ms,
         baseline_ms=baseline_ms,
-        ratio=baseline_ms / ms,
+        ratio=None if baseline_ms is None else baseline_ms / ms,
         **fields,
     )
 

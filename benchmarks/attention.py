@@ -57,6 +57,7 @@ import tessera_jax as ts  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_name,
     power_draw,
+    record,
     results_path,
     rotation,
     time_in_graph,
@@ -246,16 +247,13 @@ def _measure(case, fns, args, ref, flops, baseline, backward, sets=None) -> list
     recs = []
     for name in jitted:
         recs.append(
-            dict(
-                suite="attention",
-                case=case,
-                device=device_name(family=True),
-                jax=jax.__version__,
-                impl=name,
-                baseline=baseline,
-                ms=ms[name],
-                baseline_ms=base_ms,
-                ratio=(base_ms / ms[name]) if base_ms else None,
+            record(
+                "attention",
+                case,
+                name,
+                baseline,
+                ms[name],
+                base_ms,
                 tflops=flops / (ms[name] * 1e-3) / 1e12,
                 rel_err=errs[name],
                 bitwise_repeatable=repeat[name],
@@ -490,18 +488,7 @@ def _time_variants(
 def _sweep_record(case, name, base, ms, flops, sets, rel_err) -> dict:
     """A sweep record of variant ``name`` against ``base`` from their times ``ms``
     (:func:`_times`, with ``sets`` or not); ``tflops`` where ``flops`` is given."""
-    rec = dict(
-        suite="attention-sweep",
-        case=case,
-        device=device_name(family=True),
-        jax=jax.__version__,
-        impl=name,
-        baseline=base,
-        ms=ms[name],
-        baseline_ms=ms[base],
-        ratio=ms[base] / ms[name],
-        timing=_timing(sets),
-    )
+    rec = record("attention-sweep", case, name, base, ms[name], ms[base], timing=_timing(sets))
     if flops is not None:
         rec["tflops"] = flops / (ms[name] * 1e-3) / 1e12
     return dict(rec, rel_err=rel_err)
