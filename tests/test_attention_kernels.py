@@ -324,9 +324,9 @@ def _check_decode(dims, opts, dtype, *, repeat: int = 1, batch_alone: bool = Fal
             np.testing.assert_array_equal(np.asarray(x[-1:]), np.asarray(y))
 
 
-def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1):
-    """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths
-    and an lse cotangent vs float64; ``repeat`` runs agree bit for bit."""
+def _bwd_with_lengths(dims, causal, lengths, *, interpret):
+    """``flash_bwd`` bound to f16 operands with key ``lengths`` and an lse cotangent (its
+    knobs left to the caller), and the float64 gradients it should give."""
     b, sq, skv, hq, hkv, d = dims
     dtype = jnp.float16
     q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
@@ -338,19 +338,22 @@ def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1
     )
     out, lse = am.flash_fwd(spec, q, k, v, n, interpret=interpret)
     bwd = functools.partial(
-        am.flash_bwd,
-        spec.replace(has_dlse=True),
-        *(q, k, v, out, lse, do, n, dl),
-        interpret=interpret,
-        dq_dkv=True,
-        dq_split_keys=split_keys,
+        am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl, interpret=interpret
     )
-    runs = [[np.asarray(g) for g in bwd()] for _ in range(repeat)]
+    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
+    return bwd, np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
+
+
+def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1):
+    """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths
+    and an lse cotangent vs float64; ``repeat`` runs agree bit for bit."""
+    bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret)
+    runs = [
+        [np.asarray(g) for g in bwd(dq_dkv=True, dq_split_keys=split_keys)] for _ in range(repeat)
+    ]
     for later in runs[1:]:
         for x, y in zip(runs[0], later):
             np.testing.assert_array_equal(x, y)
-    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
-    want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
     for got, ref in zip(runs[0], want):
         assert_close(got, ref, factor=2.0)
 
@@ -360,22 +363,12 @@ def _check_dkv_tiles(dims, causal, tiles, *, interpret):
     batch entry's length of 100 keys ending in a live CTA) against one tile per CTA, bit
     for bit, and the gradients of ``(out, lse)``'s cotangents against float64."""
     b, sq, skv, hq, hkv, d = dims
-    dtype = jnp.float16
-    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
-    dl = rand((b, hq, sq), jnp.float32)
-    n = jnp.array([skv, 100], jnp.int32)
-    spec = AttentionSpec(
-        causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
-    )
-    out, lse = am.flash_fwd(spec, q, k, v, n, interpret=interpret)
-    bwd = functools.partial(am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl)
+    q, k = (jax.ShapeDtypeStruct((b, s, h, d), jnp.float16) for s, h in ((sq, hq), (skv, hkv)))
     assert am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles % tiles != 0
-    grads = [np.asarray(g) for g in bwd(interpret=interpret, dkv_tiles=tiles)]
-    for got, one in zip(grads, bwd(interpret=interpret, dkv_tiles=1)):
+    bwd, want = _bwd_with_lengths(dims, causal, [skv, 100], interpret=interpret)
+    grads = [np.asarray(g) for g in bwd(dkv_tiles=tiles)]
+    for got, one in zip(grads, bwd(dkv_tiles=1)):
         np.testing.assert_array_equal(got, np.asarray(one))
-    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
-    want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
     for got, ref in zip(grads, want):
         assert_close(got, ref, factor=2.0)
 
