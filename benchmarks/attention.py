@@ -544,9 +544,9 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
     16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
     ``dq_split_keys``) of :data:`DECODE_SPLITS`, and the backward with the dK/dV kernel's
     key tiles per CTA (``dkv_tiles``) of :data:`DKV_TILES` and with the dQ kernel computing
-    dK and dV too (``dq_dkv``), against no split (baseline),
-    timed inside one program (:func:`time_in_graph`): the forward's output is the next
-    call's query, the dQ kernel's dQ the next call's dO."""
+    dK and dV too (``dq_dkv``), against no split (baseline), timed inside one program
+    (:func:`time_in_graph`): the forward's output is the next call's query, the dQ
+    kernel's dQ the next call's dO."""
     recs = []
     d = 128
     shapes = itertools.product(((4, 16), (1, 8)), (1, 8, 16), (4096, 32768), ("fwd", "bwd"))

@@ -2373,9 +2373,11 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # against 4096 keys runs short of XLA).
 # One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys, one query head per kv
 # head, is the exception: the one-block reference (dense over the keys, one pass for dQ,
-# dK and dV) ran faster there than the two backward kernels and as fast as the dQ kernel
-# computing dK and dV too (the ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases and the
-# ``sweep-dqdkv-…`` rows of attention-h100-sweep.json). With a GQA group folded into the
+# dK and dV) ran faster there than the two backward kernels (the
+# ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases), and its backward time there, taken from
+# those rows, is within a few percent of the dQ kernel computing dK and dV too (the
+# ``sweep-dqdkv-…`` rows of attention-h100-sweep.json: another process, not yet compared
+# in one). With a GQA group folded into the
 # rows the kernels ran faster (the ``…-decode-gqa-b4-sq1-skv32768-…`` case).
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
