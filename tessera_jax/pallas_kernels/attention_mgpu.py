@@ -2369,31 +2369,24 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # 128-256 keys are not re-measured). Below PREFER_MIN_SEQ queries or keys the 128-row tile
 # padding is unmeasured. Decoding (at most DECODE_MAX_Q queries) against DECODE_MIN_KV keys
 # or more runs the kernels too: the padded tile costs little beside streaming the cache (the
-# ``…-decode-…`` cases, timed inside one program; at B1 H8 the forward for 16 queries
-# against 4096 keys runs short of XLA).
-# One query's backward against DECODE_BWD_REFERENCE_MIN_KV keys, one query head per kv
-# head, is the exception: the one-block reference (dense over the keys, one pass for dQ,
-# dK and dV) ran faster there than the two backward kernels (the
-# ``fwdbwd-…-decode-…-sq1-skv32768-…`` cases), and its backward time there, taken from
-# those rows, is within a few percent of the dQ kernel computing dK and dV too (the
-# ``sweep-dqdkv-…`` rows of attention-h100-sweep.json: another process, not yet compared
-# in one). With a GQA group folded into the
-# rows the kernels ran faster (the ``…-decode-gqa-b4-sq1-skv32768-…`` case).
+# ``…-decode-…`` cases, timed inside one program), one query's backward against 32768 keys
+# included: with the dQ kernel computing dK and dV, the kernels ran as fast as the one-block
+# reference there, in the same process and in less memory (the ``fwdbwd-…-sq1-skv32768-…``
+# rows). The rule reads one head's sizes only, never batch or heads, which a mesh divides,
+# so that a sharded run takes the same path and gets the same bits on any device count.
+# That has a cost at B1: against 4096 keys the one-block reference's forward ran faster
+# than the kernels there (both short of XLA; the ``ts_reference[block_kv=all]`` rows),
+# while at B4 the kernels ran faster than XLA.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
-DECODE_BWD_REFERENCE_MIN_KV = 32768
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
     """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
     from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`,
-    :data:`DECODE_MIN_KV`), but not one query's backward against
-    :data:`DECODE_BWD_REFERENCE_MIN_KV` keys or more unless a GQA group is folded into the
-    rows (:func:`_folded_group`). Asked only of cases :func:`supports` accepts."""
+    :data:`DECODE_MIN_KV`). Asked only of cases :func:`supports` accepts."""
+    del spec
     q, k = avals[0], avals[1]
     sq, skv = q.shape[1], k.shape[1]
-    backward = _fixed_operands(spec, avals) == 6
-    if backward and sq == 1 and skv >= DECODE_BWD_REFERENCE_MIN_KV:
-        return _folded_group(spec, q, k) > 1
     return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)

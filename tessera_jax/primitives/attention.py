@@ -887,10 +887,10 @@ def flash_attention(
     ``key_value_seq_lengths``, ``local_window_size`` and, at head dims up to 128, segment
     ids, ``mask`` and ``bias`` (a bias with a row per query is rounded to the inputs' 16-bit
     dtype there, one broadcast over the queries is not). Everything else — the gradient of
-    ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, one
-    query's backward against 32768 keys or more, an explicit ``config`` — runs the blocked
-    XLA reference. Both paths are deterministic: bitwise identical outputs and gradients
-    run to run (no atomics); there is no cuDNN path.
+    ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, an
+    explicit ``config`` — runs the blocked XLA reference. Both paths are deterministic:
+    bitwise identical outputs and gradients run to run (no atomics); there is no cuDNN
+    path.
     """
     out, _ = flash_attention_fwd(
         q,
