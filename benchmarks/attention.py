@@ -540,21 +540,23 @@ def _next_do(args, res):
 
 
 def _sweep_decode(only: list[str] = ()) -> list[dict]:
-    """The forward and the backward kernels at decode shapes (D128, B4 H16 and B1 H8, 1 to
-    16 queries against 4096 and 32768 keys) with their keys per chunk (``split_keys``,
-    ``dq_split_keys``) of :data:`DECODE_SPLITS`, and the backward with the dK/dV kernel's
-    key tiles per CTA (``dkv_tiles``) of :data:`DKV_TILES` and with the dQ kernel computing
-    dK and dV too (``dq_dkv``), against no split (baseline), timed inside one program
-    (:func:`time_in_graph`): the forward's output is the next call's query, the dQ
-    kernel's dQ the next call's dO."""
+    """The forward and the backward kernels at decode shapes (D128; B4 H16, B1 H8 and B1
+    with 32 query heads on 8 kv heads; 1 to 16 queries against 4096 and 32768 keys) with
+    their keys per chunk (``split_keys``, ``dq_split_keys``) of :data:`DECODE_SPLITS`, and
+    the backward with the dK/dV kernel's key tiles per CTA (``dkv_tiles``) of
+    :data:`DKV_TILES` and with the dQ kernel computing dK and dV too (``dq_dkv``), against
+    no split (baseline), timed inside one program (:func:`time_in_graph`): the forward's
+    output is the next call's query, the dQ kernel's dQ the next call's dO."""
     recs = []
     d = 128
-    shapes = itertools.product(((4, 16), (1, 8)), (1, 8, 16), (4096, 32768), ("fwd", "bwd"))
-    for (b, h), sq, skv, kernel in shapes:
-        case = f"sweep-decode-{kernel}-noncausal-b{b}-sq{sq}-skv{skv}-h{h}-d{d}-bf16"
+    heads = ((4, 16, 16), (1, 8, 8), (1, 32, 8))
+    shapes = itertools.product(heads, (1, 8, 16), (4096, 32768), ("fwd", "bwd"))
+    for (b, h, hkv), sq, skv, kernel in shapes:
+        kv = f"-hkv{hkv}" if hkv != h else ""
+        case = f"sweep-decode-{kernel}-noncausal-b{b}-sq{sq}-skv{skv}-h{h}{kv}-d{d}-bf16"
         if only and not any(x in case for x in only):
             continue
-        spec, args, sets = _decode_operands(b, sq, skv, h, h, d, kernel == "bwd")
+        spec, args, sets = _decode_operands(b, sq, skv, h, hkv, d, kernel == "bwd")
         splits = {"mosaic_gpu[no split]": skv}
         splits.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
         if kernel == "fwd":
