@@ -2372,8 +2372,10 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # ``…-decode-…`` cases, timed inside one program), one query's backward against 32768 keys
 # included: with the dQ kernel computing dK and dV, the kernels ran as fast as the one-block
 # reference there, in the same process and in less memory (the ``fwdbwd-…-sq1-skv32768-…``
-# rows). The rule reads one head's sizes only, never batch or heads, which a mesh divides,
-# so that a sharded run takes the same path and gets the same bits on any device count.
+# rows without GQA: ``mosaic_gpu`` is the kernels, ``ts_auto`` the reference that ``auto``
+# took there when they were measured). The rule reads one head's sizes only, never batch
+# or heads, which a mesh divides, so that a sharded run takes the same path and gets the
+# same bits on any device count.
 # That has a cost at B1: against 4096 keys the one-block reference's forward ran faster
 # than the kernels there (both short of XLA; the ``ts_reference[block_kv=all]`` rows),
 # while at B4 the kernels ran faster than XLA.
