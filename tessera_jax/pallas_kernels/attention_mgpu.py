@@ -2235,7 +2235,9 @@ def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Ar
     max) and ``out = Σ_c exp(lse_c − lse)·(hi_c + lo_c)``, both sums in key order
     (:func:`_in_key_order`); a row no chunk saw keeps zeros and ``lse = -inf``."""
     # (A chain of maxima rather than a reduction over the chunk axis: elementwise, like
-    # the rest of the combination, so XLA may fuse all of it into one loop over the rows.)
+    # the rest of the combination. XLA fuses it into three or four kernels on the GPU; one
+    # exponential over all the chunks instead of one per chunk fused into more kernels (20
+    # at 16 chunks): benchmarks/archive/decode-kernel-probe-h100.txt.)
     m = functools.reduce(jnp.maximum, list(lse))
     m = jnp.where(m == -jnp.inf, 0.0, m)
     total = _in_key_order(len(lse), lambda c: jnp.exp(lse[c] - m))
