@@ -35,17 +35,8 @@ def _np_lse(q, k, causal, scale, lengths):
         return p, np.log(p.sum(-1)) + np.where(np.isfinite(m), m, 0)[..., 0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize(
-    "b, sq, skv, hq, hkv, d, causal, split, lengths",
-    [
-        (2, 1, 200, 2, 2, 64, False, 64, None),  # 4 chunks, the last ragged
-        (1, 3, 130, 4, 1, 64, True, None, None),  # MQA group folded, one chunk, causal
-        (2, 2, 256, 4, 2, 128, False, 128, (256, 97)),  # key lengths end mid-chunk
-        (2, 1, 192, 2, 2, 64, True, 64, (0, 150)),  # an entry with no keys
-    ],
-)
-def test_decode_fwd_matches_float64(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype):
+def _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, *, interpret):
+    """The kernel's output and lse against float64, and a second run's bits."""
     q, k, v = (
         rand((b, sq, hq, d), dtype),
         rand((b, skv, hkv, d), dtype),
@@ -53,7 +44,7 @@ def test_decode_fwd_matches_float64(b, sq, skv, hq, hkv, d, causal, split, lengt
     )
     kv_len = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     spec = _spec(causal, d, has_kv_lengths=kv_len is not None)
-    run = jax.jit(lambda *a: ad.decode_fwd(spec, *a, split_keys=split, interpret=True))
+    run = jax.jit(lambda *a: ad.decode_fwd(spec, *a, split_keys=split, interpret=interpret))
     out, lse = run(q, k, v, kv_len)
     out2, lse2 = run(q, k, v, kv_len)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
@@ -74,6 +65,38 @@ def test_decode_fwd_matches_float64(b, sq, skv, hq, hkv, d, causal, split, lengt
     if lengths is None and not causal:
         assert_close(out, np_attention(f64(q), f64(k), f64(v)), dtype, factor=2.0)
     assert_close(out, want, dtype, factor=2.0)
+
+
+class TestDecodeInterpret:
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    @pytest.mark.parametrize(
+        "b, sq, skv, hq, hkv, d, causal, split, lengths",
+        [
+            (2, 1, 200, 2, 2, 64, False, 64, None),  # 4 chunks, the last ragged
+            (1, 3, 130, 4, 1, 64, True, None, None),  # MQA group folded, one chunk, causal
+            (2, 2, 256, 4, 2, 128, False, 128, (256, 97)),  # key lengths end mid-chunk
+            (2, 1, 192, 2, 2, 64, True, 64, (0, 150)),  # an entry with no keys
+        ],
+    )
+    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, split, lengths, dtype):
+        _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, interpret=True)
+
+
+@pytest.mark.gpu
+class TestDecodeGPU:
+    """The interpreter's cases at decode shapes, compiled."""
+
+    @pytest.mark.parametrize(
+        "b, sq, skv, hq, hkv, d, causal, split, lengths",
+        [
+            (1, 16, 4096, 8, 8, 128, False, None, None),
+            (1, 1, 4096, 32, 8, 128, False, 256, None),
+            (2, 1, 32768, 32, 8, 128, True, None, (32768, 20000)),
+            (4, 8, 4096, 16, 16, 64, True, 512, (4096, 3000, 1, 0)),
+        ],
+    )
+    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, split, lengths):
+        _check(b, sq, skv, hq, hkv, d, causal, split, lengths, jnp.bfloat16, interpret=False)
 
 
 @pytest.mark.parametrize(
