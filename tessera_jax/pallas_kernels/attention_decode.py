@@ -7,9 +7,10 @@ time on padded rows (``benchmarks/archive/decode-kernel-probe-h100.txt``). Trito
 products take 16 rows. A program owns one kv head of one batch entry and one chunk of its
 keys: the group's ``g`` query heads times ``Sq`` queries are its rows (head-major, as
 ``attention_mgpu._fold``), gathered straight from ``q`` (no transposed copy), and it walks
-the chunk's key blocks with the online softmax in f32. The chunks' partial outputs (16-bit
-pairs) and lse are combined by ``attention_mgpu._combine_chunks`` in key order, the same
-fixed order as the Mosaic GPU forward's; one chunk is written as the output itself.
+the chunk's key blocks with the online softmax in f32. Split into chunks, the programs
+write f32 partials and their lse, and a second kernel combines each row's chunks in key
+order (one launch, where XLA's fusions of the same sums take three or more); one chunk is
+written as the output itself.
 
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
@@ -17,6 +18,7 @@ them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -61,22 +63,31 @@ def decode_reason(spec, q, k) -> str | None:
     return None
 
 
+def _rows(b, h, sq: int, hq: int, g: int, rows_pad: int):
+    """The program's rows: ``(s, rows)``, each row's query position and its row of the
+    flattened ``(B, Sq, Hq)`` queries. Row r is query ``r % sq`` of head ``h·g + r // sq``;
+    the padding rows repeat the real ones (the same values to the same addresses: every
+    load and store is unmasked, and no padding row lands on another row's output)."""
+    r = jnp.arange(rows_pad) % (g * sq)
+    s = r % sq
+    return s, (b * sq + s) * hq + h * g + r // sq
+
+
+def _lse_rows(b, rows, sq: int, hq: int, batch: int, chunk):
+    """Chunk ``chunk``'s lse positions of ``rows`` in the flattened ``(chunks, B, Hq, Sq)``."""
+    head, s = rows % hq, (rows // hq) % sq
+    return ((chunk * batch + b) * hq + head) * sq + s
+
+
 def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys, causal, c):
-    b_, sq, hq, hkv, skv, d, rows_pad, chunks = dims
+    batch, sq, hq, hkv, skv, d, rows_pad, _ = dims
     g = hq // hkv
     b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    # Row r is query r % sq of head h·g + r // sq; the padding rows repeat the real ones
-    # (the same values to the same addresses: every load and store is unmasked, and no
-    # padding row lands on another row's output).
-    r = jnp.arange(rows_pad) % (g * sq)
-    s_of = r % sq
-    q_rows = (b * sq + s_of) * hq + h * g + r // sq
+    s_of, q_rows = _rows(b, h, sq, hq, g, rows_pad)
     cols = jnp.arange(d)
     q = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]])
     kv_len = jnp.minimum(len_ref[b], skv)
     start = chunk * chunk_keys
-    # The keys a query sees: below kv_len and, causal, up to its position (bottom-right
-    # aligned, as jax.nn's causal mask for seq_q != seq_kv).
     limit = jnp.minimum(kv_len, start + chunk_keys)
     steps = jnp.maximum(0, (limit - start + BLOCK_KV - 1) // BLOCK_KV)
 
@@ -88,7 +99,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys,
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kmask[:, None], other=0.0)
         s = plgpu.dot(q, k, trans_b=True) * c  # the exp2 domain
         vis = kmask[None, :]
-        if causal:
+        if causal:  # bottom-right aligned, as the operator's mask
             vis = vis & (key[None, :] <= (s_of + (skv - sq))[:, None])
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -109,15 +120,32 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys,
     empty = l_ == 0.0
     acc = acc / jnp.where(empty, 1.0, l_)[:, None]
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l_))) * _mgpu.LN2)
-    hi = acc.astype(out_ref.dtype)
-    part = chunk * (b_ * sq * hq) + q_rows  # row of (chunks, B, Sq, Hq) flattened
-    plgpu.store(out_ref.at[part[:, None], cols[None, :]], hi)
-    if chunks > 1:
-        lo = (acc - hi.astype(jnp.float32)).astype(out_ref.dtype)
-        lo_rows = (chunks + chunk) * (b_ * sq * hq) + q_rows
-        plgpu.store(out_ref.at[lo_rows[:, None], cols[None, :]], lo)
-    lse_at = ((chunk * b_ + b) * hq + h * g + r // sq) * sq + s_of  # (chunks, B, Hq, Sq)
-    plgpu.store(lse_ref.at[lse_at], lse)
+    part = chunk * (batch * sq * hq) + q_rows  # (a chunk's partial: f32; one chunk: out)
+    plgpu.store(out_ref.at[part[:, None], cols[None, :]], acc.astype(out_ref.dtype))
+    plgpu.store(lse_ref.at[_lse_rows(b, q_rows, sq, hq, batch, chunk)], lse)
+
+
+def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
+    """The chunks' partials of the program's rows: ``lse = m + log Σ_c e_c`` with
+    ``e_c = exp(lse_c − m)`` (``m`` their max) and ``out = Σ_c (e_c / Σ e)·part_c``, every
+    sum over the chunks in key order; a row no chunk saw gets zeros and ``lse = -inf``."""
+    batch, sq, hq, hkv, _, d, rows_pad, chunks = dims
+    b, h = pl.program_id(0), pl.program_id(1)
+    _, rows = _rows(b, h, sq, hq, hq // hkv, rows_pad)
+    cols = jnp.arange(d)
+    lses = [plgpu.load(lse_ref.at[_lse_rows(b, rows, sq, hq, batch, c)]) for c in range(chunks)]
+    m = functools.reduce(jnp.maximum, lses)
+    e = [jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)) for x in lses]
+    total = functools.reduce(jnp.add, e)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    acc = jnp.zeros((rows_pad, d), jnp.float32)
+    for c in range(chunks):
+        part = plgpu.load(part_ref.at[(c * batch * sq * hq + rows)[:, None], cols[None, :]])
+        acc = acc + (e[c] / safe)[:, None] * part
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype))
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    plgpu.store(lse_out_ref.at[_lse_rows(b, rows, sq, hq, batch, 0)], lse)
 
 
 def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=False):
@@ -151,22 +179,31 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=Fal
         else jnp.clip(kv_lengths.astype(jnp.int32), 0, skv)
     )
     dims = (b, sq, hq, hkv, skv, d, rows_pad, chunks)
-    pairs = 2 if chunks > 1 else 1
-    out_rows = pairs * chunks * b * sq * hq
+    params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    n_rows = b * sq * hq
     out, lse = pl.pallas_call(
-        lambda *refs: _kernel(
-            *refs, dims=dims, chunk_keys=keys, causal=causal, c=scale * _mgpu.LOG2E
+        functools.partial(
+            _kernel, dims=dims, chunk_keys=keys, causal=causal, c=scale * _mgpu.LOG2E
         ),
         grid=(b, hkv, chunks),
         out_shape=(
-            jax.ShapeDtypeStruct((out_rows, d), q.dtype),
-            jax.ShapeDtypeStruct((chunks * b * hq * sq,), jnp.float32),
+            jax.ShapeDtypeStruct((chunks * n_rows, d), q.dtype if chunks == 1 else jnp.float32),
+            jax.ShapeDtypeStruct((chunks * n_rows,), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        compiler_params=params,
         interpret=interpret,
         name="ts_attention_decode_fwd",
     )(lengths, q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d))
-    lse = lse.reshape(chunks, b, hq, sq)
-    if chunks == 1:
-        return out.reshape(b, sq, hq, d), lse[0]
-    return _mgpu._combine_chunks(out.reshape(2, chunks, b, sq, hq, d), lse)
+    if chunks > 1:
+        out, lse = pl.pallas_call(
+            functools.partial(_combine_kernel, dims=dims),
+            grid=(b, hkv),
+            out_shape=(
+                jax.ShapeDtypeStruct((n_rows, d), q.dtype),
+                jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+            ),
+            compiler_params=params,
+            interpret=interpret,
+            name="ts_attention_decode_combine",
+        )(out, lse)
+    return out.reshape(b, sq, hq, d), lse.reshape(b, hq, sq)
