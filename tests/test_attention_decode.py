@@ -110,6 +110,8 @@ def test_decode_declines(features, why):
     q = jax.ShapeDtypeStruct((1, 1, 2, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     assert why in ad.decode_reason(_spec(False, 64, **features), q, k)
+    huge = jax.ShapeDtypeStruct((8, 2**21, 2, 64), jnp.bfloat16)
+    assert "int32" in ad.decode_reason(_spec(False, 64), q, huge)
     assert "rows" in ad.decode_reason(
         _spec(False, 64), jax.ShapeDtypeStruct((1, 17, 8, 64), jnp.bfloat16), k
     )

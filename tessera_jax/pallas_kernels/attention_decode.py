@@ -60,6 +60,8 @@ def decode_reason(spec, q, k) -> str | None:
     )
     if any(extras):
         return "a window, query lengths, segment ids, a mask or a bias"
+    if k.shape[0] * k.shape[1] * hkv * d >= 2**31:
+        return f"K/V of {k.shape} hold 2**31 elements or more (the kernel's offsets are int32)"
     return None
 
 
