@@ -360,7 +360,7 @@ def run_feature_case(
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
     if feature in IN_GRAPH_FEATURES:  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
-    if feature in ("decode", "decode-gqa") and not backward:
+    if feature in ("decode", "decode-gqa") and not backward and not kw:
         spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
         fns["triton_decode"] = (lambda q, k, v, kw: ad.decode_fwd(spec, q, k, v)[0], "auto")
     if impls:
