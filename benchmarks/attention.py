@@ -66,6 +66,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks._common import normal as rand  # noqa: E402
 from tessera_jax.contracts.attention import AttentionSpec  # noqa: E402
+from tessera_jax.pallas_kernels import attention_decode as ad  # noqa: E402
 from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
 from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
 
@@ -359,6 +360,9 @@ def run_feature_case(
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
     if feature in IN_GRAPH_FEATURES:  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
+    if feature in ("decode", "decode-gqa") and not backward and not kw:
+        spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
+        fns["triton_decode"] = (lambda q, k, v, kw: ad.decode_fwd(spec, q, k, v)[0], "auto")
     if impls:
         fns = {n: f for n, f in fns.items() if n in impls or n == FEATURE_BASELINE}
     for blk in ref_blocks:
@@ -559,10 +563,17 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
         spec, args, sets = _decode_operands(b, sq, skv, h, hkv, d, kernel == "bwd")
         splits = {"mosaic_gpu[no split]": skv}
         splits.update({f"mosaic_gpu[split_keys={n}]": n for n in DECODE_SPLITS if n < skv})
+        triton = {}
         if kernel == "fwd":
             variants = {name: dict(split_keys=n) for name, n in splits.items()}
             chain = lambda args, res: (res[0], *args[1:])  # the next query: this output
             kernel_fn = am.flash_fwd
+            triton = {
+                f"triton_decode[split_keys={n}]": jax.jit(
+                    functools.partial(ad.decode_fwd, spec, split_keys=n)
+                )
+                for n in (skv, *(n for n in DECODE_SPLITS if n < skv))
+            }
         else:
             # The two kernels: the dQ kernel's chunks, the dK/dV kernel's key tiles per CTA
             # beside the dQ kernel's default chunks; then the dQ kernel computing dK and dV.
@@ -574,6 +585,7 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
         fns = {
             name: jax.jit(functools.partial(kernel_fn, spec, **kw)) for name, kw in variants.items()
         }
+        fns.update(triton)
         recs += _time_variants(case, fns, args, "mosaic_gpu[no split]", None, sets, chain)
     return recs
 
