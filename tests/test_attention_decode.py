@@ -1,7 +1,8 @@
 """The decode forward in Pallas' Triton backend (``pallas_kernels/attention_decode.py``)
 against the float64 reference, in the interpreter: GQA groups folded into the rows, ragged
 caches split into chunks, key lengths and a causal mask, bitwise repeatability, and the
-lse the backward kernels read."""
+lse the backward kernels read; then through ``ts.flash_attention``, whose forward it runs
+at decode shapes ahead of the Mosaic GPU kernel, with the Mosaic GPU backward after it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tessera_jax as ts
+from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
 from tests._util import assert_close, cuda_lowering, f64, rand
 from tests.test_attention import np_attention
+from tests.test_attention_kernels import _check_index_masks, _chosen
+
+# Small chunks and key blocks, so that the interpreter's short caches make several chunks.
+SMALL = ad.DecodeConfig(block_kv=64, split_keys=64)
+TWO = ad.DecodeConfig(split_keys=128)  # 128-key blocks, chunks of one block
 
 
 def _spec(causal, d, **features):
@@ -35,7 +43,7 @@ def _np_lse(q, k, causal, scale, lengths):
         return p, np.log(p.sum(-1)) + np.where(np.isfinite(m), m, 0)[..., 0]
 
 
-def _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, *, interpret):
+def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret):
     """The kernel's output and lse against float64, and a second run's bits."""
     q, k, v = (
         rand((b, sq, hq, d), dtype),
@@ -44,7 +52,7 @@ def _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, *, interpret):
     )
     kv_len = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     spec = _spec(causal, d, has_kv_lengths=kv_len is not None)
-    run = jax.jit(lambda *a: ad.decode_fwd(spec, *a, split_keys=split, interpret=interpret))
+    run = jax.jit(lambda *a: ad.decode_fwd(spec, *a, config=config, interpret=interpret))
     out, lse = run(q, k, v, kv_len)
     out2, lse2 = run(q, k, v, kv_len)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
@@ -70,16 +78,16 @@ def _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, *, interpret):
 class TestDecodeInterpret:
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
     @pytest.mark.parametrize(
-        "b, sq, skv, hq, hkv, d, causal, split, lengths",
+        "b, sq, skv, hq, hkv, d, causal, config, lengths",
         [
-            (2, 1, 200, 2, 2, 64, False, 64, None),  # 4 chunks, the last ragged
+            (2, 1, 200, 2, 2, 64, False, SMALL, None),  # 4 chunks, the last ragged
             (1, 3, 130, 4, 1, 64, True, None, None),  # MQA group folded, one chunk, causal
-            (2, 2, 256, 4, 2, 128, False, 128, (256, 97)),  # key lengths end mid-chunk
-            (2, 1, 192, 2, 2, 64, True, 64, (0, 150)),  # an entry with no keys
+            (2, 2, 256, 4, 2, 128, False, TWO, (256, 97)),  # key lengths end mid-chunk
+            (2, 1, 192, 2, 2, 64, True, SMALL, (0, 150)),  # an entry with no keys
         ],
     )
-    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, split, lengths, dtype):
-        _check(b, sq, skv, hq, hkv, d, causal, split, lengths, dtype, interpret=True)
+    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths, dtype):
+        _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, interpret=True)
 
 
 @pytest.mark.gpu
@@ -87,16 +95,28 @@ class TestDecodeGPU:
     """The interpreter's cases at decode shapes, compiled."""
 
     @pytest.mark.parametrize(
-        "b, sq, skv, hq, hkv, d, causal, split, lengths",
+        "b, sq, skv, hq, hkv, d, causal, config, lengths",
         [
             (1, 16, 4096, 8, 8, 128, False, None, None),
-            (1, 1, 4096, 32, 8, 128, False, 256, None),
+            (1, 1, 4096, 32, 8, 128, False, ad.DecodeConfig(block_kv=64, split_keys=256), None),
             (2, 1, 32768, 32, 8, 128, True, None, (32768, 20000)),
-            (4, 8, 4096, 16, 16, 64, True, 512, (4096, 3000, 1, 0)),
+            (4, 8, 4096, 16, 16, 64, True, ad.DecodeConfig(split_keys=1024), (4096, 3000, 1, 0)),
         ],
     )
-    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, split, lengths):
-        _check(b, sq, skv, hq, hkv, d, causal, split, lengths, jnp.bfloat16, interpret=False)
+    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths):
+        _check(b, sq, skv, hq, hkv, d, causal, config, lengths, jnp.bfloat16, interpret=False)
+
+    # Through the operator: this forward, the Mosaic GPU backward; a batch entry alone
+    # gets the bits it gets in the batch.
+    @pytest.mark.parametrize(
+        "dims, opts",
+        [
+            ((2, 16, 4096, 8, 8, 128), {}),
+            ((3, 1, 32768, 32, 8, 128), dict(causal=True, key_value_seq_lengths=[32768, 9000, 1])),
+        ],
+    )
+    def test_operator(self, dims, opts):
+        _check_operator(dims, opts)
 
 
 @pytest.mark.parametrize(
@@ -117,11 +137,96 @@ def test_decode_declines(features, why):
     )
 
 
-@pytest.mark.parametrize("d, split", [(64, 64), (128, None)])
-def test_decode_lowers_for_cuda(d, split):
+@pytest.mark.skipif(
+    not _compat.TRITON_LOWERS_WITHOUT_GPU,
+    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
+    "compile them there)",
+)
+@pytest.mark.parametrize("d, config", [(64, SMALL), (128, None)])
+def test_decode_lowers_for_cuda(d, config):
     """The kernel goes through Pallas' Triton lowering (built on this CPU machine)."""
     spec = _spec(True, d, has_kv_lengths=True)
     q, k = rand((2, 2, 8, d), jnp.bfloat16), rand((2, 4096, 2, d), jnp.bfloat16)
     lengths = jnp.asarray([4096, 1000], jnp.int32)
-    text = cuda_lowering(lambda *a: ad.decode_fwd(spec, *a, split_keys=split), q, k, k, lengths)
-    assert "__gpu$xla.gpu.triton" in text
+    text = cuda_lowering(lambda *a: ad.decode_fwd(spec, *a, config=config), q, k, k, lengths)
+    # the chunks, then their combination
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
+
+
+def _check_operator(dims, opts):
+    """``ts.flash_attention``'s forward and gradients with this forward (against float64,
+    three runs bit for bit), and the last batch entry alone gets the same bits."""
+    _check_index_masks(dims, opts, jnp.bfloat16, repeat=3, fwd_kernel="triton_decode")
+    b, sq, skv, hq, hkv, d = dims
+    q, k, v = rand((b, sq, hq, d)), rand((b, skv, hkv, d)), rand((b, skv, hkv, d))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    lengths = opts.get("key_value_seq_lengths")
+    kw = dict(causal=opts.get("causal", False))
+
+    def f(q, k, v, n):
+        return ts.flash_attention(q, k, v, key_value_seq_lengths=n, **kw)
+
+    n = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    whole = jax.jit(f)(q, k, v, n)
+    alone = jax.jit(f)(q[-1:], k[-1:], v[-1:], None if n is None else n[-1:])
+    np.testing.assert_array_equal(np.asarray(whole[-1:]), np.asarray(alone))
+
+
+@pytest.mark.parametrize(
+    "dims, opts",
+    [
+        ((2, 3, 700, 4, 2, 64), dict(key_value_seq_lengths=[700, 260])),  # 2 chunks
+        ((2, 1, 600, 8, 1, 128), dict(causal=True)),
+    ],
+)
+def test_operator_runs_it(dims, opts):
+    with ts.kernel_mode("interpret"):
+        _check_operator(dims, opts)
+
+
+def test_operator_dispatch():
+    """Decode shapes take this forward in every kernel mode that runs kernels, ``auto``
+    from ``DECODE_MIN_KV`` keys; more queries, a mask or an explicit config do not."""
+    spec = _spec(False, 128)
+    avals = lambda sq, skv: (
+        jax.ShapeDtypeStruct((1, sq, 8, 128), jnp.bfloat16),
+        *[jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)] * 2,
+    )
+    assert ad.supports(spec, avals(16, 4096)) is None and ad.prefer(spec, avals(16, 4096))
+    assert not ad.prefer(spec, avals(16, 4095))
+    assert "seq_q 17" in ad.supports(spec, avals(17, 4096))
+    assert "backward" in ad.supports(spec, (*avals(1, 4096), *avals(1, 4096)))
+    assert "config" in ad.supports(
+        spec.replace(config=FlashAttentionConfig(block_kv=64)), avals(1, 4096)
+    )
+    q = rand((1, 2, 4, 64), jnp.bfloat16)
+    k = rand((1, 300, 2, 64), jnp.bfloat16)
+    with ts.kernel_mode("interpret"):
+        assert _chosen(ts.flash_attention, q, k, k) == ["triton_decode"]
+        assert _chosen(ts.flash_attention, rand((1, 17, 4, 64), jnp.bfloat16), k, k) == [
+            "mosaic_gpu"
+        ]
+
+
+@pytest.mark.parametrize(
+    "seq_kv, block_kv, keys",
+    [(4096, 128, 512), (32768, 128, 4096), (700, 128, 512), (5000, 128, 640)],
+)
+def test_default_split_keys(seq_kv, block_kv, keys):
+    assert ad.default_split_keys(seq_kv, block_kv) == keys
+
+
+@pytest.mark.parametrize(
+    "kw, what",
+    [
+        (dict(block_kv=48), "power of two"),
+        (dict(block_kv=8), "power of two"),
+        (dict(num_warps=3), "power of two"),
+        (dict(num_stages=0), "positive int"),
+        (dict(split_keys=100), "multiple"),
+        (dict(split_keys=True), "multiple"),
+    ],
+)
+def test_config_validation(kw, what):
+    with pytest.raises(ValueError, match=what):
+        ad.DecodeConfig(**kw)

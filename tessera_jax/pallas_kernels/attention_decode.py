@@ -14,12 +14,22 @@ written as the output itself.
 
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
+
+Registered on ``flash_attention_fwd`` ahead of the Mosaic GPU forward, for decode shapes
+only (:func:`supports`); the backward stays the Mosaic GPU kernels'. The chunks depend on
+the key count only (:func:`default_split_keys`), never on batch or heads, so a sharded
+batch or head axis computes the same sums. The kernel's offsets into the flattened
+operands are int32, so it declines a K/V cache of 2**31 elements or more: the one case
+where the batch or head count (through the cache's size) picks the forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +38,60 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
+from tessera_jax.pallas_kernels import device
 
-__all__ = ["decode_fwd", "decode_reason"]
+__all__ = ["DecodeConfig", "decode_fwd", "decode_reason", "flash_fwd", "prefer", "supports"]
 
 MIN_ROWS = 16  # a Triton product's narrowest side
 MAX_ROWS = 64
-BLOCK_KV = 64
-NUM_WARPS = 4
+# Chunks per row: about SPLIT_CHUNKS of at least SPLIT_KEYS_MIN keys. Profiled on the H100
+# at B1 and B4, 1 to 16 queries, GQA or not, against 4096 and 32768 keys (kernel time per
+# call, ``benchmarks/archive/decode-triton-tuning-h100.txt``): 8 chunks ran fastest or
+# within a few percent of it at every shape.
+SPLIT_CHUNKS = 8
+SPLIT_KEYS_MIN = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of :func:`decode_fwd`.
+
+    Attributes:
+      block_kv: keys per step of a program's loop (a power of two, at least 16).
+      num_warps: warps per program (a power of two).
+      num_stages: Triton's software-pipelining depth of the loop's loads.
+      split_keys: keys per chunk, a multiple of ``block_kv``; None:
+        :func:`default_split_keys`.
+    """
+
+    block_kv: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    split_keys: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_kv", "num_warps", "num_stages"):
+            x = getattr(self, name)
+            if not isinstance(x, int) or isinstance(x, bool) or x <= 0:
+                raise ValueError(f"DecodeConfig: {name}={x!r} must be a positive int")
+        if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
+            raise ValueError(f"DecodeConfig: {self.block_kv=} must be a power of two >= 16")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"DecodeConfig: {self.num_warps=} must be a power of two")
+        keys = self.split_keys
+        if keys is not None and (
+            not isinstance(keys, int) or isinstance(keys, bool) or keys <= 0 or keys % self.block_kv
+        ):
+            raise ValueError(
+                f"DecodeConfig: split_keys={keys!r} must be a positive multiple of {self.block_kv=}"
+            )
+
+
+def default_split_keys(seq_kv: int, block_kv: int) -> int:
+    """Keys per chunk for ``seq_kv`` keys: about :data:`SPLIT_CHUNKS` chunks of at least
+    :data:`SPLIT_KEYS_MIN` keys, a multiple of ``block_kv``."""
+    keys = max(SPLIT_KEYS_MIN, -(-seq_kv // SPLIT_CHUNKS))
+    return -(-keys // block_kv) * block_kv
 
 
 def decode_reason(spec, q, k) -> str | None:
@@ -60,6 +117,8 @@ def decode_reason(spec, q, k) -> str | None:
     )
     if any(extras):
         return "a window, query lengths, segment ids, a mask or a bias"
+    if 0 in q.shape or 0 in k.shape:
+        return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if k.shape[0] * k.shape[1] * hkv * d >= 2**31:
         return f"K/V of {k.shape} hold 2**31 elements or more (the kernel's offsets are int32)"
     return None
@@ -81,7 +140,9 @@ def _lse_rows(b, rows, sq: int, hq: int, batch: int, chunk):
     return ((chunk * batch + b) * hq + head) * sq + s
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys, causal, c):
+def _kernel(
+    len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys, block_kv, causal, c
+):
     batch, sq, hq, hkv, skv, d, rows_pad, _ = dims
     g = hq // hkv
     b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -91,11 +152,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys,
     kv_len = jnp.minimum(len_ref[b], skv)
     start = chunk * chunk_keys
     limit = jnp.minimum(kv_len, start + chunk_keys)
-    steps = jnp.maximum(0, (limit - start + BLOCK_KV - 1) // BLOCK_KV)
+    steps = jnp.maximum(0, (limit - start + block_kv - 1) // block_kv)
 
     def body(j, carry):
         acc, m, l_ = carry
-        key = start + j * BLOCK_KV + jnp.arange(BLOCK_KV)
+        key = start + j * block_kv + jnp.arange(block_kv)
         kmask = key < limit
         kv_rows = (b * skv + key) * hkv + h
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kmask[:, None], other=0.0)
@@ -150,15 +211,17 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     plgpu.store(lse_out_ref.at[_lse_rows(b, rows, sq, hq, batch, 0)], lse)
 
 
-def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=False):
+def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
     """``(out, lse)`` of attention at a decode shape (:func:`decode_reason`), ``out`` like
     ``q`` and ``lse`` ``(B, H, Sq)`` in f32, as ``attention_mgpu.flash_fwd``. ``kv_lengths``:
-    each batch entry's key count (clipped to ``[0, seq_kv]``). ``split_keys``: keys per chunk
-    (a multiple of :data:`BLOCK_KV`; default ``attention_mgpu.default_split_keys``, no split
-    where one chunk holds every key)."""
+    each batch entry's key count (clipped to ``[0, seq_kv]``). ``config``: a
+    :class:`DecodeConfig` (None: its defaults)."""
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")
+    cfg = DecodeConfig() if config is None else config
+    if not isinstance(cfg, DecodeConfig):
+        raise TypeError(f"attention_decode.decode_fwd: config={cfg!r} must be a DecodeConfig")
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
@@ -166,13 +229,9 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=Fal
             f"attention_decode.decode_fwd: q {q.shape}, k {k.shape} and v {v.shape} must "
             "share batch and head_dim, k and v one shape"
         )
-    keys = _mgpu.default_split_keys(skv) if split_keys is None else split_keys
-    if keys <= 0 or keys % BLOCK_KV:
-        raise ValueError(
-            f"attention_decode.decode_fwd: {split_keys=} must be a positive multiple of {BLOCK_KV}"
-        )
-    chunks = max(1, math.ceil(skv / keys)) if keys < skv else 1
-    keys = keys if chunks > 1 else max(skv, 1)
+    keys = default_split_keys(skv, cfg.block_kv) if cfg.split_keys is None else cfg.split_keys
+    chunks = math.ceil(skv / keys) if keys < skv else 1
+    keys = keys if chunks > 1 else skv
     rows_pad = max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(hq // hkv * sq, 1)))))
     causal, scale = _mgpu._decode(spec)
     lengths = (
@@ -181,12 +240,18 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=Fal
         else jnp.clip(kv_lengths.astype(jnp.int32), 0, skv)
     )
     dims = (b, sq, hq, hkv, skv, d, rows_pad, chunks)
-    params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     n_rows = b * sq * hq
+    kernel = functools.partial(
+        _kernel,
+        dims=dims,
+        chunk_keys=keys,
+        block_kv=cfg.block_kv,
+        causal=causal,
+        c=scale * _mgpu.LOG2E,
+    )
     out, lse = pl.pallas_call(
-        functools.partial(
-            _kernel, dims=dims, chunk_keys=keys, causal=causal, c=scale * _mgpu.LOG2E
-        ),
+        kernel,
         grid=(b, hkv, chunks),
         out_shape=(
             jax.ShapeDtypeStruct((chunks * n_rows, d), q.dtype if chunks == 1 else jnp.float32),
@@ -209,3 +274,41 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, split_keys=None, interpret=Fal
             name="ts_attention_decode_combine",
         )(out, lse)
     return out.reshape(b, sq, hq, d), lse.reshape(b, hq, sq)
+
+
+# --- the kernel vocabulary (primitives/_core.Kernel) ----------------------------------------
+
+
+def supports(spec, avals: Sequence[Any]) -> str | None:
+    """None for a forward at a decode shape (at most ``attention_mgpu.DECODE_MAX_Q``
+    queries) that :func:`decode_reason` accepts, with the default ``FlashAttentionConfig``;
+    else why not (never raises). Longer query blocks are the Mosaic GPU forward's."""
+    q, k = avals[0], avals[1]
+    if len(avals) != 3 + spec.num_extras:
+        return "a backward (this kernel is a forward)"
+    if q.shape[1] > _mgpu.DECODE_MAX_Q:
+        return f"seq_q {q.shape[1]} > {_mgpu.DECODE_MAX_Q} (a decode kernel)"
+    if not _mgpu._default_config(spec):
+        return f"config={spec.config}: an explicit FlashAttentionConfig runs the reference"
+    return decode_reason(spec, q, k)
+
+
+def prefer(spec, avals: Sequence[Any]) -> bool:
+    """``auto`` mode runs it from ``attention_mgpu.DECODE_MIN_KV`` keys (the measured
+    decode shapes); it reads the key count only, as the chunks do."""
+    del spec
+    return avals[1].shape[1] >= _mgpu.DECODE_MIN_KV
+
+
+def hardware(platform: str) -> str | None:
+    """None on a Hopper GPU (where the kernel is tuned and measured), else why not."""
+    if platform != "cuda":
+        return f"a Triton kernel for cuda, not {platform}"
+    if not device.is_sm90():
+        return "not a Hopper (sm_90) GPU, where the kernel is tuned"
+    return None
+
+
+def flash_fwd(spec, q, k, v, *extras, interpret: bool = False):
+    """``ts_flash_attention_fwd``'s kernel: ``(out, lse)`` with the spec's key lengths."""
+    return decode_fwd(spec, q, k, v, spec.split(extras).kv_lengths, interpret=interpret)

@@ -2378,9 +2378,8 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # took there when they were measured). The rule reads one head's sizes only, never batch
 # or heads, which a mesh divides, so that a sharded run takes the same path and gets the
 # same bits on any device count.
-# That has a cost at B1: against 4096 keys the one-block reference's forward ran faster
-# than the kernels there (both short of XLA; the ``ts_reference[block_kv=all]`` rows),
-# while at B4 the kernels ran faster than XLA.
+# At decode shapes the forward these kernels would run is mostly taken first by
+# ``attention_decode`` (Pallas' Triton backend), registered ahead of them.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096

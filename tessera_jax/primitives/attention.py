@@ -95,7 +95,9 @@ interpret) -> (out, lse)`` and ``flash_attention_bwd_op`` with ``fn(spec, q, k, 
 lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in the
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
 what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
-case. Registered today: ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
+case. Registered today: ``pallas_kernels/attention_decode.py`` (Hopper; the forward at
+decode shapes, 1 to 16 queries, with key lengths and causal only; first, so it takes the
+cases it supports) and ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
 query/key lengths, a local window, an ``lse`` cotangent and, at head dims up to 128,
 segment ids, a ``mask`` and a ``bias``; bf16 and f16, head_dim 64, 128 and 256 — other
 head dims up to 256 zero-padded to the next — forward and backward; in ``auto`` mode from
@@ -121,6 +123,7 @@ from tessera_jax.contracts.attention import (
     AttentionSpec,
     FlashAttentionConfig,
 )
+from tessera_jax.pallas_kernels import attention_decode as _decode
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.primitives._core import (
     Kernel,
@@ -888,9 +891,15 @@ def flash_attention(
     ids, ``mask`` and ``bias`` (a bias with a row per query is rounded to the inputs' 16-bit
     dtype there, one broadcast over the queries is not). Everything else — the gradient of
     ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, an
-    explicit ``config`` — runs the blocked XLA reference. Both paths are deterministic:
-    bitwise identical outputs and gradients run to run (no atomics); there is no cuDNN
-    path.
+    explicit ``config`` — runs the blocked XLA reference. Decoding's forward, at head_dim
+    64 or 128 with at most 64 query rows per kv head (GQA group × queries), no mask, bias,
+    window, query lengths or segment ids, runs a Triton decode kernel instead of the Mosaic
+    GPU forward. Every path is deterministic: bitwise identical outputs and gradients run to
+    run (no atomics); which path runs, and how it blocks the keys, depends on one head's
+    sizes only, never on the batch or head count a mesh divides, with one exception: the
+    decode kernel declines a K/V cache of 2**31 elements or more (its offsets are int32),
+    so such a cache runs the Mosaic GPU forward, whose bits differ from a shard's. There is
+    no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
@@ -949,6 +958,9 @@ def flash_attention_fwd(
 
 # --- kernels ------------------------------------------------------------------------------
 
+# Decoding's forward (1 to 16 queries; key lengths, causal) in Pallas' Triton backend, whose
+# products waste fewer padded rows; first, so that it takes the shapes it supports.
+flash_attention_fwd_op.add_kernel(Kernel.from_module("triton_decode", _decode, _decode.flash_fwd))
 # Hopper (Mosaic GPU) forward and deterministic backward, causal or not, with lengths, a
 # window, segment ids, a mask and a bias; the bias's gradient runs the reference backward.
 flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
