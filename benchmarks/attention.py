@@ -24,8 +24,11 @@ FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× t
 The feature cases (``fwd-noncausal-kvlen-…``, ``…-window-…``, ``…-decode-…``, short
 sequences, head dims 96/80: :data:`FEATURE_CASES`) run ``ts.flash_attention`` in ``auto``
 mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
-(``baseline = "xla"``), cuDNN where it takes the case, and on short and decode shapes
-the kernels forced (``mosaic_gpu``); ``--ref-blocks`` adds the reference per block size.
+(``baseline = "xla"``), cuDNN where it takes the case, on short shapes the kernels forced
+(``mosaic_gpu``), and on decode shapes, whose forward ``auto`` mode runs in the Triton
+decode kernel (``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel
+called directly (``mosaic_gpu``, forward only); ``--ref-blocks`` adds the reference per
+block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
@@ -358,11 +361,12 @@ def run_feature_case(
 
     fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
     fns["cudnn"] = (nn_fn("cudnn"), "auto")
-    if feature in IN_GRAPH_FEATURES:  # the kernels take the case, but auto may not
+    if feature == "short":  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
-    if feature in ("decode", "decode-gqa") and not backward and not kw:
+    elif feature.startswith("decode") and not backward and not kw:
+        # ts_auto runs the Triton decode forward here; this is the Mosaic GPU one.
         spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
-        fns["triton_decode"] = (lambda q, k, v, kw: ad.decode_fwd(spec, q, k, v)[0], "auto")
+        fns["mosaic_gpu"] = (lambda q, k, v, kw: am.flash_fwd(spec, q, k, v)[0], "auto")
     if impls:
         fns = {n: f for n, f in fns.items() if n in impls or n == FEATURE_BASELINE}
     for blk in ref_blocks:
@@ -570,7 +574,7 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
             kernel_fn = am.flash_fwd
             triton = {
                 f"triton_decode[split_keys={n}]": jax.jit(
-                    functools.partial(ad.decode_fwd, spec, split_keys=n)
+                    functools.partial(ad.decode_fwd, spec, config=ad.DecodeConfig(split_keys=n))
                 )
                 for n in (skv, *(n for n in DECODE_SPLITS if n < skv))
             }
