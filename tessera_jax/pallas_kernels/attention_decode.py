@@ -302,11 +302,7 @@ def prefer(spec, avals: Sequence[Any]) -> bool:
 
 def hardware(platform: str) -> str | None:
     """None on a Hopper GPU (where the kernel is tuned and measured), else why not."""
-    if platform != "cuda":
-        return f"a Triton kernel for cuda, not {platform}"
-    if not device.is_sm90():
-        return "not a Hopper (sm_90) GPU, where the kernel is tuned"
-    return None
+    return device.hopper_only(platform, "a Triton kernel tuned on Hopper")
 
 
 def flash_fwd(spec, q, k, v, *extras, interpret: bool = False):

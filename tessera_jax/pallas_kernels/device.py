@@ -56,3 +56,13 @@ def is_sm90() -> bool:
     except Exception:  # no GPU backend
         return False
     return cc is not None and str(cc).split(".")[0] == "9"
+
+
+def hopper_only(platform: str, kernel: str) -> str | None:
+    """A kernel module's ``hardware`` for kernels compiled for Hopper only: None on a
+    Hopper GPU, else why not (``kernel`` names what runs, e.g. "a Mosaic GPU kernel")."""
+    if platform != "cuda":
+        return f"{kernel} for cuda, not {platform}"
+    if not is_sm90():
+        return "not a Hopper (sm_90) GPU"
+    return None

@@ -752,11 +752,7 @@ def matmul(
 
 def hardware(platform: str) -> str | None:
     """None if this machine's ``platform`` devices can run the compiled kernel, else why not."""
-    if platform != "cuda":
-        return f"a Mosaic GPU kernel for cuda, not {platform}"
-    if not device.is_sm90():
-        return "not a Hopper (sm_90) GPU"
-    return None
+    return device.hopper_only(platform, "a Mosaic GPU kernel")
 
 
 def supports(
