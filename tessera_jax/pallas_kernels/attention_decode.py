@@ -46,8 +46,9 @@ MIN_ROWS = 16  # a Triton product's narrowest side
 MAX_ROWS = 64
 # Chunks per row: about SPLIT_CHUNKS of at least SPLIT_KEYS_MIN keys. Profiled on the H100
 # at B1 and B4, 1 to 16 queries, GQA or not, against 4096 and 32768 keys (kernel time per
-# call, ``benchmarks/archive/decode-triton-tuning-h100.txt``): 8 chunks ran fastest or
-# within a few percent of it at every shape.
+# call, ``benchmarks/archive/decode-triton-tuning-h100.txt``): 8 chunks ran fastest at B1
+# and against 32768 keys; at B4 against 4096 keys 4 chunks ran 5-10% faster, which a rule
+# reading the key count only (the same bits on any mesh) cannot choose.
 SPLIT_CHUNKS = 8
 SPLIT_KEYS_MIN = 512
 
