@@ -5,6 +5,8 @@
 * :mod:`.matmul_configs`: the tile config dataclass, named candidates, heuristic, budget checks.
 * :mod:`.attention_mgpu`: Hopper flash attention: forward, and a backward of separate dQ
   and dK/dV kernels with no atomics (bitwise reproducible gradients).
+* :mod:`.attention_decode`: the attention forward at decode shapes (1 to 16 queries against
+  a long cache) in Pallas' Triton backend, registered ahead of the Hopper forward there.
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
 * :mod:`.norms_gpu`: row-wise softmax, log_softmax, rmsnorm and layernorm, forward and backward.
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).
