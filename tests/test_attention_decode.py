@@ -16,7 +16,7 @@ from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
 from tests._util import assert_close, cuda_lowering, f64, rand, sample
-from tests.test_attention import np_attention
+from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import _check_index_masks, _chosen
 
 # Small chunks and key blocks, so that the interpreter's short caches make several chunks.
@@ -26,21 +26,6 @@ TWO = ad.DecodeConfig(split_keys=128)  # 128-key blocks, chunks of one block
 
 def _spec(causal, d, **features):
     return AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), **features)
-
-
-def _np_lse(q, k, causal, scale, lengths):
-    g = q.shape[2] // k.shape[2]
-    kk = np.repeat(k, g, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    sq, skv = q.shape[1], k.shape[1]
-    vis = np.arange(skv)[None, None, None, :] < lengths[:, None, None, None]
-    if causal:
-        vis = vis & (np.arange(skv)[None, :] <= np.arange(sq)[:, None] + skv - sq)
-    s = np.where(vis, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.where(vis, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
-    with np.errstate(divide="ignore"):
-        return p, np.log(p.sum(-1)) + np.where(np.isfinite(m), m, 0)[..., 0]
 
 
 def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret):
@@ -57,14 +42,8 @@ def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret)
     out2, lse2 = run(q, k, v, kv_len)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
-    n = np.full((b,), skv) if lengths is None else np.asarray(lengths)
-    p, want_lse = _np_lse(f64(q), f64(k), causal, d**-0.5, n)
-    g = hq // hkv
-    want = np.einsum(
-        "bhqk,bkhd->bqhd",
-        p / np.maximum(p.sum(-1, keepdims=True), 1e-300),
-        np.repeat(f64(v), g, axis=2),
-    )
+    opts = dict(causal=causal, key_value_seq_lengths=lengths)
+    want, want_lse = np_dense(f64(q), f64(k), f64(v), opts)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, sq)
     empty = np.isneginf(want_lse)
     np.testing.assert_array_equal(np.isneginf(f64(lse)), empty)

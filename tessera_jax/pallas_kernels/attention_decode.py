@@ -285,7 +285,7 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
     queries) that :func:`decode_reason` accepts, with the default ``FlashAttentionConfig``;
     else why not (never raises). Longer query blocks are the Mosaic GPU forward's."""
     q, k = avals[0], avals[1]
-    if len(avals) != 3 + spec.num_extras:
+    if _mgpu._fixed_operands(spec, avals) != 3:
         return "a backward (this kernel is a forward)"
     if q.shape[1] > _mgpu.DECODE_MAX_Q:
         return f"seq_q {q.shape[1]} > {_mgpu.DECODE_MAX_Q} (a decode kernel)"
