@@ -18,9 +18,7 @@ them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key
 Registered on ``flash_attention_fwd`` ahead of the Mosaic GPU forward, for decode shapes
 only (:func:`supports`); the backward stays the Mosaic GPU kernels'. The chunks depend on
 the key count only (:func:`default_split_keys`), never on batch or heads, so a sharded
-batch or head axis computes the same sums. The kernel's offsets into the flattened
-operands are int32, so it declines a K/V cache of 2**31 elements or more: the one case
-where the batch or head count (through the cache's size) picks the forward.
+batch or head axis computes the same sums.
 """
 
 from __future__ import annotations
@@ -120,36 +118,34 @@ def decode_reason(spec, q, k) -> str | None:
         return "a window, query lengths, segment ids, a mask or a bias"
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
-    if k.shape[0] * k.shape[1] * hkv * d >= 2**31:
-        return f"K/V of {k.shape} hold 2**31 elements or more (the kernel's offsets are int32)"
     return None
 
 
-def _rows(b, h, sq: int, hq: int, g: int, rows_pad: int):
-    """The program's rows: ``(s, rows)``, each row's query position and its row of the
-    flattened ``(B, Sq, Hq)`` queries. Row r is query ``r % sq`` of head ``h·g + r // sq``;
-    the padding rows repeat the real ones (the same values to the same addresses: every
-    load and store is unmasked, and no padding row lands on another row's output)."""
+def _rows(h, sq: int, g: int, rows_pad: int):
+    """The program's rows: ``(s, head)``, each row's query position and query head. Row r
+    is query ``r % sq`` of head ``h·g + r // sq``; the padding rows repeat the real ones
+    (the same values to the same addresses: every load and store is unmasked, and no
+    padding row lands on another row's output)."""
     r = jnp.arange(rows_pad) % (g * sq)
-    s = r % sq
-    return s, (b * sq + s) * hq + h * g + r // sq
+    return r % sq, h * g + r // sq
 
 
-def _lse_rows(b, rows, sq: int, hq: int, batch: int, chunk):
-    """Chunk ``chunk``'s lse positions of ``rows`` in the flattened ``(chunks, B, Hq, Sq)``."""
-    head, s = rows % hq, (rows // hq) % sq
-    return ((chunk * batch + b) * hq + head) * sq + s
+# Every operand is indexed per dimension, never by a flattened offset computed here: Pallas
+# widens the offsets to 64 bits for an array of 2**32 bytes or more, so the kernel takes
+# any cache size, and which kernel runs does not depend on the batch or head count.
 
 
 def _kernel(
     len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys, block_kv, causal, c
 ):
-    batch, sq, hq, hkv, skv, d, rows_pad, _ = dims
-    g = hq // hkv
+    """One chunk of one kv head's keys for one batch entry: the rows' output (divided by
+    their sum, in ``out_ref``'s dtype) and lse, at ``out_ref[chunk, b]``/``lse_ref[chunk,
+    b]``."""
+    sq, hq, hkv, skv, d, rows_pad, _ = dims
     b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    s_of, q_rows = _rows(b, h, sq, hq, g, rows_pad)
+    s_of, head = _rows(h, sq, hq // hkv, rows_pad)
     cols = jnp.arange(d)
-    q = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]])
+    q = plgpu.load(q_ref.at[b, s_of[:, None], head[:, None], cols[None, :]])
     kv_len = jnp.minimum(len_ref[b], skv)
     start = chunk * chunk_keys
     limit = jnp.minimum(kv_len, start + chunk_keys)
@@ -159,8 +155,8 @@ def _kernel(
         acc, m, l_ = carry
         key = start + j * block_kv + jnp.arange(block_kv)
         kmask = key < limit
-        kv_rows = (b * skv + key) * hkv + h
-        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kmask[:, None], other=0.0)
+        at = (b, key[:, None], h, cols[None, :])
+        k = plgpu.load(k_ref.at[at], mask=kmask[:, None], other=0.0)
         s = plgpu.dot(q, k, trans_b=True) * c  # the exp2 domain
         vis = kmask[None, :]
         if causal:  # bottom-right aligned, as the operator's mask
@@ -171,7 +167,7 @@ def _kernel(
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l_ = l_ * alpha + p.sum(axis=1)
-        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=kmask[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[at], mask=kmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l_
 
@@ -184,20 +180,20 @@ def _kernel(
     empty = l_ == 0.0
     acc = acc / jnp.where(empty, 1.0, l_)[:, None]
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l_))) * _mgpu.LN2)
-    part = chunk * (batch * sq * hq) + q_rows  # (a chunk's partial: f32; one chunk: out)
-    plgpu.store(out_ref.at[part[:, None], cols[None, :]], acc.astype(out_ref.dtype))
-    plgpu.store(lse_ref.at[_lse_rows(b, q_rows, sq, hq, batch, chunk)], lse)
+    out_at = (chunk, b, s_of[:, None], head[:, None], cols[None, :])
+    plgpu.store(out_ref.at[out_at], acc.astype(out_ref.dtype))
+    plgpu.store(lse_ref.at[chunk, b, head, s_of], lse)
 
 
 def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     """The chunks' partials of the program's rows: ``lse = m + log Σ_c e_c`` with
     ``e_c = exp(lse_c − m)`` (``m`` their max) and ``out = Σ_c (e_c / Σ e)·part_c``, every
     sum over the chunks in key order; a row no chunk saw gets zeros and ``lse = -inf``."""
-    batch, sq, hq, hkv, _, d, rows_pad, chunks = dims
+    sq, hq, hkv, _, d, rows_pad, chunks = dims
     b, h = pl.program_id(0), pl.program_id(1)
-    _, rows = _rows(b, h, sq, hq, hq // hkv, rows_pad)
+    s_of, head = _rows(h, sq, hq // hkv, rows_pad)
     cols = jnp.arange(d)
-    lses = [plgpu.load(lse_ref.at[_lse_rows(b, rows, sq, hq, batch, c)]) for c in range(chunks)]
+    lses = [plgpu.load(lse_ref.at[c, b, head, s_of]) for c in range(chunks)]
     m = functools.reduce(jnp.maximum, lses)
     e = [jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)) for x in lses]
     total = functools.reduce(jnp.add, e)
@@ -205,11 +201,13 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     safe = jnp.where(seen, total, 1.0)
     acc = jnp.zeros((rows_pad, d), jnp.float32)
     for c in range(chunks):
-        part = plgpu.load(part_ref.at[(c * batch * sq * hq + rows)[:, None], cols[None, :]])
+        part = plgpu.load(part_ref.at[c, b, s_of[:, None], head[:, None], cols[None, :]])
         acc = acc + (e[c] / safe)[:, None] * part
-    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype))
+    plgpu.store(
+        out_ref.at[b, s_of[:, None], head[:, None], cols[None, :]], acc.astype(out_ref.dtype)
+    )
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
-    plgpu.store(lse_out_ref.at[_lse_rows(b, rows, sq, hq, batch, 0)], lse)
+    plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
 def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
@@ -240,9 +238,8 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
         if kv_lengths is None
         else jnp.clip(kv_lengths.astype(jnp.int32), 0, skv)
     )
-    dims = (b, sq, hq, hkv, skv, d, rows_pad, chunks)
+    dims = (sq, hq, hkv, skv, d, rows_pad, chunks)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    n_rows = b * sq * hq
     kernel = functools.partial(
         _kernel,
         dims=dims,
@@ -251,30 +248,31 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
         causal=causal,
         c=scale * _mgpu.LOG2E,
     )
+    # One chunk writes the output itself; several write f32 partials for the combination.
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, hkv, chunks),
         out_shape=(
-            jax.ShapeDtypeStruct((chunks * n_rows, d), q.dtype if chunks == 1 else jnp.float32),
-            jax.ShapeDtypeStruct((chunks * n_rows,), jnp.float32),
+            jax.ShapeDtypeStruct((chunks, *q.shape), q.dtype if chunks == 1 else jnp.float32),
+            jax.ShapeDtypeStruct((chunks, b, hq, sq), jnp.float32),
         ),
         compiler_params=params,
         interpret=interpret,
         name="ts_attention_decode_fwd",
-    )(lengths, q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d))
-    if chunks > 1:
-        out, lse = pl.pallas_call(
-            functools.partial(_combine_kernel, dims=dims),
-            grid=(b, hkv),
-            out_shape=(
-                jax.ShapeDtypeStruct((n_rows, d), q.dtype),
-                jax.ShapeDtypeStruct((n_rows,), jnp.float32),
-            ),
-            compiler_params=params,
-            interpret=interpret,
-            name="ts_attention_decode_combine",
-        )(out, lse)
-    return out.reshape(b, sq, hq, d), lse.reshape(b, hq, sq)
+    )(lengths, q, k, v)
+    if chunks == 1:
+        return out[0], lse[0]
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, dims=dims),
+        grid=(b, hkv),
+        out_shape=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+        ),
+        compiler_params=params,
+        interpret=interpret,
+        name="ts_attention_decode_combine",
+    )(out, lse)
 
 
 # --- the kernel vocabulary (primitives/_core.Kernel) ----------------------------------------

@@ -896,10 +896,7 @@ def flash_attention(
     window, query lengths or segment ids, runs a Triton decode kernel instead of the Mosaic
     GPU forward. Every path is deterministic: bitwise identical outputs and gradients run to
     run (no atomics); which path runs, and how it blocks the keys, depends on one head's
-    sizes only, never on the batch or head count a mesh divides, with one exception: the
-    decode kernel declines a K/V cache of 2**31 elements or more (its offsets are int32),
-    so such a cache runs the Mosaic GPU forward, whose bits differ from a shard's. There is
-    no cuDNN path.
+    sizes only, never on the batch or head count a mesh divides. There is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
