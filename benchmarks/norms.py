@@ -14,10 +14,12 @@ the XLA baseline (``jax.nn.softmax`` / ``jax.nn.log_softmax`` / the norm written
 write it, statistics in f32), ``ts[auto]`` (what a user gets: the kernels where ``prefer``
 takes them), ``ts[xla]`` (the operators' XLA references) and ``ts[pallas]`` (the kernels
 wherever ``supports`` takes the case, preferred or not). ``--sweep`` first times the
-kernels' row configs at the large shape. Records ``{suite, case, device, jax, impl,
-baseline, ms, baseline_ms, ratio = baseline_ms / ms, gbps, rel_err}``; ``gbps`` counts the
-bytes a single pass over each array moves (the bandwidth bound), ``rel_err`` is the worst
-``||out − ref|| / ||ref||`` over the outputs against the f32 reference.
+kernels' row configs at the first shape, and the backward's default config with and
+without prefetch at every shape (``<json stem>-sweep.json``). Records ``{suite, case,
+device, jax, impl, baseline, ms, baseline_ms, ratio = baseline_ms / ms, gbps, rel_err}``;
+``gbps`` counts the bytes a single pass over each array moves (the bandwidth bound),
+``rel_err`` is the worst ``||out − ref|| / ||ref||`` over the outputs against the f32
+reference.
 
 ``norm-rmsnorm_matmul-{fwd,fwdbwd}`` (``--only rmsnorm_matmul``): ``ts.rmsnorm_matmul`` vs
 XLA's norm-then-dot (the jnp rmsnorm above, then ``jnp.dot``) at ``M×K @ K×N`` transformer
@@ -31,7 +33,9 @@ backward).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import sys
 import traceback
 from pathlib import Path
@@ -201,58 +205,83 @@ def run_cases(selected, shapes=SHAPES, modes=tuple(MODES)):
     return recs
 
 
-# Row configs timed by --sweep: (block_rows, num_warps) forward; backward adds the
-# number of programs the rows are spread over.
+# Row configs timed by --sweep at the first shape: (block_rows, num_warps) forward; backward
+# adds the number of programs the rows are spread over, each with and without prefetch.
 FWD_SWEEP = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]
 BWD_SWEEP = [(1, 8, 264), (1, 8, 528), (1, 8, 1056), (1, 16, 528), (2, 16, 528), (1, 4, 1056)]
 
 
-def run_sweep():
+def _specs(op, d):
+    """The forward's and the backward's bind parameters of ``op`` at rows of ``d``."""
+    kw = {"eps": EPS, "has_weight": True} if op != "softmax" else {"axis": 1}
+    if op == "layernorm":
+        kw["has_bias"] = True
+    bkw = dict(kw, weight_grad_shape=(d,))
+    bkw.pop("has_bias", None)
+    if op == "layernorm":
+        bkw["bias_grad_shape"] = (d,)
+    return tuple(sorted(kw.items())), tuple(sorted(bkw.items()))
+
+
+def _bwd_fns(op, bspec, params, configs):
+    """XLA's backward and the kernel's at each named config, all called as f(x, w, ct)."""
+    xla_bwd = jax.jit(functools.partial(_bwd, functools.partial(xla_op, op)))
+    fns = {"xla:jnp": lambda x, w, ct, f=xla_bwd, p=params: f(x, *p, ct)}
+    bwd = getattr(norms_gpu, f"{op}_bwd")
+    for name, cfg in configs.items():
+        fns[name] = jax.jit(functools.partial(bwd, bspec, config=cfg))
+    return fns
+
+
+def _bwd_name(cfg, default):
+    pf = "+prefetch" if cfg.prefetch else ""
+    star = "*" if cfg == default else ""
+    return f"bwd[{cfg.block_rows}x{cfg.num_warps}x{cfg.row_steps}]{pf}{star}"
+
+
+def run_sweep(shapes=SHAPES[:1]):
+    """The row-config grid at the first shape; at every shape, the default backward config
+    with and without prefetch."""
     recs = []
-    shape = SHAPES[0]
-    rows, d = shape
-    x, w, b, ct = operands("layernorm", shape)
-    for op in ("rmsnorm", "layernorm", "softmax"):
-        params = (w, b) if op == "layernorm" else (w,) if op == "rmsnorm" else ()
-        kw = {"eps": EPS, "has_weight": True} if op != "softmax" else {"axis": 1}
-        if op == "layernorm":
-            kw["has_bias"] = True
-        spec = tuple(sorted(kw.items()))
-        fwd = getattr(norms_gpu, op)
-        fns = {"xla:jnp": jax.jit(lambda x, *p, op=op: xla_op(op, x, *p))}
-        default = norms_gpu.RowConfig.default(rows, d, backward=False, has_params=bool(params))
-        for br, nw in FWD_SWEEP:
-            cfg = norms_gpu.RowConfig(br, nw)
-            name = f"fwd[{br}x{nw}]" + ("*" if cfg == default else "")
-            fns[name] = jax.jit(functools.partial(fwd, spec, config=cfg))
-        recs += _time_sweep(f"sweep-{op}-fwd", fns, (x, *params), 2 * x.size * 2)
-        if op == "softmax":
-            continue
-        bwd = getattr(norms_gpu, f"{op}_bwd")
-        bkw = dict(kw, weight_grad_shape=(d,))
-        bkw.pop("has_bias", None)
-        if op == "layernorm":
-            bkw["bias_grad_shape"] = (d,)
-        bspec = tuple(sorted(bkw.items()))
-        xla_bwd = jax.jit(functools.partial(_bwd, functools.partial(xla_op, op)))
-        fns = {"xla:jnp": lambda x, w, ct, f=xla_bwd, p=params: f(x, *p, ct)}
-        default = norms_gpu.RowConfig.default(rows, d, backward=True)
-        for br, nw, programs in BWD_SWEEP:
-            steps = -(-rows // (br * programs))
-            cfg = norms_gpu.RowConfig(br, nw, steps)
-            name = f"bwd[{br}x{nw}x{steps}]" + ("*" if cfg == default else "")
-            fns[name] = jax.jit(functools.partial(bwd, bspec, config=cfg))
-        recs += _time_sweep(f"sweep-{op}-bwd", fns, (x, w, ct), 3 * x.size * 2)
+    for i, shape in enumerate(shapes):
+        rows, d = shape
+        x, w, b, ct = operands("layernorm", shape)
+        for op in ("rmsnorm", "layernorm", "softmax"):
+            params = (w, b) if op == "layernorm" else (w,) if op == "rmsnorm" else ()
+            spec, bspec = _specs(op, d)
+            if i == 0:
+                fwd = getattr(norms_gpu, op)
+                fns = {"xla:jnp": jax.jit(lambda x, *p, op=op: xla_op(op, x, *p))}
+                default = norms_gpu.RowConfig.default(
+                    rows, d, backward=False, has_params=bool(params)
+                )
+                for br, nw in FWD_SWEEP:
+                    cfg = norms_gpu.RowConfig(br, nw)
+                    name = f"fwd[{br}x{nw}]" + ("*" if cfg == default else "")
+                    fns[name] = jax.jit(functools.partial(fwd, spec, config=cfg))
+                recs += _time_sweep(f"sweep-{op}-fwd", shape, fns, (x, *params), 2 * x.size * 2)
+            if op == "softmax":
+                continue
+            default = norms_gpu.RowConfig.default(rows, d, backward=True)
+            configs = [default, dataclasses.replace(default, prefetch=not default.prefetch)]
+            if i == 0:
+                for (br, nw, programs), pf in itertools.product(BWD_SWEEP, (False, True)):
+                    steps = -(-rows // (br * programs))
+                    configs.append(norms_gpu.RowConfig(br, nw, steps, prefetch=pf))
+            named = {_bwd_name(c, default): c for c in configs}
+            fns = _bwd_fns(op, bspec, params, named)
+            recs += _time_sweep(f"sweep-{op}-bwd", shape, fns, (x, w, ct), 3 * x.size * 2)
     return recs
 
 
-def _time_sweep(case, fns, args, nbytes):
+def _time_sweep(case, shape, fns, args, nbytes):
     ms = time_interleaved(fns, args, repeats=3, target_ms=20, warmup_ms=60)
-    print(f"== {case}", flush=True)
+    print(f"== {case} {shape[0]}x{shape[1]}", flush=True)
     out = []
     for n, t in ms.items():
         r = record(case, n, "xla:jnp", t, ms["xla:jnp"], nbytes, float("nan"))
         r["suite"] = "norms-sweep"
+        r["shape"] = list(shape)
         out.append(r)
         print(f"   {n:18s} {t:.4f} ms {r['gbps']:7.0f} GB/s x{r['ratio']:.3f}", flush=True)
     return out
@@ -354,7 +383,7 @@ def main():
     sweep = []
     if args.sweep:
         try:
-            sweep = run_sweep()
+            sweep = run_sweep(shapes)
         except Exception:
             traceback.print_exc()
     norm_sel = [s for s in args.only if "rmsnorm_matmul" not in s]

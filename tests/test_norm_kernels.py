@@ -9,6 +9,7 @@ random cotangent, compared with jax's own derivative of a float64 jax.numpy form
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -176,34 +177,61 @@ class TestNormKernelsInterpret(_NormKernelCases):
 # --- the kernel functions themselves (CPU only) -------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
-def test_backward_walks_several_blocks_per_program(op):
-    """row_steps > 1 with a ragged last block: dx and the partial dw/db sums add up."""
-    x, w = rand((13, 40), jnp.bfloat16), rand((40,), jnp.float32)
-    ct = rand((13, 40), jnp.bfloat16)
-    params = dict(eps=EPS, has_weight=True, weight_grad_shape=(40,))
+def _backward_both_ways(op, shape, config, interpret):
+    """The backward kernel's outputs with ``config`` and with its prefetch flipped, and
+    the reference's."""
+    x, w, ct = rand(shape, jnp.bfloat16), rand(shape[-1:], jnp.float32), rand(shape, jnp.bfloat16)
+    d = shape[-1]
+    params = dict(eps=EPS, has_weight=True, weight_grad_shape=(d,))
     if op == "layernorm":
-        params["bias_grad_shape"] = (40,)
+        params["bias_grad_shape"] = (d,)
     spec = tuple(sorted(params.items()))
-    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3)
     kernel = getattr(norms_gpu, f"{op}_bwd")
-    got = jax.jit(lambda x, w, ct: kernel(spec, x, w, ct, interpret=True, config=config))(x, w, ct)
+    outs = []
+    for cfg in (config, dataclasses.replace(config, prefetch=not config.prefetch)):
+        f = functools.partial(kernel, spec, interpret=interpret, config=cfg)
+        outs.append(jax.jit(f)(x, w, ct))
     ref = getattr(_norms, f"{op}_bwd_reference")(x, w, ct, **params)
-    assert len(got) == len(ref) == (3 if op == "layernorm" else 2)
-    for g, r in zip(got, ref):
+    return *outs, ref
+
+
+def _assert_walk_matches(got, other, ref, op):
+    """Same bits with and without prefetch; both close to the reference."""
+    assert len(got) == len(other) == len(ref) == (3 if op == "layernorm" else 2)
+    for g, o, r in zip(got, other, ref):
         assert g.dtype == r.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(f64(g), f64(o))
         assert_close(g, f64(r), rtol=2e-2 if g.dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_backward_walks_several_blocks_per_program(op):
+    """row_steps > 1 with a ragged last block: dx and the partial dw/db sums add up, and
+    prefetching the next block changes no bit."""
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3, prefetch=True)
+    _assert_walk_matches(*_backward_both_ways(op, (13, 40), config, interpret=True), op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_backward_prefetch_gpu(op):
+    """The compiled twin at a width whose default config walks and prefetches."""
+    rows, d = 1000, 4096
+    config = norms_gpu.RowConfig.default(rows, d, backward=True)
+    assert config.prefetch and config.row_steps > 1
+    _assert_walk_matches(*_backward_both_ways(op, (rows, d), config, interpret=False), op)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("op", OPS)
-def test_forward_walks_several_blocks_per_program(op):
+def test_forward_walks_several_blocks_per_program(op, prefetch):
     """row_steps > 1 (parameters loaded once per program) with a ragged last block and a
     program whose last block lies past the rows: every row is written once and right. Row 7
     of the norms overflows f32 when squared: its block alone takes the rescaled statistics."""
     args = _operands(op, (13, 40), jnp.bfloat16)
     if not op.endswith("softmax"):
         args = (args[0].at[7].multiply(1e30), *args[1:])
-    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3)
+    config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3, prefetch=prefetch)
     kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
     spec = (("axis", 1),) if op.endswith("softmax") else tuple(sorted(kw.items()))
     got = getattr(norms_gpu, op)(spec, *args, interpret=True, config=config)
@@ -301,6 +329,16 @@ def test_default_configs_walk_where_measured_faster():
     assert norms_gpu.Problem(16384, 1024, default(16384, 1024, backward=True)).programs == 512
 
 
+@pytest.mark.parametrize("d, prefetch", [(1024, True), (8192, True), (5000, True), (16384, False)])
+def test_default_backward_prefetches_where_measured_faster(d, prefetch):
+    """Backward programs prefetch their next block at rows up to 8192 wide (padded); wider
+    rows would hold two blocks' tiles in registers. Forward configs never prefetch."""
+    default = norms_gpu.RowConfig.default
+    assert default(4096, d, backward=True).prefetch is prefetch
+    for has_params in (False, True):
+        assert not default(4096, d, backward=False, has_params=has_params).prefetch
+
+
 def test_vmapped_weight_falls_back_exactly():
     """A vmapped weight is (N, 1, D): the kernels decline it; the reference runs."""
     x, w = rand((3, 4, 64), jnp.bfloat16), rand((3, 64), jnp.float32)
@@ -320,6 +358,7 @@ def test_vmapped_weight_falls_back_exactly():
         (dict(block_rows=2, num_warps=64), "power of two"),
         (dict(block_rows=0, num_warps=4), "positive int"),
         (dict(block_rows=2, num_warps=4, row_steps=1.5), "positive int"),
+        (dict(block_rows=2, num_warps=4, prefetch=1), "must be a bool"),
     ],
 )
 def test_row_config_validation(kw, msg):

@@ -74,6 +74,8 @@ _OVERFLOW_SCALE = np.float32(2.0**-100)
 _SMS = 132
 # Forward programs of rows this wide (padded) with a weight or bias walk several blocks.
 _WALK_ROW = 8192
+# Backward programs prefetch their next block up to rows this wide (padded).
+_PREFETCH_ROW = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +86,23 @@ class RowConfig:
       block_rows: rows per program block (a power of two).
       num_warps: warps per program (a power of two, 1 to 32).
       row_steps: row blocks each program walks, in order.
+      prefetch: a program that walks several blocks issues the next block's loads before
+        it computes the current one, so their latency overlaps the work; the loaded tiles
+        then take registers twice over. The results are the same bits either way.
     """
 
     block_rows: int
     num_warps: int
     row_steps: int = 1
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps", "row_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"RowConfig: {name}={v!r} must be a positive int")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"RowConfig: prefetch={self.prefetch!r} must be a bool")
         for name in ("block_rows", "num_warps"):
             v = getattr(self, name)
             if v & (v - 1) or (name == "num_warps" and v > 32):
@@ -110,8 +118,11 @@ class RowConfig:
         tiles live: blocks of about 2048 elements, 16 per thread, each program walking
         enough blocks for as many programs as fit on the multiprocessors (four apiece at
         blocks of 2048 elements, one from 8192), so that the f32 partial column sums stay
-        small. The measured configs are in benchmarks/results/norms-h100-sweep.json and
-        norms-h100-wide-sweep.json."""
+        small. Rows of up to ``_PREFETCH_ROW`` (padded) prefetch the next block; at 16384
+        prefetching ran slower, with two blocks' tiles held at once. The measured configs
+        are in
+        benchmarks/results/norms-h100-sweep.json, norms-h100-wide-sweep.json and
+        norms-h100-prefetch-sweep.json."""
         dp = pl.next_power_of_2(d)
         if not backward and has_params and dp >= _WALK_ROW:
             return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
@@ -121,7 +132,8 @@ class RowConfig:
         if not backward:
             return RowConfig(block_rows, num_warps)
         programs = _SMS * max(1, min(4, 8192 // (block_rows * dp)))
-        return RowConfig(block_rows, num_warps, max(1, pl.cdiv(rows, block_rows * programs)))
+        steps = max(1, pl.cdiv(rows, block_rows * programs))
+        return RowConfig(block_rows, num_warps, steps, prefetch=dp <= _PREFETCH_ROW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,24 +217,42 @@ def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
 # --- kernel bodies ------------------------------------------------------------------------
 
 
-def _walk(p: Problem, body) -> None:
-    """``body(block)`` for each of this program's ``row_steps`` row blocks, in order."""
-    first = pl.program_id(0) * p.config.row_steps
-    if p.config.row_steps == 1:
-        body(first)
-        return
+def _walk(p: Problem, load, body, init: Any = ()) -> Any:
+    """``carry = body(block, load(block), carry)`` for each of this program's ``row_steps``
+    row blocks, in order, from ``init``; the last carry. With ``prefetch`` the loop carries
+    the next block's tiles, loaded before the current block's work (the last step reloads
+    its own block rather than read past the program's rows)."""
+    steps = p.config.row_steps
+    first = pl.program_id(0) * steps
+    if steps == 1:
+        return body(first, load(first), init)
+    if not p.config.prefetch:
+        return jax.lax.fori_loop(0, steps, lambda i, c: body(first + i, load(first + i), c), init)
 
-    def step(i, carry):
-        body(first + i)
-        return carry
+    def step(i, state):
+        tiles, carry = state
+        ahead = load(first + jnp.minimum(i + 1, steps - 1))
+        return ahead, body(first + i, tiles, carry)
 
-    jax.lax.fori_loop(0, p.config.row_steps, step, ())
+    return jax.lax.fori_loop(0, steps, step, (load(first), init))[1]
+
+
+def _loader(p: Problem, *refs_and_fill):
+    """``load(block) -> (rows, mask, tiles)``: the f32 tiles of ``(ref, fill)`` pairs, in
+    order, for row block ``block``; masked elements read ``fill``."""
+
+    def load(block):
+        rows, cols, mask = _index(p, block)
+        return rows, mask, tuple(_load(r, rows, cols, mask, fill) for r, fill in refs_and_fill)
+
+    return load
 
 
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
-    def block(b):
-        rows, cols, mask = _index(p, b)
-        x = _load(x_ref, rows, cols, mask, other=-jnp.inf)
+    cols = jnp.arange(p.d_pad)
+
+    def block(_, loaded, carry):
+        rows, mask, (x,) = loaded
         m = jnp.max(x, axis=1, keepdims=True)
         m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
         shifted = x - m
@@ -230,23 +260,26 @@ def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
         s = jnp.sum(e, axis=1, keepdims=True)
         s = jnp.where(s == 0, 1.0, s)
         _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+        return carry
 
-    _walk(p, block)
+    _walk(p, _loader(p, (x_ref, -jnp.inf)), block)
 
 
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
-    def block(b):
-        rows, cols, mask = _index(p, b)
-        g = _load(g_ref, rows, cols, mask)
-        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax) (0 in the padding)
-            soft = jnp.exp(_load(y_ref, rows, cols, mask, other=-jnp.inf))
-            dx = g - soft * jnp.sum(g, axis=1, keepdims=True)
+    cols = jnp.arange(p.d_pad)
+    # log_softmax's padding reads -inf, so that its exp is 0 there
+    load = _loader(p, (y_ref, -jnp.inf if log else 0.0), (g_ref, 0.0))
+
+    def block(_, loaded, carry):
+        rows, mask, (y, g) = loaded
+        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax)
+            dx = g - jnp.exp(y) * jnp.sum(g, axis=1, keepdims=True)
         else:  # dx = y·(g − Σ y·g)
-            y = _load(y_ref, rows, cols, mask)
             dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
         _store(o_ref, rows, cols, mask, dx)
+        return carry
 
-    _walk(p, block)
+    _walk(p, load, block)
 
 
 def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_bias: bool):
@@ -262,17 +295,17 @@ def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_b
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
     b = _load_vec(b_ref, p, cols) if b_ref is not None else None
 
-    def block(blk):
-        rows, _, mask = _index(p, blk)
-        x = _load(x_ref, rows, cols, mask)
+    def block(_, loaded, carry):
+        rows, mask, (x,) = loaded
         y, _ = _stats(p, x, mask, op, eps)
         if w is not None:
             y = y * w
         if b is not None:
             y = y + b
         _store(o_ref, rows, cols, mask, y)
+        return carry
 
-    _walk(p, block)
+    _walk(p, _loader(p, (x_ref, 0.0)), block)
 
 
 def _norm_bwd_kernel(
@@ -288,13 +321,10 @@ def _norm_bwd_kernel(
     db_ref = refs.pop(0) if want_db else None
     cols = jnp.arange(p.d_pad)
     w = _load_vec(w_ref, p, cols) if w_ref is not None else None
-    program = pl.program_id(0)
 
-    def step(i, acc):
+    def block(_, loaded, acc):
         dw, db = acc
-        rows, _, mask = _index(p, program * p.config.row_steps + i)
-        x = _load(x_ref, rows, cols, mask)
-        ct = _load(g_ref, rows, cols, mask)
+        rows, mask, (x, ct) = loaded
         xhat, r = _stats(p, x, mask, op, eps)
         g = ct if w is None else ct * w
         u = g - xhat * _mean(xhat * g, p.d)
@@ -306,8 +336,9 @@ def _norm_bwd_kernel(
         return dw, db
 
     zeros = jnp.zeros((1, p.d_pad), jnp.float32)
-    dw, db = jax.lax.fori_loop(0, p.config.row_steps, step, (zeros, zeros))
-    prow = jnp.full((1,), program, jnp.int32)
+    load = _loader(p, (x_ref, 0.0), (g_ref, 0.0))
+    dw, db = _walk(p, load, block, (zeros, zeros))
+    prow = jnp.full((1,), pl.program_id(0), jnp.int32)
     cmask = cols[None, :] < p.d
     if dw_ref is not None:
         plgpu.store(dw_ref.at[prow[:, None], cols[None, :]], dw, mask=cmask)
