@@ -183,14 +183,15 @@ def test_operator_runs_it(dims, opts):
 
 def test_operator_dispatch():
     """Decode shapes take this forward in every kernel mode that runs kernels, ``auto``
-    from ``DECODE_MIN_KV`` keys; more queries, a mask or an explicit config do not."""
+    from ``MIN_KV`` keys; more queries, a mask or an explicit config do not."""
     spec = _spec(False, 128)
     avals = lambda sq, skv: (
         jax.ShapeDtypeStruct((1, sq, 8, 128), jnp.bfloat16),
         *[jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)] * 2,
     )
     assert ad.supports(spec, avals(16, 4096)) is None and ad.prefer(spec, avals(16, 4096))
-    assert not ad.prefer(spec, avals(16, 4095))
+    assert ad.MIN_KV == 1024 and ad.prefer(spec, avals(1, 1024))
+    assert not ad.prefer(spec, avals(16, 1023))
     assert "seq_q 17" in ad.supports(spec, avals(17, 4096))
     assert "backward" in ad.supports(spec, (*avals(1, 4096), *avals(1, 4096)))
     assert "config" in ad.supports(

@@ -1162,12 +1162,14 @@ def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
         (1, 32768, 32, 8, True),  # the group folded into the rows
         (1, 32768, 128, 1, True),  # a group of 128: too many rows to fold, one tile per head
         (17, 32768, 16, 16, False),
-        (1, 2048, 16, 16, False),
+        (1, 2048, 16, 16, True),  # the backward decodes from fewer keys than the forward
+        (16, 1024, 32, 8, True),
+        (1, 1023, 16, 16, False),
     ],
 )
 def test_prefer_decoding_backward(sq, skv, hq, hkv, preferred):
-    """The backward (with or without an lse cotangent) follows the forward's rule: decoding
-    against a long cache runs the kernels whatever the GQA group."""
+    """The backward (with or without an lse cotangent) decodes from DECODE_BWD_MIN_KV keys,
+    whatever the GQA group."""
     avals = _avals(4, sq, skv, hq, hkv, 128, jnp.bfloat16, backward=True)
     assert am.prefer(_spec(), avals) is preferred
     assert am.prefer(_spec(has_dlse=True), (*avals, avals[4])) is preferred

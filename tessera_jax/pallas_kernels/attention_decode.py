@@ -38,7 +38,15 @@ from jax.experimental.pallas import triton as plgpu
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.pallas_kernels import device
 
-__all__ = ["DecodeConfig", "decode_fwd", "decode_reason", "flash_fwd", "prefer", "supports"]
+__all__ = [
+    "MIN_KV",
+    "DecodeConfig",
+    "decode_fwd",
+    "decode_reason",
+    "flash_fwd",
+    "prefer",
+    "supports",
+]
 
 MIN_ROWS = 16  # a Triton product's narrowest side
 MAX_ROWS = 64
@@ -49,6 +57,13 @@ MAX_ROWS = 64
 # reading the key count only (the same bits on any mesh) cannot choose.
 SPLIT_CHUNKS = 8
 SPLIT_KEYS_MIN = 512
+# ``auto`` mode runs this forward from MIN_KV keys, below ``attention_mgpu.DECODE_MIN_KV``
+# (where the Mosaic GPU forward starts). Against 1024 and 2048 keys (B1 and B4, 1 and 16
+# queries, GQA or not; the ``fwd-noncausal-decode-…-skv1024/2048`` rows of
+# benchmarks/results/attention-h100.json, in-graph) it beat the blocked reference that auto
+# ran there in every case; in two runs it ran 0.72-1.89x XLA, below 1.0 in one and in two of
+# the 12 cases, where the reference ran 0.63-1.10x.
+MIN_KV = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,10 +308,10 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
-    """``auto`` mode runs it from ``attention_mgpu.DECODE_MIN_KV`` keys (the measured
-    decode shapes); it reads the key count only, as the chunks do."""
+    """``auto`` mode runs it from :data:`MIN_KV` keys; it reads the key count only, as the
+    chunks do."""
     del spec
-    return avals[1].shape[1] >= _mgpu.DECODE_MIN_KV
+    return avals[1].shape[1] >= MIN_KV
 
 
 def hardware(platform: str) -> str | None:

@@ -2375,17 +2375,26 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # or heads, which a mesh divides, so that a sharded run takes the same path and gets the
 # same bits on any device count.
 # At decode shapes the forward these kernels would run is mostly taken first by
-# ``attention_decode`` (Pallas' Triton backend), registered ahead of them.
+# ``attention_decode`` (Pallas' Triton backend), registered ahead of them, from fewer keys
+# (its ``MIN_KV``). The backward decodes from DECODE_BWD_MIN_KV keys: against 1024 and 2048
+# keys (the ``fwdbwd-noncausal-decode-…-skv1024/2048`` rows, in-graph, B1 and B4, 1 and 16
+# queries, GQA or not) the Triton forward with these backward kernels ran 0.93-2.03x XLA
+# at B4, where the reference's backward beside it ran 0.95-1.08x, and beat that pairing in
+# 6 of the 8 B1 cases; four B1 cases trail XLA on either path (0.84-0.92x with the
+# kernels). A decode forward that the Triton kernel declines (a mask or bias) keeps the
+# reference below DECODE_MIN_KV, unmeasured.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
+DECODE_BWD_MIN_KV = 1024
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
     """Whether the kernels are expected to beat the blocked XLA reference (``auto`` mode):
-    from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`,
-    :data:`DECODE_MIN_KV`). Asked only of cases :func:`supports` accepts."""
-    del spec
+    from :data:`PREFER_MIN_SEQ` queries and keys, or decoding (:data:`DECODE_MAX_Q`
+    queries against :data:`DECODE_MIN_KV` keys, :data:`DECODE_BWD_MIN_KV` for the
+    backward). Asked only of cases :func:`supports` accepts."""
     q, k = avals[0], avals[1]
     sq, skv = q.shape[1], k.shape[1]
-    return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= DECODE_MIN_KV)
+    min_kv = DECODE_MIN_KV if _fixed_operands(spec, avals) == 3 else DECODE_BWD_MIN_KV
+    return min(sq, skv) >= PREFER_MIN_SEQ or (sq <= DECODE_MAX_Q and skv >= min_kv)

@@ -885,18 +885,19 @@ def flash_attention(
 
     Where it runs (``auto`` mode): on a Hopper GPU, bf16/f16 with head_dim up to 256 (64,
     128 and 256 natively, others zero-padded to the next) and at least 128 queries and keys
-    (or decoding: at most 16 queries against 4096 keys or more), the Mosaic GPU kernels run
-    the forward and backward, causal or not, with ``query_seq_lengths``,
-    ``key_value_seq_lengths``, ``local_window_size`` and, at head dims up to 128, segment
-    ids, ``mask`` and ``bias`` (a bias with a row per query is rounded to the inputs' 16-bit
-    dtype there, one broadcast over the queries is not). Everything else — the gradient of
-    ``bias`` (its backward), other dtypes, head dims over 256, shorter sequences, an
-    explicit ``config`` — runs the blocked XLA reference. Decoding's forward, at head_dim
-    64 or 128 with at most 64 query rows per kv head (GQA group × queries), no mask, bias,
-    window, query lengths or segment ids, runs a Triton decode kernel instead of the Mosaic
-    GPU forward. Every path is deterministic: bitwise identical outputs and gradients run to
-    run (no atomics); which path runs, and how it blocks the keys, depends on one head's
-    sizes only, never on the batch or head count a mesh divides. There is no cuDNN path.
+    (or decoding, at most 16 queries: the forward against 4096 keys or more, the backward
+    against 1024 or more), the Mosaic GPU kernels run the forward and backward, causal or
+    not, with ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` and,
+    at head dims up to 128, segment ids, ``mask`` and ``bias`` (a bias with a row per query
+    is rounded to the inputs' 16-bit dtype there, one broadcast over the queries is not).
+    Everything else — the gradient of ``bias`` (its backward), other dtypes, head dims over
+    256, shorter sequences, an explicit ``config`` — runs the blocked XLA reference.
+    Decoding's forward, at head_dim 64 or 128 with at most 64 query rows per kv head (GQA
+    group × queries), no mask, bias, window, query lengths or segment ids, runs a Triton
+    decode kernel instead of the Mosaic GPU forward, against 1024 keys or more. Every path
+    is deterministic: bitwise identical outputs and gradients run to run (no atomics); which
+    path runs, and how it blocks the keys, depends on one head's sizes only, never on the
+    batch or head count a mesh divides. There is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
