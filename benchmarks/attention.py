@@ -27,9 +27,10 @@ mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
 (``baseline = "xla"``), cuDNN where it takes the case, on short shapes the kernels forced
 (``mosaic_gpu``), and on decode shapes, whose forward ``auto`` mode runs in the Triton
 decode kernel (``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel
-called directly (``mosaic_gpu``, forward only); on decode shapes shorter than the kernels'
-``DECODE_MIN_KV``, where ``auto`` runs the reference, the kernels forced (``ts_pallas``);
-``--ref-blocks`` adds the reference per block size.
+called directly (``mosaic_gpu``, forward only); on decode shapes shorter than the Mosaic
+forward's ``DECODE_MIN_KV`` the kernels forced (``ts_pallas``: beside ``ts_auto`` it shows
+whether ``auto``'s key-count thresholds hold); ``--ref-blocks`` adds the reference per block
+size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
@@ -105,7 +106,8 @@ FEATURE_CASES = [
         for sq in (1, 16)
         for skv in (4096, 32768)
     ),
-    # Caches shorter than the kernels' DECODE_MIN_KV, where auto runs the reference.
+    # Caches shorter than the Mosaic forward's DECODE_MIN_KV: auto's thresholds for the
+    # decode kernels (attention_decode.MIN_KV, attention_mgpu.DECODE_BWD_MIN_KV) lie here.
     *(
         (b, sq, skv, h, 128, "decode")
         for b, h in ((1, 8), (4, 16))
@@ -373,7 +375,7 @@ def run_feature_case(
     if feature == "short":  # the kernels take the case, but auto may not
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
     elif feature.startswith("decode") and skv < am.DECODE_MIN_KV:
-        fns["ts_pallas"] = (ts_fn(), "pallas")  # the kernels, which auto does not prefer here
+        fns["ts_pallas"] = (ts_fn(), "pallas")  # the kernels, whether auto prefers them or not
     elif feature.startswith("decode") and not backward and not kw:
         # ts_auto runs the Triton decode forward here; this is the Mosaic GPU one.
         spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())

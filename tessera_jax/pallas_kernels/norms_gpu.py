@@ -120,8 +120,7 @@ class RowConfig:
         blocks of 2048 elements, one from 8192), so that the f32 partial column sums stay
         small. Rows of up to ``_PREFETCH_ROW`` (padded) prefetch the next block; at 16384
         prefetching ran slower, with two blocks' tiles held at once. The measured configs
-        are in
-        benchmarks/results/norms-h100-sweep.json, norms-h100-wide-sweep.json and
+        are in benchmarks/results/norms-h100-sweep.json, norms-h100-wide-sweep.json and
         norms-h100-prefetch-sweep.json."""
         dp = pl.next_power_of_2(d)
         if not backward and has_params and dp >= _WALK_ROW:
