@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.primitives import reductions
 from tessera_jax.primitives.reductions import canonical_sum, fixed_point_sum
 from tests._util import assert_close, f64, np_tree, rand
 
@@ -48,6 +49,17 @@ def test_fixed_point_sum_is_order_free_and_accurate(n, dtype, x64):
     exact = x.astype(np.float64).sum(-1, keepdims=True)
     # the digits' truncation is below a quarter ulp, then one rounding per digit column
     np.testing.assert_allclose(got, exact, rtol=2 * np.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("n", [7, 32, 33, 1000, 4097])
+def test_fixed_point_sum_in_two_stages_has_the_same_bits(n):
+    """The CPU's two-stage digit sums (runs of 32 zero-padded, then their sums) and one
+    reduction per digit column: exact integers, so the same bits."""
+    x = jnp.asarray(_unit_values(n, np.float32))
+    one = jax.jit(lambda x: reductions._fixed_point_sum(x, lanes=None))(x)
+    two = jax.jit(lambda x: reductions._fixed_point_sum(x, lanes=reductions._CPU_LANES))(x)
+    np.testing.assert_array_equal(np.asarray(two), np.asarray(one))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fixed_point_sum)(x)), np.asarray(one))
 
 
 def test_fixed_point_sum_takes_values_just_below_two():

@@ -31,6 +31,7 @@ the same tree.
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 from collections.abc import Sequence
 
@@ -109,6 +110,40 @@ def pairwise_tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     return lax.index_in_dim(x, 0, axis, keepdims=False)
 
 
+# XLA's CPU backend splits a long reduction into a reduce-window of 32 and a reduce, and
+# fuses neither with the digits' producer, so each digit column was written out as a whole
+# int32 array first. Summed in two stages of at most _CPU_LANES each (an optimisation
+# barrier keeps XLA from merging them back into one long reduction), the digits and both
+# stages fuse into one loop over ``x``. Integer sums are exact: the same bits either way.
+_CPU_LANES = 32
+
+
+def _digit_sum(d: jax.Array, lanes: int | None) -> jax.Array:
+    """The exact int32 sum of ``d``'s last axis (kept): one reduction, or with ``lanes``
+    one of each run of ``lanes`` digits (zero-padded) and then of those."""
+    if lanes is None or d.shape[-1] <= lanes:
+        return jnp.sum(d, axis=-1, keepdims=True, dtype=jnp.int32)
+    d = jnp.pad(d, [(0, 0)] * (d.ndim - 1) + [(0, -d.shape[-1] % lanes)])
+    d = jnp.sum(d.reshape(*d.shape[:-1], -1, lanes), axis=-1, dtype=jnp.int32)
+    return jnp.sum(lax.optimization_barrier(d), axis=-1, keepdims=True, dtype=jnp.int32)
+
+
+def _fixed_point_sum(x: jax.Array, lanes: int | None) -> jax.Array:
+    n = x.shape[-1]
+    width = 30 - builtins.max(n, 1).bit_length()  # n values below 2 sum below 2**31 digits
+    words = -(-(jnp.finfo(x.dtype).nmant + 1 + n.bit_length()) // width)
+    rest, columns = x, []
+    for _ in range(words):
+        rest = rest * float(2**width)  # exact: a power of two
+        digit = jnp.floor(rest)
+        rest = rest - digit  # exact: the fraction of a float
+        columns.append(_digit_sum(digit.astype(jnp.int32), lanes))
+    total = jnp.zeros((*x.shape[:-1], 1), x.dtype)
+    for i in reversed(range(words)):  # smallest first; a power-of-two scale is exact
+        total = total + columns[i].astype(x.dtype) * float(2.0 ** (-width * (i + 1)))
+    return total
+
+
 def fixed_point_sum(x: jax.Array) -> jax.Array:
     """Sums the last axis (kept) of ``x``, whose values lie in ``[0, 2)``, in fixed point:
     the same bits for any order of the adds, so XLA may reduce in whatever order it likes.
@@ -122,21 +157,14 @@ def fixed_point_sum(x: jax.Array) -> jax.Array:
 
     It is a reduction XLA runs as such (one read of ``x`` per sum, fused with its
     producer), where the canonical tree is a fused loop of strided slices: the softmax
-    normaliser of flash attention's reference on a GPU.
+    normaliser of flash attention's reference on a GPU. On the CPU the digit columns are
+    summed in two stages (:data:`_CPU_LANES`), which XLA's CPU backend fuses.
     """
-    n = x.shape[-1]
-    width = 30 - builtins.max(n, 1).bit_length()  # n values below 2 sum below 2**31 digits
-    words = -(-(jnp.finfo(x.dtype).nmant + 1 + n.bit_length()) // width)
-    rest, columns = x, []
-    for _ in range(words):
-        rest = rest * float(2**width)  # exact: a power of two
-        digit = jnp.floor(rest)
-        rest = rest - digit  # exact: the fraction of a float
-        columns.append(jnp.sum(digit.astype(jnp.int32), axis=-1, keepdims=True, dtype=jnp.int32))
-    total = jnp.zeros((*x.shape[:-1], 1), x.dtype)
-    for i in reversed(range(words)):  # smallest first; a power-of-two scale is exact
-        total = total + columns[i].astype(x.dtype) * float(2.0 ** (-width * (i + 1)))
-    return total
+    return lax.platform_dependent(
+        x,
+        cpu=functools.partial(_fixed_point_sum, lanes=_CPU_LANES),
+        default=functools.partial(_fixed_point_sum, lanes=None),
+    )
 
 
 def canonical_sum(x: jax.Array, axes: tuple[int, ...], keepdims: bool) -> jax.Array:
