@@ -8,6 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.primitives import attention as _attention
 from tessera_jax.primitives.attention import FlashAttentionConfig, flash_attention_fwd
 from tests._util import assert_close, f64, key, rand, sample
 
@@ -789,3 +790,14 @@ def test_bits_do_not_depend_on_the_loop_around_the_call():
 
     for one, two in zip(out_and_grad(qkv[:1], ct[:1]), out_and_grad(qkv, ct)):
         np.testing.assert_array_equal(one, two)
+
+
+def test_masked_exponential_forms_agree():
+    """The reference's CPU form (the exponential of -inf where a score is hidden) and its
+    other form (the exponentials masked afterwards) give the same values, a hidden NaN or
+    inf included, and a visible NaN stays NaN."""
+    x = jnp.array([[0.0, -1.5, jnp.nan, jnp.inf, -jnp.inf, 3.0, jnp.nan, 88.0]], jnp.float32)
+    vis = jnp.array([[True, False, False, False, True, True, True, False]])
+    a, b = _attention._exp_masked(x, vis), _attention._masked_exp(x, vis)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isnan(np.asarray(a)[0, 6]) and np.asarray(a)[0, 2] == 0.0

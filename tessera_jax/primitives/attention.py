@@ -327,11 +327,12 @@ class _Blocks:
         return s, self.visible(j)
 
 
-# The masks select before a maximum and after an exponential, never between the scale's
-# multiply and the subtraction that follows it: LLVM contracts a multiply into the add it
-# feeds when nothing stands between them, and a select whose condition is a compile-time
-# constant in one program (a loop of one trip, inlined) folds away in that program only.
-# So every program contracts alike, with no rounding pass of its own over the scores.
+# The masks select before a maximum and after an exponential (on the CPU before it, after
+# the subtraction: :func:`_exp_visible`), never between the scale's multiply and the
+# subtraction that follows it: LLVM contracts a multiply into the add it feeds when nothing
+# stands between them, and a select whose condition is a compile-time constant in one
+# program (a loop of one trip, inlined) folds away in that program only. So every program
+# contracts alike, with no rounding pass of its own over the scores.
 
 
 def _hidden(s: jax.Array, vis: jax.Array | None) -> jax.Array:
@@ -339,10 +340,24 @@ def _hidden(s: jax.Array, vis: jax.Array | None) -> jax.Array:
     return s if vis is None else jnp.where(vis, s, -jnp.inf)
 
 
-def _exp_visible(x: jax.Array, vis: jax.Array | None) -> jax.Array:
-    """``exp(x)`` where the scores count, 0 elsewhere."""
+def _masked_exp(x: jax.Array, vis: jax.Array) -> jax.Array:
     e = jnp.exp(x)
-    return e if vis is None else jnp.where(vis, e, jnp.zeros_like(e))
+    return jnp.where(vis, e, jnp.zeros_like(e))
+
+
+def _exp_masked(x: jax.Array, vis: jax.Array) -> jax.Array:
+    return jnp.exp(_hidden(x, vis))
+
+
+def _exp_visible(x: jax.Array, vis: jax.Array | None) -> jax.Array:
+    """``exp(x)`` where the scores count, 0 elsewhere. On the CPU the exponential of
+    ``-inf`` where they do not (the same values, a hidden NaN or ``inf`` included): XLA's
+    CPU backend fuses that into one pass, where it wrote the exponentials out before
+    masking them. Elsewhere the mask follows the exponential: the form the GPU records
+    were measured with."""
+    if vis is None:
+        return jnp.exp(x)
+    return jax.lax.platform_dependent(x, vis, cpu=_exp_masked, default=_masked_exp)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
