@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 import tessera_jax as ts
 from tessera_jax.primitives import reductions
 from tessera_jax.primitives.reductions import canonical_sum, fixed_point_sum
-from tests._util import assert_close, f64, np_tree, rand
+from tests._util import assert_close, cuda_lowering, f64, np_tree, rand
 
 
 def numpy_canonical_tree(x: np.ndarray) -> np.ndarray:
@@ -60,6 +60,14 @@ def test_fixed_point_sum_in_two_stages_has_the_same_bits(n):
     two = jax.jit(lambda x: reductions._fixed_point_sum(x, lanes=reductions._CPU_LANES))(x)
     np.testing.assert_array_equal(np.asarray(two), np.asarray(one))
     np.testing.assert_array_equal(np.asarray(jax.jit(fixed_point_sum)(x)), np.asarray(one))
+
+
+def test_fixed_point_sum_two_stages_only_on_the_cpu():
+    """The CPU lowering holds the two stages' barrier; a cuda lowering the single reduction."""
+    x = jnp.asarray(_unit_values(100, np.float32))
+    cpu = jax.jit(fixed_point_sum).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "optimization_barrier" in cpu
+    assert "optimization_barrier" not in cuda_lowering(fixed_point_sum, x)
 
 
 def test_fixed_point_sum_takes_values_just_below_two():
