@@ -3,14 +3,14 @@ Pallas' Triton backend.
 
 Each operator normalises over the last axis, so a kernel treats ``x`` as ``(rows, D)``: one
 program loads a block of ``block_rows`` whole rows into registers (``D`` padded to a power
-of two, the padding masked), takes the row statistics in f32, and writes its rows once;
-a program may walk ``row_steps`` such blocks in turn, loading the weight and bias once
-(``RowConfig.default`` says where). The input is read once and the output written once,
-which is all a bandwidth-bound operator can do. The backward kernels recompute the
-statistics from ``x`` (softmax: from the saved output) instead of saving them, and read
-``x`` and the cotangent once; the weight and bias gradients are per-program partial column
-sums in f32 (each program walks ``row_steps`` blocks) that one small XLA sum finishes, so
-no atomics and the same bits every run.
+of two, the padding masked), takes the row statistics in f32, and writes its rows once; a
+program may walk ``row_steps`` such blocks in turn, loading the weight and bias once and
+perhaps the next block ahead (``RowConfig.default`` says where). The input is read once and
+the output written once, which is all a bandwidth-bound operator can do. The backward
+kernels recompute the statistics from ``x`` (softmax: from the saved output) instead of
+saving them, and read ``x`` and the cotangent once; the weight and bias gradients are
+per-program partial column sums in f32 (each program walks ``row_steps`` blocks) that one
+small XLA sum finishes, so no atomics and the same bits every run.
 
 Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident tile, a
 reduction along its minor axis and masked loads and stores of ragged rows, which the
