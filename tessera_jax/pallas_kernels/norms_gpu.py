@@ -510,8 +510,8 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below.
 # Inside forward+backward programs at 16384-wide rows rmsnorm trails jnp on either path
 # (norms-h100-rows.json), and the forward kernel beside the reference backward is slower
-# than both: XLA fuses its own forward into its backward only when it owns both. So the
-# backward kernel stays beside the forward kernel there.
+# than both: XLA's forward+backward takes less than its two halves apart only when it owns
+# both (docs/ARCHITECTURE.md). So the backward kernel stays beside the forward kernel there.
 # Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
