@@ -798,6 +798,6 @@ def test_masked_exponential_forms_agree():
     inf included, and a visible NaN stays NaN."""
     x = jnp.array([[0.0, -1.5, jnp.nan, jnp.inf, -jnp.inf, 3.0, jnp.nan, 88.0]], jnp.float32)
     vis = jnp.array([[True, False, False, False, True, True, True, False]])
-    a, b = _attention._exp_masked(x, vis), _attention._masked_exp(x, vis)
+    a, b = _attention._mask_then_exp(x, vis), _attention._exp_then_mask(x, vis)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.isnan(np.asarray(a)[0, 6]) and np.asarray(a)[0, 2] == 0.0

@@ -340,12 +340,12 @@ def _hidden(s: jax.Array, vis: jax.Array | None) -> jax.Array:
     return s if vis is None else jnp.where(vis, s, -jnp.inf)
 
 
-def _masked_exp(x: jax.Array, vis: jax.Array) -> jax.Array:
+def _exp_then_mask(x: jax.Array, vis: jax.Array) -> jax.Array:
     e = jnp.exp(x)
     return jnp.where(vis, e, jnp.zeros_like(e))
 
 
-def _exp_masked(x: jax.Array, vis: jax.Array) -> jax.Array:
+def _mask_then_exp(x: jax.Array, vis: jax.Array) -> jax.Array:
     return jnp.exp(_hidden(x, vis))
 
 
@@ -357,7 +357,7 @@ def _exp_visible(x: jax.Array, vis: jax.Array | None) -> jax.Array:
     were measured with."""
     if vis is None:
         return jnp.exp(x)
-    return jax.lax.platform_dependent(x, vis, cpu=_exp_masked, default=_masked_exp)
+    return jax.lax.platform_dependent(x, vis, cpu=_mask_then_exp, default=_exp_then_mask)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: int, acc) -> jax.Array:
