@@ -353,8 +353,8 @@ def _exp_visible(x: jax.Array, vis: jax.Array | None) -> jax.Array:
     """``exp(x)`` where the scores count, 0 elsewhere. On the CPU the exponential of
     ``-inf`` where they do not (the same values, a hidden NaN or ``inf`` included): XLA's
     CPU backend fuses that into one pass, where it wrote the exponentials out before
-    masking them. Elsewhere the mask follows the exponential: the form the GPU records
-    were measured with."""
+    masking them (benchmarks/archive/reference-cpu-probe.txt). Elsewhere the mask follows
+    the exponential: the form the GPU records were measured with."""
     if vis is None:
         return jnp.exp(x)
     return jax.lax.platform_dependent(x, vis, cpu=_mask_then_exp, default=_exp_then_mask)
