@@ -84,6 +84,52 @@ def test_rmsnorm_safe_on_all_zero_rows(dtype):
     assert np.isfinite(float(y)) and np.all(np.isfinite(f64(g)))
 
 
+@pytest.mark.parametrize("guard_zero", [True, False], ids=["rms", "centred"])
+def test_normalise_forms_agree(guard_zero):
+    """The statistics' CPU form (a per-row scale) and their other form (both mean squares,
+    then a select) give the same bits: ordinary rows, rows whose squares overflow, a zero
+    row with eps = 0, rows holding inf or NaN."""
+    from tessera_jax.primitives import norms
+
+    v = rand((64, 1024)) * 3
+    v = v.at[1].multiply(1e25).at[2].set(0).at[3, 1].set(jnp.inf).at[4, 2].set(jnp.nan)
+    v = v.at[0, 0].set(3e38)
+    rsqrt = norms._rsqrt_guarded if guard_zero else jax.lax.rsqrt
+    eps = 0.0 if guard_zero else 1e-5
+    forms = (norms._normalise_row_scale, norms._normalise_select)
+    (a, ra), (b, rb) = (jax.jit(lambda v, f=f: f(v, eps=eps, rsqrt=rsqrt))(v) for f in forms)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(ra), np.asarray(rb))
+    assert np.isnan(np.asarray(a)[3:5]).all() and np.isfinite(np.asarray(a)[:3]).all()
+
+
+@pytest.mark.parametrize("shape", [(64, 1024), (5, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norms_bits_do_not_depend_on_the_statistics_form(monkeypatch, shape, dtype):
+    """rmsnorm and layernorm, forward and gradients, are the same bits with either form of
+    the statistics (the CPU runs the per-row scale)."""
+    from tessera_jax.primitives import norms
+
+    x, w, b = rand(shape, dtype), rand(shape[-1:], dtype), rand(shape[-1:], dtype)
+    ct = rand(shape)
+
+    def outputs():
+        jax.clear_caches()
+        loss = lambda x, w, b: jnp.sum(
+            (ts.rmsnorm(x, w).astype(jnp.float32) + ts.layernorm(x, w, b).astype(jnp.float32)) * ct
+        )
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(x, w, b)
+        return [np.asarray(y) for y in (ts.rmsnorm(x, w), ts.layernorm(x, w, b), *grads)]
+
+    got = outputs()
+    monkeypatch.setattr(norms, "_normalise_row_scale", norms._normalise_select)
+    other = outputs()
+    monkeypatch.undo()
+    jax.clear_caches()  # no program of the patched form outlives the test
+    for a, b in zip(got, other):
+        np.testing.assert_array_equal(a, b)
+
+
 # Second-order checks compile many small eager programs: a sample of the variants per run.
 ORDER2 = {
     "rmsnorm": lambda x, w, b: (ts.rmsnorm, (x, w)),

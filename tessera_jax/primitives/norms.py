@@ -98,8 +98,21 @@ def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, j
     + eps·c²)``: in range, where ``v·0`` would give a plausible 0. Scaling by ``c`` rather
     than dividing by the row maximum keeps every intermediate normal (a subnormal
     reciprocal is flushed to zero on CPUs and GPUs). A row holding ±inf (or NaN) gives NaN.
+
+    Two forms with the same bits: on the CPU the second mean square is of ``v`` times the
+    row's scale (1, or ``c`` where the first overflowed), and one select picks the output;
+    XLA's CPU backend ran the other form, both mean squares of every row and a select for
+    each of ``v·r`` and ``r``, up to 4.4 times slower
+    (benchmarks/archive/norms-cpu-probe.txt). Elsewhere the two mean squares stay
+    independent, so that one fused reduction may read ``v`` once for both.
     """
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
+    forms = (_normalise_row_scale, _normalise_select)
+    cpu, default = (functools.partial(f, eps=eps, rsqrt=rsqrt) for f in forms)
+    return jax.lax.platform_dependent(v, cpu=cpu, default=default)
+
+
+def _normalise_select(v: jax.Array, *, eps: float, rsqrt) -> tuple[jax.Array, jax.Array]:
     s = _mean(v * v) + eps
     big = jnp.isinf(s)
     c = np.asarray(_OVERFLOW_SCALE, v.dtype)
@@ -109,6 +122,18 @@ def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, j
     rs = rsqrt(jnp.where(big, sc, jnp.ones_like(s)))
     r = rsqrt(jnp.where(big, jnp.ones_like(s), s))
     return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+
+def _normalise_row_scale(v: jax.Array, *, eps: float, rsqrt) -> tuple[jax.Array, jax.Array]:
+    s = _mean(v * v) + eps
+    big = jnp.isinf(s)
+    c = np.asarray(_OVERFLOW_SCALE, v.dtype)
+    cs = jnp.where(big, c, np.asarray(1.0, v.dtype))
+    vc = v * cs  # v itself where cs = 1, so sc = s there
+    sc = _mean(vc * vc) + eps * cs * cs
+    sc = jnp.where(jnp.isinf(sc), jnp.full_like(sc, jnp.nan), sc)
+    rs = rsqrt(sc)
+    return jnp.where(big, (v * rs) * c, v * rs), rs * cs
 
 
 def _rms_stats(xc: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
