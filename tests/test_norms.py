@@ -103,6 +103,23 @@ def test_normalise_forms_agree(guard_zero):
     assert np.isnan(np.asarray(a)[3:5]).all() and np.isfinite(np.asarray(a)[:3]).all()
 
 
+def test_each_platform_lowers_its_form_of_the_statistics():
+    """The CPU lowers the per-row-scale form; cuda the form the GPU records ran."""
+    from tessera_jax.primitives import norms
+
+    v = rand((4, 8))
+
+    def ops(f, platform):
+        text = jax.jit(f).trace(v).lower(lowering_platforms=(platform,)).as_text()
+        return text.count("stablehlo.multiply"), text.count("call @")
+
+    forms = {"cpu": norms._normalise_row_scale, "cuda": norms._normalise_select}
+    want = {p: ops(lambda v, f=f: f(v, eps=1e-6, rsqrt=jax.lax.rsqrt), p) for p, f in forms.items()}
+    assert want["cpu"] != want["cuda"]
+    for platform in forms:
+        assert ops(lambda v: norms._normalise(v, 1e-6, False), platform) == want[platform]
+
+
 @pytest.mark.parametrize("shape", [(64, 1024), (5, 16)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_norms_bits_do_not_depend_on_the_statistics_form(monkeypatch, shape, dtype):
