@@ -211,7 +211,7 @@ def test_jaxpr_shows_the_primitives():
 
 
 # Long enough that an S×S buffer dwarfs the reference's per-head block of scores
-# (REFERENCE_BLOCK_ELEMENTS, 256 keys at this length).
+# (REFERENCE_BLOCK_ELEMENTS, 256 keys at this length; on the CPU 128).
 MEMORY_SEQ = 16384
 
 

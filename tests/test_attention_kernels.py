@@ -1195,6 +1195,34 @@ def test_reference_block_per_shape(rows, seq_kv, block):
     assert reference_block_kv(rows, seq_kv) == block
 
 
+@pytest.mark.parametrize(
+    "rows, seq_kv, block",
+    [
+        (1, 32768, 32768),  # decode: one block of the whole cache, as on other platforms
+        (64, 32768, 32768),
+        (128, 8192, 1024),  # beyond 64 rows, blocks of at most 2**17 scores
+        (512, 512, 256),
+        (4096, 4096, 128),
+        (200, 100, 100),
+    ],
+)
+def test_reference_block_per_shape_on_the_cpu(rows, seq_kv, block):
+    assert reference_block_kv(rows, seq_kv, "cpu") == block
+
+
+def test_each_platform_lowers_its_reference_block():
+    """The CPU lowering runs the reference at the CPU's block (a loop of 8 steps of 256 keys
+    for 512 query rows), the cuda lowering at the other platforms' one block."""
+    q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.float32)
+    f = jax.jit(functools.partial(ts.flash_attention, causal=True))
+    with ts.kernel_mode("xla"):
+        cpu = f.trace(q, k, k).lower(lowering_platforms=("cpu",)).as_text()
+        cuda = f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" in cpu and "x256xf32" in cpu
+    assert "stablehlo.while" not in cuda and "x2048xf32" in cuda
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_key_chunks_combine_in_float32(dtype):
     """The forward's per-chunk outputs (as 16-bit pairs) and lse combine to the softmax over

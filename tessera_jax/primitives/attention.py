@@ -110,6 +110,7 @@ block size is chosen per shape (:func:`reference_block_kv`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -156,12 +157,23 @@ _NAME = "flash_attention"
 # only, never on the batch or head count, which a mesh divides: the same bits on any mesh.
 REFERENCE_BLOCK_ELEMENTS = 1 << 22
 REFERENCE_MIN_BLOCK = 128
+# On the CPU a kv head of more than REFERENCE_CPU_FEW_ROWS query rows takes blocks of at
+# most REFERENCE_BLOCK_ELEMENTS_CPU scores: blocks of 128 to 512 keys ran the forward
+# 1.1-1.9x and the gradients 1.1-2.0x faster than the blocks above at 256 to 4096 rows;
+# decoding's few rows keep one large block, which ran faster than smaller ones
+# (benchmarks/archive/reference-cpu-blocks.txt).
+REFERENCE_BLOCK_ELEMENTS_CPU = 1 << 17
+REFERENCE_CPU_FEW_ROWS = 64
 
 
-def reference_block_kv(rows: int, seq_kv: int) -> int:
+def reference_block_kv(rows: int, seq_kv: int, platform: str | None = None) -> int:
     """Keys per block of the reference for ``rows`` query rows per kv head and ``seq_kv``
-    keys (:data:`REFERENCE_BLOCK_ELEMENTS`)."""
-    block = max(REFERENCE_MIN_BLOCK, REFERENCE_BLOCK_ELEMENTS // max(rows, 1))
+    keys (:data:`REFERENCE_BLOCK_ELEMENTS`; on ``platform="cpu"``,
+    :data:`REFERENCE_BLOCK_ELEMENTS_CPU` beyond :data:`REFERENCE_CPU_FEW_ROWS` rows)."""
+    budget = REFERENCE_BLOCK_ELEMENTS
+    if platform == "cpu" and rows > REFERENCE_CPU_FEW_ROWS:
+        budget = REFERENCE_BLOCK_ELEMENTS_CPU
+    block = max(REFERENCE_MIN_BLOCK, budget // max(rows, 1))
     return max(1, min(1 << (block.bit_length() - 1), seq_kv))
 
 
@@ -178,11 +190,11 @@ class _Geometry:
     block: int
 
     @classmethod
-    def of(cls, q, k, config: FlashAttentionConfig) -> _Geometry:
+    def of(cls, q, k, config: FlashAttentionConfig, platform: str | None = None) -> _Geometry:
         b, sq, hq, d = q.shape
         skv, hkv = k.shape[1], k.shape[2]
         if config.block_kv is None:
-            block = reference_block_kv(sq * (hq // hkv), skv)
+            block = reference_block_kv(sq * (hq // hkv), skv, platform)
         else:
             block = max(1, min(config.block_kv, skv))
         return cls(b, sq, skv, hq, hkv, d, block)
@@ -389,9 +401,26 @@ def _scan_blocks(step, init, xs):
     return carry, jax.tree.map(lambda y: y[None], ys)
 
 
-def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
+def _blocked_per_platform(reference):
+    """``reference(q, k, …, spec, platform)`` as a reference of ``(q, k, …, spec)`` whose
+    default kv block is the one of the platform it is lowered for
+    (:func:`reference_block_kv`)."""
+
+    @functools.wraps(reference)
+    def run(q, k, *rest, spec: AttentionSpec):
+        cpu = functools.partial(reference, spec=spec, platform="cpu")
+        default = functools.partial(reference, spec=spec)
+        if _Geometry.of(q, k, spec.config, "cpu") == _Geometry.of(q, k, spec.config):
+            return default(q, k, *rest)
+        return jax.lax.platform_dependent(q, k, *rest, cpu=cpu, default=default)
+
+    return run
+
+
+@_blocked_per_platform
+def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec, platform: str | None = None):
     """Blocked online-softmax forward: ``(out, lse)``, ``lse`` of shape ``(B, Hq, Sq)``."""
-    g = _Geometry.of(q, k, spec.config)
+    g = _Geometry.of(q, k, spec.config, platform)
     acc = compute_dtype(q.dtype)
     blocks = _Blocks(g, spec, spec.split(extras), acc)
     q_rows = _q_rows(g, q)
@@ -422,9 +451,12 @@ def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec):
     return _from_rows(g, out).astype(q.dtype), lse
 
 
-def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
+@_blocked_per_platform
+def _flash_bwd_reference(
+    q, k, v, out, lse, dout, *rest, spec: AttentionSpec, platform: str | None = None
+):
     """FlashAttention-2 backward by blocked recompute from ``lse``: ``(dq, dk, dv[, dbias])``."""
-    g = _Geometry.of(q, k, spec.config)
+    g = _Geometry.of(q, k, spec.config, platform)
     acc = compute_dtype(q.dtype)
     extras = spec.split(rest[: spec.num_extras])
     blocks = _Blocks(g, spec, extras, acc)
@@ -469,9 +501,12 @@ def _flash_bwd_reference(q, k, v, out, lse, dout, *rest, spec: AttentionSpec):
     return (*grads, dbias.astype(bias.dtype))
 
 
-def _flash_jvp_reference(q, k, v, out, lse, *rest, spec: AttentionSpec):
+@_blocked_per_platform
+def _flash_jvp_reference(
+    q, k, v, out, lse, *rest, spec: AttentionSpec, platform: str | None = None
+):
     """Blocked forward-mode derivative from the saved ``lse``: ``(t_out, t_lse)``."""
-    g = _Geometry.of(q, k, spec.config)
+    g = _Geometry.of(q, k, spec.config, platform)
     acc = compute_dtype(q.dtype)
     extras = spec.split(rest[: spec.num_extras])
     tan = dict(zip(spec.tangents, rest[spec.num_extras :]))
