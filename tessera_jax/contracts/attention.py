@@ -41,8 +41,8 @@ class FlashAttentionConfig:
         recompute (backward) in the reference. Clipped to ``Skv`` for short sequences; a
         sequence that is not a multiple of it has a padded, masked last block. None (the
         default): chosen per shape, so that one block's scores stay within a fixed
-        budget per kv head (``primitives/attention.py``: one block for short sequences
-        and decoding, O(S) memory for long ones).
+        budget per kv head, smaller on the CPU (``primitives/attention.py``: one block
+        for short sequences and decoding, O(S) memory for long ones).
     """
 
     block_q: int = 128
