@@ -62,8 +62,7 @@ def main():
             "before": reference_block_kv(sq, skv),
             "after": reference_block_kv(sq, skv, "cpu"),
         }
-        budget = max(A.REFERENCE_MIN_BLOCK, A.REFERENCE_BLOCK_ELEMENTS_CPU // sq)
-        budget = min(1 << (budget.bit_length() - 1), skv)
+        budget = A._block_within(A.REFERENCE_BLOCK_ELEMENTS_CPU, sq, skv)
         if budget != blocks["after"]:  # decoding: the block the CPU's budget alone gives
             blocks["budget only"] = budget
         fs = programs(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))

@@ -173,6 +173,12 @@ def reference_block_kv(rows: int, seq_kv: int, platform: str | None = None) -> i
     budget = REFERENCE_BLOCK_ELEMENTS
     if platform == "cpu" and rows > REFERENCE_CPU_FEW_ROWS:
         budget = REFERENCE_BLOCK_ELEMENTS_CPU
+    return _block_within(budget, rows, seq_kv)
+
+
+def _block_within(budget: int, rows: int, seq_kv: int) -> int:
+    """The largest power-of-two block (at least :data:`REFERENCE_MIN_BLOCK` keys) whose
+    scores for ``rows`` query rows hold at most ``budget`` elements, clipped to ``seq_kv``."""
     block = max(REFERENCE_MIN_BLOCK, budget // max(rows, 1))
     return max(1, min(1 << (block.bit_length() - 1), seq_kv))
 
