@@ -1,14 +1,13 @@
 """rmsnorm and layernorm on the CPU with each form of their statistics (``before``: both
 mean squares of every row, then a select; ``after``: a per-row scale, the CPU form), beside
-the plain jax.numpy formulas (no overflow guard), in one process: the fastest of 3 × 30
-interleaved calls in milliseconds (this 2-core machine's timings drift by 2× and more), forward and gradient (x, weight and bias), and whether both forms give the
-same bits. Run on the CPU::
+the plain jax.numpy formulas (no overflow guard), in one process: milliseconds per call
+(``benchmarks._common.time_interleaved``), forward and gradient (x, weight and bias), and
+whether both forms give the same bits. Run on the CPU from the repository root::
 
     JAX_PLATFORMS=cpu python3 benchmarks/archive/norms_cpu_probe.py
 """
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tessera_jax as ts
+from benchmarks._common import time_interleaved
 from tessera_jax.primitives import norms as N
 
 ROW_SCALE = N._normalise_row_scale
@@ -26,18 +26,6 @@ ROW_SCALE = N._normalise_row_scale
 def use(form):
     N._normalise_row_scale = ROW_SCALE if form == "after" else N._normalise_select
     jax.clear_caches()
-
-
-def fastest(fs, args, n=30):
-    for f in fs:
-        jax.block_until_ready(f(*args))
-    times = [[] for _ in fs]
-    for _ in range(n):
-        for f, t in zip(fs, times):
-            start = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t.append(time.perf_counter() - start)
-    return [min(t) * 1e3 for t in times]
 
 
 def jnp_rmsnorm(x, w, b):
@@ -87,9 +75,9 @@ def main():
                         [np.asarray(y) for y in jax.tree.leaves([f(*args) for f in progs[form]])]
                     )
                 progs["jnp"] = programs(plain, argnums, args)
-                fs = [f for form in progs for f in progs[form]]
-                t = np.min([fastest(fs, args) for _ in range(3)], axis=0)
-                row = {form: t[2 * i : 2 * i + 2] for i, form in enumerate(progs)}
+                fns = {(form, i): f for form, fs in progs.items() for i, f in enumerate(fs)}
+                t = time_interleaved(fns, args)
+                row = {form: (t[form, 0], t[form, 1]) for form in progs}
                 same = all(np.array_equal(a, b) for a, b in zip(*bits))
                 cells = " | ".join(
                     f"{form} fwd {row[form][0]:6.2f} grad {row[form][1]:6.2f} "

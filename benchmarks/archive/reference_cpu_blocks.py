@@ -1,15 +1,15 @@
 """The attention reference on the CPU at its default kv block before (one rule for every
 platform) and after (the CPU's rule: smaller blocks beyond 64 query rows per kv head) and,
 for decoding, the block the CPU's budget alone would give, beside
-``jax.nn.dot_product_attention``, in one process: the fastest of 2 × 5 interleaved
-calls in milliseconds, forward and gradient (q, k, v). Both blocks run through
-``FlashAttentionConfig(block_kv=…)``. Run on the CPU::
+``jax.nn.dot_product_attention``, in one process: milliseconds per call
+(``benchmarks._common.time_interleaved``, 5 repeats of 2 calls), forward and gradient
+(q, k, v). Each block runs through ``FlashAttentionConfig(block_kv=…)``. Run on the CPU
+from the repository root::
 
     JAX_PLATFORMS=cpu python3 benchmarks/archive/reference_cpu_blocks.py
 """
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import tessera_jax as ts
+from benchmarks._common import time_interleaved
 from tessera_jax.contracts.attention import FlashAttentionConfig
 from tessera_jax.primitives import attention as A
 from tessera_jax.primitives.attention import reference_block_kv
@@ -33,18 +34,6 @@ CASES = [
     (1, 16, 32768, 8, jnp.float32),
     (4, 1, 8192, 8, jnp.float32),
 ]
-
-
-def fastest(fs, args, n=5, rounds=2):
-    best = [float("inf")] * len(fs)
-    for f in fs:
-        jax.block_until_ready(f(*args))
-    for _ in range(rounds * n):
-        for i, f in enumerate(fs):
-            start = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            best[i] = min(best[i], time.perf_counter() - start)
-    return [b * 1e3 for b in best]
 
 
 def programs(f):
@@ -69,7 +58,7 @@ def main():
         for block in blocks.values():
             config = FlashAttentionConfig(block_kv=block)
             fs += programs(lambda q, k, v, c=config: ts.flash_attention(q, k, v, config=c))
-        t = fastest(fs, (q, k, v))
+        t = time_interleaved(dict(enumerate(fs)), (q, k, v), min_iters=2)
         cells = " | ".join(
             f"{name} block {block:5d}: fwd {t[2 + 2 * i]:7.1f} grad {t[3 + 2 * i]:7.1f} "
             f"(x{t[0] / t[2 + 2 * i]:.2f}, x{t[1] / t[3 + 2 * i]:.2f})"

@@ -159,7 +159,7 @@ REFERENCE_BLOCK_ELEMENTS = 1 << 22
 REFERENCE_MIN_BLOCK = 128
 # On the CPU a kv head of more than REFERENCE_CPU_FEW_ROWS query rows takes blocks of at
 # most REFERENCE_BLOCK_ELEMENTS_CPU scores: there blocks of 128 to 512 keys ran the forward
-# 1.1-1.9x and the gradients 1.1-2.0x faster than the other platforms' blocks, at 256 to
+# 1.1-2.1x and the gradients 1.2-2.0x faster than the other platforms' blocks, at 256 to
 # 4096 rows; decoding's few rows keep one large block, which ran faster than smaller ones
 # (benchmarks/archive/reference-cpu-blocks.txt).
 REFERENCE_BLOCK_ELEMENTS_CPU = 1 << 17
