@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.primitives import norms
 from tests._util import assert_close, f64, rand, sample, sample_grid
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -89,8 +90,6 @@ def test_normalise_forms_agree(guard_zero):
     """The statistics' CPU form (a per-row scale) and their other form (both mean squares,
     then a select) give the same bits: ordinary rows, rows whose squares overflow, a zero
     row with eps = 0, rows holding inf or NaN."""
-    from tessera_jax.primitives import norms
-
     v = rand((64, 1024)) * 3
     v = v.at[1].multiply(1e25).at[2].set(0).at[3, 1].set(jnp.inf).at[4, 2].set(jnp.nan)
     v = v.at[0, 0].set(3e38)
@@ -105,8 +104,6 @@ def test_normalise_forms_agree(guard_zero):
 
 def test_each_platform_lowers_its_form_of_the_statistics():
     """The CPU lowers the per-row-scale form; cuda the form the GPU records ran."""
-    from tessera_jax.primitives import norms
-
     v = rand((4, 8))
 
     def ops(f, platform):
@@ -125,8 +122,6 @@ def test_each_platform_lowers_its_form_of_the_statistics():
 def test_norms_bits_do_not_depend_on_the_statistics_form(monkeypatch, shape, dtype):
     """rmsnorm and layernorm, forward and gradients, are the same bits with either form of
     the statistics (the CPU runs the per-row scale)."""
-    from tessera_jax.primitives import norms
-
     x, w, b = rand(shape, dtype), rand(shape[-1:], dtype), rand(shape[-1:], dtype)
     ct = rand(shape)
 
