@@ -13,8 +13,9 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax import _compat
-from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
+from tessera_jax.contracts.attention import AttentionExtras, AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
+from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tests._util import assert_close, cuda_lowering, f64, rand, sample
 from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import _check_index_masks, _chosen
@@ -28,30 +29,138 @@ def _spec(causal, d, **features):
     return AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), **features)
 
 
-def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret):
-    """The kernel's output and lse against float64, and a second run's bits."""
+def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret, opts=None):
+    """The kernel's output and lse against float64, and a second run's bits. ``opts``: the
+    operator's other options (``mask``, ``bias``, ``local_window_size``,
+    ``query_seq_lengths``, segment ids), passed to the kernel as the operator does."""
     q, k, v = (
         rand((b, sq, hq, d), dtype),
         rand((b, skv, hkv, d), dtype),
         rand((b, skv, hkv, d), dtype),
     )
+    opts = dict(opts or {})
     kv_len = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    spec = _spec(causal, d, has_kv_lengths=kv_len is not None)
-    run = jax.jit(lambda *a: ad.decode_fwd(spec, *a, config=config, interpret=interpret))
-    out, lse = run(q, k, v, kv_len)
-    out2, lse2 = run(q, k, v, kv_len)
+    q_len = opts.get("query_seq_lengths")
+    q_len = None if q_len is None else jnp.asarray(q_len, jnp.int32)
+    segments = None
+    if "q_segment_ids" in opts:
+        segments = tuple(
+            jnp.asarray(opts[n], jnp.int32) for n in ("q_segment_ids", "kv_segment_ids")
+        )
+    extras = AttentionExtras(mask=opts.get("mask"), bias=opts.get("bias"))
+    spec = _spec(
+        causal,
+        d,
+        has_kv_lengths=kv_len is not None,
+        has_q_lengths=q_len is not None,
+        has_segment_ids=segments is not None,
+        has_mask=extras.mask is not None,
+        has_bias=extras.bias is not None,
+        local_window_size=opts.get("local_window_size"),
+    )
+    bias = _mgpu._bias_operand(spec, extras, q, k)
+
+    def run(q, k, v, kv_len, q_len, bias, segments):
+        return ad.decode_fwd(
+            spec,
+            q,
+            k,
+            v,
+            kv_len,
+            q_lengths=q_len,
+            bias=bias,
+            segment_ids=segments,
+            config=config,
+            interpret=interpret,
+        )
+
+    run = jax.jit(run)
+    out, lse = run(q, k, v, kv_len, q_len, bias, segments)
+    out2, lse2 = run(q, k, v, kv_len, q_len, bias, segments)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
-    opts = dict(causal=causal, key_value_seq_lengths=lengths)
-    want, want_lse = np_dense(f64(q), f64(k), f64(v), opts)
+    np_opts = {n: x if n == "local_window_size" else np.asarray(x) for n, x in opts.items()}
+    np_opts.update(causal=causal, key_value_seq_lengths=lengths)
+    want, want_lse = np_dense(f64(q), f64(k), f64(v), np_opts)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, sq)
     empty = np.isneginf(want_lse)
     np.testing.assert_array_equal(np.isneginf(f64(lse)), empty)
     np.testing.assert_allclose(f64(lse)[~empty], want_lse[~empty], rtol=0, atol=2e-2)
     assert not np.any(f64(out)[np.swapaxes(empty, 1, 2)])
-    if lengths is None and not causal:
+    if lengths is None and not causal and not opts:
         assert_close(out, np_attention(f64(q), f64(k), f64(v)), dtype, factor=2.0)
     assert_close(out, want, dtype, factor=2.0)
+
+
+def _segments(b, n, bounds):
+    """int32 ``(b, n)`` segment ids: a new segment at each fraction of ``n`` in ``bounds``."""
+    seg = np.searchsorted(np.asarray(bounds) * n, np.arange(n), side="right")
+    return np.broadcast_to(seg.astype(np.int32), (b, n))
+
+
+def _mask(shape, empty_rows=()):
+    """A random bool mask (75% visible) whose query rows ``empty_rows`` see no key."""
+    mask = np.array(jax.random.uniform(jax.random.key(3), shape) < 0.75)
+    mask[:, :, list(empty_rows)] = False
+    return mask
+
+
+# The operator's options through the kernel (dims: b, sq, skv, hq, hkv, d).
+OPTION_CASES = {
+    # a mask per batch entry and query, a row it empties, GQA, causal, 4 chunks
+    "mask-causal-gqa": (
+        (2, 3, 250, 4, 2, 64),
+        True,
+        SMALL,
+        None,
+        lambda: dict(mask=_mask((2, 1, 3, 250), empty_rows=[1])),
+    ),
+    # a bias per head and query (f32, not rounded) with a key-padding mask
+    "bias-keypad": (
+        (2, 2, 200, 4, 1, 64),
+        False,
+        SMALL,
+        (200, 130),
+        lambda: dict(
+            bias=rand((1, 4, 2, 200), jnp.float32, scale=3.0),
+            mask=np.arange(200)[None, None, None, :] < np.array([190, 40])[:, None, None, None],
+        ),
+    ),
+    # a bias per batch entry broadcast over heads and queries
+    "bias-batch": (
+        (2, 1, 130, 2, 2, 128),
+        False,
+        None,
+        None,
+        lambda: dict(bias=rand((2, 1, 1, 130), jnp.float32, scale=2.0)),
+    ),
+    # a window whose first key lies chunks after the first: those chunks see nothing
+    "window": ((2, 4, 300, 2, 1, 64), False, SMALL, None, lambda: dict(local_window_size=(100, 1))),
+    "window-causal-kvlen": (
+        (2, 2, 256, 2, 2, 64),
+        True,
+        SMALL,
+        (256, 120),
+        lambda: dict(local_window_size=(70, 70)),
+    ),
+    "qlen": (
+        (3, 4, 200, 2, 1, 64),
+        False,
+        SMALL,
+        (200, 199, 50),
+        lambda: dict(query_seq_lengths=[4, 1, 0]),
+    ),
+    "segments": (
+        (2, 3, 220, 4, 2, 64),
+        True,
+        SMALL,
+        None,
+        lambda: dict(
+            q_segment_ids=np.full((2, 3), 2, np.int32),
+            kv_segment_ids=_segments(2, 220, [0, 0.3, 0.6]),
+        ),
+    ),
+}
 
 
 class TestDecodeInterpret:
@@ -67,6 +176,11 @@ class TestDecodeInterpret:
     )
     def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths, dtype):
         _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, interpret=True)
+
+    @pytest.mark.parametrize("name", OPTION_CASES)
+    def test_options(self, name):
+        dims, causal, config, lengths, opts = OPTION_CASES[name]
+        _check(*dims, causal, config, lengths, jnp.bfloat16, interpret=True, opts=opts())
 
 
 @pytest.mark.gpu
@@ -85,6 +199,36 @@ class TestDecodeGPU:
     def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths):
         _check(b, sq, skv, hq, hkv, d, causal, config, lengths, jnp.bfloat16, interpret=False)
 
+    @pytest.mark.parametrize(
+        "dims, causal, lengths, opts",
+        [
+            ((1, 16, 4096, 8, 8, 128), True, None, lambda: dict(mask=_mask((1, 1, 16, 4096)))),
+            (
+                (2, 1, 32768, 32, 8, 128),
+                False,
+                (32768, 9000),
+                lambda: dict(bias=rand((1, 32, 1, 32768), jnp.float32, scale=2.0)),
+            ),
+            (
+                (2, 4, 32768, 16, 16, 64),
+                True,
+                None,
+                lambda: dict(local_window_size=(4096, 0), query_seq_lengths=[4, 3]),
+            ),
+            (
+                (1, 8, 8192, 8, 2, 128),
+                False,
+                None,
+                lambda: dict(
+                    q_segment_ids=np.full((1, 8), 1, np.int32),
+                    kv_segment_ids=_segments(1, 8192, [0, 0.5, 0.7]),
+                ),
+            ),
+        ],
+    )
+    def test_options(self, dims, causal, lengths, opts):
+        _check(*dims, causal, None, lengths, jnp.bfloat16, interpret=False, opts=opts())
+
     # Through the operator: this forward, the Mosaic GPU backward; a batch entry alone
     # gets the bits it gets in the batch.
     @pytest.mark.parametrize(
@@ -92,6 +236,14 @@ class TestDecodeGPU:
         [
             ((2, 16, 4096, 8, 8, 128), {}),
             ((3, 1, 32768, 32, 8, 128), dict(causal=True, key_value_seq_lengths=[32768, 9000, 1])),
+            (
+                (2, 4, 8192, 16, 16, 128),
+                dict(
+                    mask=np.random.default_rng(0).random((2, 1, 4, 8192)) < 0.75,
+                    local_window_size=(2000, 0),
+                    query_seq_lengths=[4, 2],
+                ),
+            ),
         ],
     )
     def test_operator(self, dims, opts):
@@ -113,21 +265,45 @@ class TestDecodeGPU:
 
 
 @pytest.mark.parametrize(
-    "features, why",
+    "q_shape, dtype, why",
     [
-        (dict(has_mask=True), "a mask"),
-        (dict(local_window_size=(4, 0)), "a window"),
+        ((1, 17, 8, 64), jnp.bfloat16, "rows"),
+        ((1, 1, 2, 96), jnp.bfloat16, "head_dim 96"),
+        ((1, 1, 2, 64), jnp.float32, "16-bit"),
     ],
 )
-def test_decode_declines(features, why):
+def test_decode_declines(q_shape, dtype, why):
+    q = jax.ShapeDtypeStruct(q_shape, dtype)
+    k = jax.ShapeDtypeStruct((1, 256, 2, q_shape[3]), dtype)
+    assert why in ad.decode_reason(_spec(False, q_shape[3]), q, k)
+
+
+def test_decode_takes_every_option():
     q = jax.ShapeDtypeStruct((1, 1, 2, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-    assert why in ad.decode_reason(_spec(False, 64, **features), q, k)
+    for features in (
+        dict(has_mask=True, has_bias=True),
+        dict(local_window_size=(4, 0), has_q_lengths=True, has_segment_ids=True),
+    ):
+        assert ad.decode_reason(_spec(False, 64, **features), q, k) is None
     huge = jax.ShapeDtypeStruct((8, 2**21, 2, 64), jnp.bfloat16)  # offsets past 2**31
     assert ad.decode_reason(_spec(False, 64), q, huge) is None
-    assert "rows" in ad.decode_reason(
-        _spec(False, 64), jax.ShapeDtypeStruct((1, 17, 8, 64), jnp.bfloat16), k
-    )
+
+
+@pytest.mark.parametrize(
+    "given, what",
+    [
+        (dict(bias=jnp.zeros((1, 1, 1, 256))), "bias is given"),
+        (dict(q_lengths=jnp.ones((1,), jnp.int32)), "q_lengths is given"),
+    ],
+)
+def test_decode_operands_follow_the_spec(given, what):
+    q, k = rand((1, 1, 2, 64), jnp.bfloat16), rand((1, 256, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=what):
+        ad.decode_fwd(_spec(False, 64), q, k, k, interpret=True, **given)
+    spec = _spec(False, 64, has_bias=True)
+    with pytest.raises(ValueError, match=r"bias.shape=\(1, 3, 1, 256\)"):
+        ad.decode_fwd(spec, q, k, k, bias=jnp.zeros((1, 3, 1, 256)), interpret=True)
 
 
 @pytest.mark.skipif(
@@ -137,12 +313,26 @@ def test_decode_declines(features, why):
 )
 @pytest.mark.parametrize("d, config", [(64, SMALL), (128, None)])
 def test_decode_lowers_for_cuda(d, config):
-    """The kernel goes through Pallas' Triton lowering (built on this CPU machine)."""
-    spec = _spec(True, d, has_kv_lengths=True)
+    """The kernel goes through Pallas' Triton lowering (built on this CPU machine), with
+    and without every option."""
     q, k = rand((2, 2, 8, d), jnp.bfloat16), rand((2, 4096, 2, d), jnp.bfloat16)
     lengths = jnp.asarray([4096, 1000], jnp.int32)
+    spec = _spec(True, d, has_kv_lengths=True)
     text = cuda_lowering(lambda *a: ad.decode_fwd(spec, *a, config=config), q, k, k, lengths)
     # the chunks, then their combination
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
+    spec = spec.replace(
+        local_window_size=(300, 0), has_q_lengths=True, has_mask=True, has_segment_ids=True
+    )
+    segs = (jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 4096), jnp.int32))
+
+    def run(q, k, v, lengths, bias):
+        return ad.decode_fwd(
+            spec, q, k, v, lengths, q_lengths=lengths, bias=bias, segment_ids=segs, config=config
+        )
+
+    bias = jnp.zeros((2, 8, 2, 4096), jnp.float32)
+    text = cuda_lowering(run, q, k, k, lengths, bias)
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
 
 
@@ -172,6 +362,14 @@ def _check_operator(dims, opts):
         [
             ((2, 3, 700, 4, 2, 64), dict(key_value_seq_lengths=[700, 260])),  # 2 chunks
             ((2, 1, 600, 8, 1, 128), dict(causal=True)),
+            (
+                (2, 2, 300, 2, 1, 64),
+                dict(
+                    local_window_size=(100, 0),
+                    query_seq_lengths=[2, 1],
+                    key_value_seq_lengths=[300, 180],
+                ),
+            ),
         ],
         1,
     ),
@@ -183,7 +381,7 @@ def test_operator_runs_it(dims, opts):
 
 def test_operator_dispatch():
     """Decode shapes take this forward in every kernel mode that runs kernels, ``auto``
-    from ``MIN_KV`` keys; more queries, a mask or an explicit config do not."""
+    from ``MIN_KV`` keys, with any option; more queries or an explicit config do not."""
     spec = _spec(False, 128)
     avals = lambda sq, skv: (
         jax.ShapeDtypeStruct((1, sq, 8, 128), jnp.bfloat16),
@@ -201,6 +399,9 @@ def test_operator_dispatch():
     k = rand((1, 300, 2, 64), jnp.bfloat16)
     with ts.kernel_mode("interpret"):
         assert _chosen(ts.flash_attention, q, k, k) == ["triton_decode"]
+        mask = jnp.ones((1, 1, 2, 300), bool)
+        with_mask = lambda q, k, v: ts.flash_attention(q, k, v, mask=mask, local_window_size=9)
+        assert _chosen(with_mask, q, k, k) == ["triton_decode"]
         assert _chosen(ts.flash_attention, rand((1, 17, 4, 64), jnp.bfloat16), k, k) == [
             "mosaic_gpu"
         ]

@@ -12,6 +12,13 @@ write f32 partials and their lse, and a second kernel combines each row's chunks
 order (one launch, where XLA's fusions of the same sums take three or more); one chunk is
 written as the output itself.
 
+Every option of the operator runs here: key lengths, a causal mask and a local window from
+positions (a window's first visible key is where a program starts its loop: the blocks
+before it are not read), query lengths and segment ids from their int32 operands, and a
+``mask`` and ``bias`` folded by XLA into one additive f32 array (``-inf`` where masked, as
+``attention_mgpu._bias_operand``), read beside each key block with 1-sized dims broadcast;
+the bias stays f32 here.
+
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
 
@@ -110,8 +117,8 @@ def default_split_keys(seq_kv: int, block_kv: int) -> int:
 
 def decode_reason(spec, q, k) -> str | None:
     """Why :func:`decode_fwd` cannot run the case, or None: at most 64 rows (query heads
-    of a group × queries), head_dim 64 or 128, 16-bit inputs, and no mask, bias, window,
-    query lengths or segment ids (key lengths and a causal mask are supported)."""
+    of a group × queries), head_dim 64 or 128 and 16-bit inputs (every option of the
+    operator is supported)."""
     sq, hq, d = q.shape[1:]
     hkv = k.shape[2]
     if hq % hkv:
@@ -122,15 +129,6 @@ def decode_reason(spec, q, k) -> str | None:
         return f"head_dim {d} not in (64, 128)"
     if np.dtype(q.dtype) not in _mgpu.DTYPES:
         return f"dtype {q.dtype} not 16-bit"
-    extras = (
-        spec.local_window_size is not None,
-        spec.has_q_lengths,
-        spec.has_segment_ids,
-        spec.has_mask,
-        spec.has_bias,
-    )
-    if any(extras):
-        return "a window, query lengths, segment ids, a mask or a bias"
     if 0 in q.shape or 0 in k.shape:
         return f"an empty operand (q {tuple(q.shape)}, k {tuple(k.shape)})"
     return None
@@ -150,13 +148,20 @@ def _rows(h, sq: int, g: int, rows_pad: int):
 # any cache size, and which kernel runs does not depend on the batch or head count.
 
 
-def _kernel(
-    len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, chunk_keys, block_kv, causal, c
-):
+def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c):
     """One chunk of one kv head's keys for one batch entry: the rows' output (divided by
     their sum, in ``out_ref``'s dtype) and lse, at ``out_ref[chunk, b]``/``lse_ref[chunk,
-    b]``."""
+    b]``. ``refs``: the key lengths, then the optional ``operands`` in their order
+    (``"q_lengths"``, ``"bias"``: the folded mask and bias, whose batch, head and query dims
+    ``bias_dims`` are each 1 or full, ``"segment_ids"``: two refs), then q, k, v and the
+    two outputs."""
     sq, hq, hkv, skv, d, rows_pad, _ = dims
+    len_ref, *refs = refs
+    opt = {}
+    for name in operands:
+        n = 2 if name == "segment_ids" else 1
+        opt[name], refs = refs[:n], refs[n:]
+    q_ref, k_ref, v_ref, out_ref, lse_ref = refs
     b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s_of, head = _rows(h, sq, hq // hkv, rows_pad)
     cols = jnp.arange(d)
@@ -165,6 +170,23 @@ def _kernel(
     start = chunk * chunk_keys
     limit = jnp.minimum(kv_len, start + chunk_keys)
     steps = jnp.maximum(0, (limit - start + block_kv - 1) // block_kv)
+    first = 0
+    diag = s_of + (skv - sq)  # each row's position among the keys (bottom-right aligned)
+    if window is not None:  # no row sees a key before the first row's window
+        first = jnp.clip((skv - sq - window[0] - start) // block_kv, 0, steps)
+    row_vis = None  # (rows,) bool: rows that see keys at all
+    if "q_lengths" in opt:
+        row_vis = s_of < opt["q_lengths"][0][b]
+    if "bias" in opt:
+        bb, bh, bq = bias_dims
+        bias_at = (
+            b if bb > 1 else 0,
+            (head if bh > 1 else jnp.zeros_like(head))[:, None],
+            (s_of if bq > 1 else jnp.zeros_like(s_of))[:, None],
+        )
+    if "segment_ids" in opt:
+        q_seg_ref, kv_seg_ref = opt["segment_ids"]
+        q_seg = plgpu.load(q_seg_ref.at[b, s_of])
 
     def body(j, carry):
         acc, m, l_ = carry
@@ -173,9 +195,23 @@ def _kernel(
         at = (b, key[:, None], h, cols[None, :])
         k = plgpu.load(k_ref.at[at], mask=kmask[:, None], other=0.0)
         s = plgpu.dot(q, k, trans_b=True) * c  # the exp2 domain
+        if "bias" in opt:
+            bias = plgpu.load(
+                opt["bias"][0].at[(*bias_at, key[None, :])], mask=kmask[None, :], other=0.0
+            )
+            s = s + bias * _mgpu.LOG2E
         vis = kmask[None, :]
-        if causal:  # bottom-right aligned, as the operator's mask
-            vis = vis & (key[None, :] <= (s_of + (skv - sq))[:, None])
+        if causal:
+            vis = vis & (key[None, :] <= diag[:, None])
+        if window is not None:
+            left, right = window
+            vis = vis & (key[None, :] >= (diag - left)[:, None])
+            vis = vis & (key[None, :] <= (diag + right)[:, None])
+        if row_vis is not None:
+            vis = vis & row_vis[:, None]
+        if "segment_ids" in opt:
+            kv_seg = plgpu.load(kv_seg_ref.at[b, key], mask=kmask, other=0)
+            vis = vis & (q_seg[:, None] == kv_seg[None, :])
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -191,7 +227,7 @@ def _kernel(
         jnp.full((rows_pad,), -jnp.inf, jnp.float32),
         jnp.zeros((rows_pad,), jnp.float32),
     )
-    acc, m, l_ = jax.lax.fori_loop(0, steps, body, init)
+    acc, m, l_ = jax.lax.fori_loop(first, steps, body, init)
     empty = l_ == 0.0
     acc = acc / jnp.where(empty, 1.0, l_)[:, None]
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l_))) * _mgpu.LN2)
@@ -225,11 +261,28 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
-def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
+def decode_fwd(
+    spec,
+    q,
+    k,
+    v,
+    kv_lengths=None,
+    *,
+    q_lengths=None,
+    bias=None,
+    segment_ids=None,
+    config=None,
+    interpret=False,
+):
     """``(out, lse)`` of attention at a decode shape (:func:`decode_reason`), ``out`` like
-    ``q`` and ``lse`` ``(B, H, Sq)`` in f32, as ``attention_mgpu.flash_fwd``. ``kv_lengths``:
-    each batch entry's key count (clipped to ``[0, seq_kv]``). ``config``: a
-    :class:`DecodeConfig` (None: its defaults)."""
+    ``q`` and ``lse`` ``(B, H, Sq)`` in f32, as ``attention_mgpu.flash_fwd``.
+
+    ``kv_lengths`` / ``q_lengths``: int ``(B,)``, each batch entry's key / query count
+    (clipped to ``[0, seq]``); ``bias``: the folded mask and bias, f32 ``(Bb, Hb, Sq or 1,
+    Skv)`` with ``Bb`` in ``{1, B}`` and ``Hb`` in ``{1, Hq}`` (``-inf`` where masked:
+    ``attention_mgpu._bias_operand``); ``segment_ids``: the pair of int ``(B, Sq)`` and
+    ``(B, Skv)``. Each is given exactly where ``spec`` says so; causal and the window come
+    from ``spec``. ``config``: a :class:`DecodeConfig` (None: its defaults)."""
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")
@@ -243,6 +296,30 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
             f"attention_decode.decode_fwd: q {q.shape}, k {k.shape} and v {v.shape} must "
             "share batch and head_dim, k and v one shape"
         )
+    given = {
+        "q_lengths": (q_lengths, spec.has_q_lengths),
+        "bias": (bias, spec.has_mask or spec.has_bias),
+        "segment_ids": (segment_ids, spec.has_segment_ids),
+    }
+    for name, (x, wanted) in given.items():
+        if (x is not None) != wanted:
+            raise ValueError(
+                f"attention_decode.decode_fwd: {name} is {'missing' if wanted else 'given'}, "
+                f"but the spec says {wanted=}"
+            )
+    bias_dims = (1, 1, 1)
+    if bias is not None:
+        bias_dims = tuple(bias.shape[:3])
+        full = (b, hq, sq, skv)
+        if (
+            bias.ndim != 4
+            or any(n not in (1, f) for n, f in zip(bias_dims, full))
+            or (bias.shape[3] != skv)
+        ):
+            raise ValueError(
+                f"attention_decode.decode_fwd: bias.shape={bias.shape} must be (1 or {b}, "
+                f"1 or {hq}, 1 or {sq}, {skv})"
+            )
     keys = default_split_keys(skv, cfg.block_kv) if cfg.split_keys is None else cfg.split_keys
     chunks = math.ceil(skv / keys) if keys < skv else 1
     keys = keys if chunks > 1 else skv
@@ -253,6 +330,13 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
         if kv_lengths is None
         else jnp.clip(kv_lengths.astype(jnp.int32), 0, skv)
     )
+    operands = []
+    if q_lengths is not None:
+        operands.append(("q_lengths", [q_lengths.astype(jnp.int32)]))
+    if bias is not None:
+        operands.append(("bias", [bias.astype(jnp.float32)]))
+    if segment_ids is not None:
+        operands.append(("segment_ids", [x.astype(jnp.int32) for x in segment_ids]))
     dims = (sq, hq, hkv, skv, d, rows_pad, chunks)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(
@@ -261,6 +345,9 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
         chunk_keys=keys,
         block_kv=cfg.block_kv,
         causal=causal,
+        window=spec.local_window_size,
+        operands=tuple(name for name, _ in operands),
+        bias_dims=bias_dims,
         c=scale * _mgpu.LOG2E,
     )
     # One chunk writes the output itself; several write f32 partials for the combination.
@@ -274,7 +361,7 @@ def decode_fwd(spec, q, k, v, kv_lengths=None, *, config=None, interpret=False):
         compiler_params=params,
         interpret=interpret,
         name="ts_attention_decode_fwd",
-    )(lengths, q, k, v)
+    )(lengths, *(x for _, xs in operands for x in xs), q, k, v)
     if chunks == 1:
         return out[0], lse[0]
     return pl.pallas_call(
@@ -320,5 +407,17 @@ def hardware(platform: str) -> str | None:
 
 
 def flash_fwd(spec, q, k, v, *extras, interpret: bool = False):
-    """``ts_flash_attention_fwd``'s kernel: ``(out, lse)`` with the spec's key lengths."""
-    return decode_fwd(spec, q, k, v, spec.split(extras).kv_lengths, interpret=interpret)
+    """``ts_flash_attention_fwd``'s kernel: ``(out, lse)`` with the spec's options."""
+    ex = spec.split(extras)
+    segments = None if ex.q_segment_ids is None else (ex.q_segment_ids, ex.kv_segment_ids)
+    return decode_fwd(
+        spec,
+        q,
+        k,
+        v,
+        ex.kv_lengths,
+        q_lengths=ex.q_lengths,
+        bias=_mgpu._bias_operand(spec, ex, q, k),
+        segment_ids=segments,
+        interpret=interpret,
+    )

@@ -96,8 +96,8 @@ lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in 
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
 what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
 case. Registered today: ``pallas_kernels/attention_decode.py`` (Hopper; the forward at
-decode shapes, 1 to 16 queries, with key lengths and causal only; first, so it takes the
-cases it supports) and ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
+decode shapes, 1 to 16 queries, with every option; first, so it takes the cases it
+supports) and ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
 query/key lengths, a local window, an ``lse`` cotangent and, at head dims up to 128,
 segment ids, a ``mask`` and a ``bias``; bf16 and f16, head_dim 64, 128 and 256 — other
 head dims up to 256 zero-padded to the next — forward and backward; in ``auto`` mode from
@@ -949,8 +949,8 @@ def flash_attention(
     Everything else — the gradient of ``bias`` (its backward), other dtypes, head dims over
     256, shorter sequences, an explicit ``config`` — runs the blocked XLA reference.
     Decoding's forward, at head_dim 64 or 128 with at most 64 query rows per kv head (GQA
-    group × queries), no mask, bias, window, query lengths or segment ids, runs a Triton
-    decode kernel instead of the Mosaic GPU forward, against 1024 keys or more. Every path
+    group × queries), runs a Triton decode kernel instead of the Mosaic GPU forward,
+    against 1024 keys or more, with any of the options (its bias stays f32). Every path
     is deterministic: bitwise identical outputs and gradients run to run (no atomics); which
     path runs, and how it blocks the keys, depends on one head's sizes only, never on the
     batch or head count a mesh divides. There is no cuDNN path.
