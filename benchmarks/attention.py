@@ -29,8 +29,10 @@ mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
 decode kernel (``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel
 called directly (``mosaic_gpu``, forward only); on decode shapes shorter than the Mosaic
 forward's ``DECODE_MIN_KV`` the kernels forced (``ts_pallas``: beside ``ts_auto`` it shows
-whether ``auto``'s key-count thresholds hold); ``--ref-blocks`` adds the reference per block
-size.
+whether ``auto``'s key-count thresholds hold) and, for decoding with a mask, bias or window
+(``…-decode-mask-…``), the blocked reference (``ts_reference``, forward only: what ``auto``
+ran there before the decode forward took these options); ``--ref-blocks`` adds the
+reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
@@ -74,6 +76,7 @@ from tessera_jax.contracts.attention import AttentionSpec  # noqa: E402
 from tessera_jax.pallas_kernels import attention_decode as ad  # noqa: E402
 from tessera_jax.pallas_kernels import attention_mgpu as am  # noqa: E402
 from tessera_jax.primitives.attention import FlashAttentionConfig  # noqa: E402
+from tessera_jax.primitives.attention import _prepare as _prepare_attention  # noqa: E402
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -95,6 +98,7 @@ BASELINE = "cudnn"
 # (batch, seq_q, seq_kv, heads, head_dim, feature); every case runs fwd and fwd+bwd, and
 # causal and not except decode (jax.nn aligns a causal mask top-left, we bottom-right).
 FEATURES = ("mask", "keypad", "bias", "kvlen", "qkvlen", "window", "segments")
+DECODE_FEATURES = ("mask", "bias", "window")
 FEATURE_CASES = [
     *((4, s, s, 16, 128, f) for s in (1024, 4096) for f in FEATURES),
     *((4, sq, skv, 16, 128, "decode") for sq in (1, 8, 16) for skv in (4096, 32768)),
@@ -116,12 +120,20 @@ FEATURE_CASES = [
     ),
     *((1, sq, skv, 32, 128, "decode-gqa") for sq in (1, 16) for skv in (1024, 2048)),
     *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),
+    # Decoding with a mask, a bias or a window (``decode-<feature>``): the Triton decode
+    # forward takes them from attention_decode.MIN_KV keys.
+    *(
+        (b, sq, skv, h, 128, f"decode-{f}")
+        for f in DECODE_FEATURES
+        for b, sq, h in ((1, 16, 8), (4, 1, 16))
+        for skv in (2048, 32768)
+    ),
     *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
 ]
 FEATURE_BASELINE = "xla"
 # Cases of a few tens of microseconds, shorter than the host's dispatch of a jitted call:
 # timed per call inside one program (``timing = "in_graph"``), as a model's layers run.
-IN_GRAPH_FEATURES = ("short", "decode", "decode-gqa")
+IN_GRAPH_FEATURES = ("short", "decode", *(f"decode-{f}" for f in ("gqa", *DECODE_FEATURES)))
 # Query heads per kv head of the ``decode-gqa`` cases.
 GQA_GROUP = 4
 
@@ -300,7 +312,11 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
 
 def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: bool) -> dict:
     """The keyword arguments of one feature case, under jax.nn's names (segment ids under
-    ours; jax.nn gets the equivalent ``mask``). Lengths and segments are ragged per batch."""
+    ours; jax.nn gets the equivalent ``mask``). Lengths and segments are ragged per batch.
+    A decode case's window (``decode-window``) spans an eighth of the cache."""
+    if feature == "decode-window":
+        return dict(local_window_size=(skv // 8, 0))
+    feature = feature.removeprefix("decode-")
     frac = np.array([1.0, 0.75, 0.5, 0.875])[np.arange(b) % 4]
     kv_len = jnp.asarray(np.maximum(1, (frac * skv).astype(np.int32)))
     if feature == "mask":
@@ -328,12 +344,20 @@ def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: boo
     return {}
 
 
-def _jax_nn_kwargs(kw: dict) -> dict:
-    """``kw`` for jax.nn.dot_product_attention: segment ids become the mask they mean."""
+def _jax_nn_kwargs(kw: dict, sq: int, skv: int) -> dict:
+    """``kw`` for jax.nn.dot_product_attention: segment ids become the mask they mean, and
+    so does a window where ``sq != skv`` (jax.nn aligns its window top-left, we
+    bottom-right)."""
     kw = dict(kw)
     if "q_segment_ids" in kw:
         qs, ks = kw.pop("q_segment_ids"), kw.pop("kv_segment_ids")
         kw["mask"] = qs[:, None, :, None] == ks[:, None, None, :]
+    if "local_window_size" in kw and sq != skv:
+        left, right = kw.pop("local_window_size")
+        diag = jnp.arange(sq)[:, None] + (skv - sq)
+        key = jnp.arange(skv)[None, :]
+        window = (key >= diag - left) & (key <= diag + right)
+        kw["mask"] = window if "mask" not in kw else kw["mask"] & window
     return kw
 
 
@@ -359,15 +383,23 @@ def run_feature_case(
     k, v = (rand(i, (b, skv, h_kv, d), BF16) for i in (1, 2))
     do = rand(3, (b, sq, h, d), BF16)
     kw = _feature_kwargs(feature, b, sq, skv, h, causal)
-
     # The feature's arrays are arguments, not constants: a 512 MiB bias folded into the
-    # program crashes XLA's compiler.
+    # program crashes XLA's compiler. The window's sizes are static.
+    static = {n: kw.pop(n) for n in ("local_window_size",) if n in kw}
+
     def ts_fn(config=None):
-        return lambda q, k, v, kw: ts.flash_attention(q, k, v, causal=causal, config=config, **kw)
+        return lambda q, k, v, kw: ts.flash_attention(
+            q, k, v, causal=causal, config=config, **kw, **static
+        )
 
     def nn_fn(implementation):
         return lambda q, k, v, kw: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=implementation, **_jax_nn_kwargs(kw)
+            q,
+            k,
+            v,
+            is_causal=causal,
+            implementation=implementation,
+            **_jax_nn_kwargs({**kw, **static}, sq, skv),
         )
 
     fns = {"ts_auto": (ts_fn(), "auto"), "xla": (nn_fn(None), "auto")}
@@ -376,10 +408,29 @@ def run_feature_case(
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
     elif feature.startswith("decode") and skv < am.DECODE_MIN_KV:
         fns["ts_pallas"] = (ts_fn(), "pallas")  # the kernels, whether auto prefers them or not
-    elif feature.startswith("decode") and not backward and not kw:
+        if (kw or static) and not backward:  # auto's path before the decode forward took them
+            fns["ts_reference"] = (ts_fn(), "xla")
+    elif feature.startswith("decode") and not backward:
         # ts_auto runs the Triton decode forward here; this is the Mosaic GPU one.
-        spec = AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig())
-        fns["mosaic_gpu"] = (lambda q, k, v, kw: am.flash_fwd(spec, q, k, v)[0], "auto")
+        def mosaic(q, k, v, kw):
+            q, k, v, extras, spec = _prepare_attention(
+                q,
+                k,
+                v,
+                causal,
+                None,
+                None,
+                kw.get("mask"),
+                kw.get("bias"),
+                None,
+                None,
+                static.get("local_window_size"),
+                None,
+                None,
+            )
+            return am.flash_fwd(spec, q, k, v, *extras)[0]
+
+        fns["mosaic_gpu"] = (mosaic, "auto")
     if impls:
         fns = {n: f for n, f in fns.items() if n in impls or n == FEATURE_BASELINE}
     for blk in ref_blocks:
