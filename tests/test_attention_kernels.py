@@ -350,9 +350,10 @@ def _check_decode_chunks(dims, opts, dtype, repeat, batch_alone):
             np.testing.assert_array_equal(np.asarray(x[-1:]), np.asarray(y))
 
 
-def _bwd_with_lengths(dims, causal, lengths, *, interpret):
-    """``flash_bwd`` bound to f16 operands with key ``lengths`` and an lse cotangent (its
-    knobs left to the caller), and the float64 gradients it should give."""
+def _bwd_with_lengths(dims, causal, lengths, *, interpret, window=None):
+    """``flash_bwd`` bound to f16 operands with key ``lengths``, an lse cotangent and a
+    local ``window`` (None: none; its knobs left to the caller), and the float64 gradients
+    it should give."""
     b, sq, skv, hq, hkv, d = dims
     dtype = jnp.float16
     q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
@@ -360,20 +361,24 @@ def _bwd_with_lengths(dims, causal, lengths, *, interpret):
     dl = rand((b, hq, sq), jnp.float32)
     n = jnp.array(lengths, jnp.int32)
     spec = AttentionSpec(
-        causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), has_kv_lengths=True
+        causal=causal,
+        scale=d**-0.5,
+        config=FlashAttentionConfig(),
+        has_kv_lengths=True,
+        local_window_size=window,
     )
     out, lse = am.flash_fwd(spec, q, k, v, n, interpret=interpret)
     bwd = functools.partial(
         am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl, interpret=interpret
     )
-    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n))
+    opts = dict(causal=causal, key_value_seq_lengths=np.asarray(n), local_window_size=window)
     return bwd, np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), opts)[2]
 
 
-def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1):
-    """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths
-    and an lse cotangent vs float64; ``repeat`` runs agree bit for bit."""
-    bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret)
+def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1, window=None):
+    """dQ, dK and dV from the dQ kernel alone (``flash_bwd(dq_dkv=True)``) with key lengths,
+    an lse cotangent and a ``window`` vs float64; ``repeat`` runs agree bit for bit."""
+    bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret, window=window)
     runs = [
         [np.asarray(g) for g in bwd(dq_dkv=True, dq_split_keys=split_keys)] for _ in range(repeat)
     ]
@@ -544,6 +549,12 @@ class TestAttentionKernelsInterpret:
             _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
         assert _compat.races_detected() is False
 
+    def test_dq_kernel_computes_dk_dv_after_a_window_start(self):
+        """Before the window's first key the kernel skips whole key blocks (4 of 7 here)
+        and writes no dK/dV there: the wrapper zeroes them (the interpreter's unwritten
+        outputs are NaN)."""
+        _check_dq_dkv((1, 2, 400, 1, 1, 64), False, [400], interpret=True, window=(100, 0))
+
     # Decoding with GQA folds the group's queries into one tile's rows: the forward's bits
     # are those of the unfolded kernels; the gradients against float64. One case per run.
     @pytest.mark.parametrize(
@@ -704,15 +715,18 @@ class TestAttentionKernelsGPU:
         _check_index_masks(dims, opts, jnp.bfloat16, repeat=3)
 
     @pytest.mark.parametrize(
-        "dims, causal, lengths",
+        "dims, causal, lengths, window",
         [
-            ((4, 16, 4096, 8, 8, 128), False, [4096, 3000, 1, 2048]),
-            ((2, 1, 32768, 4, 4, 64), True, [32768, 100]),
-            ((2, 1, 8192, 32, 4, 128), True, [8192, 5000]),
+            ((4, 16, 4096, 8, 8, 128), False, [4096, 3000, 1, 2048], None),
+            ((2, 1, 32768, 4, 4, 64), True, [32768, 100], None),
+            ((2, 1, 8192, 32, 4, 128), True, [8192, 5000], None),
+            # key blocks before the window are skipped: their gradients are zeroed
+            ((2, 16, 8192, 8, 8, 128), False, [8192, 5000], (2048, 0)),
+            ((2, 1, 32768, 4, 4, 64), True, [32768, 30000], (4096, 4096)),
         ],
     )
-    def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths):
-        _check_dq_dkv(dims, causal, lengths, interpret=False, repeat=3)
+    def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths, window):
+        _check_dq_dkv(dims, causal, lengths, interpret=False, repeat=3, window=window)
 
     @pytest.mark.parametrize(
         "dims, causal, tiles",
@@ -1299,8 +1313,7 @@ def test_dq_dkv_lowers_for_cuda(head_dim):
         ((1, 65, 2, 64), (1, 700, 2, 64), None, "seq_q 65 > 64"),
         # (a group too large to fold into one tile's rows)
         ((1, 40, 4, 64), (1, 700, 2, 64), None, "GQA (4 query heads, 2 key heads)"),
-        ((1, 3, 2, 64), (1, 700, 2, 64), (100, 0), "local_window_size (100, 0)"),
-        ((1, 3, 2, 256), (1, 700, 2, 256), None, "head_dim 256"),
+        ((1, 3, 2, 256), (1, 700, 2, 256), (100, 0), "head_dim 256"),
     ],
 )
 def test_dq_dkv_declines_with_a_reason(q_shape, k_shape, window, reason):

@@ -592,16 +592,14 @@ def _dq_dkv_reason(spec, q, k) -> str | None:
     """Why the dQ kernel cannot compute dK and dV too (:attr:`Problem.dq_dkv`), or None:
     it needs one query tile of which the second warpgroup's rows are padding (at most 64
     queries), one query head per key head (no GQA, whose key blocks' gradients would sum
-    over several CTAs, unless :func:`_fold` folded the group into the rows), no window
-    (every key block the kernel skips must be past the lengths, whose gradients the
-    wrapper zeroes) and head_dim up to 128."""
+    over several CTAs, unless :func:`_fold` folded the group into the rows) and head_dim up
+    to 128. The key blocks the kernel skips, past the lengths or before a window, get no
+    gradient written: :func:`flash_bwd` zeroes those keys."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
     if sq > WG_ROWS:
         return f"seq_q {sq} > {WG_ROWS}"
     if hq != k.shape[2]:
         return f"GQA ({hq} query heads, {k.shape[2]} key heads)"
-    if spec.local_window_size is not None:
-        return f"local_window_size {spec.local_window_size}"
     if kernel_head_dim(d) not in (64, 128):
         return f"head_dim {d}"
     return None
@@ -2211,8 +2209,17 @@ def flash_bwd(
         dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
     dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
     dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
-    if ex.kv_lengths is not None:  # the dK/dV kernel ran past the length in its last CTA
+    # Keys no query sees get zero gradients: past the lengths (the dK/dV kernel ran past
+    # them in its last CTA; the dQ kernel skips their blocks) and, where the dQ kernel
+    # computes dK and dV, before the window of the first query (it skips their blocks).
+    real = None
+    if ex.kv_lengths is not None:
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
+    if p.dq_dkv and spec.local_window_size is not None:
+        seen = jnp.arange(p.seq_kv) >= p.seq_kv - p.seq_q - spec.local_window_size[0]
+        seen = seen[None, :, None, None]
+        real = seen if real is None else real & seen
+    if real is not None:
         dk = jnp.where(real, dk, jnp.zeros((), dk.dtype))
         dv = jnp.where(real, dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv
