@@ -624,6 +624,24 @@ def test_spec_names_the_features_a_kernel_may_decline():
     assert not bwd(jax.make_jaxpr(jax.grad(loss))(q, bias)).params["spec"].bias_grad
 
 
+@pytest.mark.parametrize("sq, skv", [(3, 20), (20, 3), (8, 8)])
+def test_window_sides_past_the_sequence_see_every_key(sq, skv):
+    """A side longer than the keys (left) or queries (right) reaches in int32, clipped to
+    where it stops hiding keys: the same spec, hence bits, as those lengths, and the
+    result of no window at all."""
+    q, k, v = rand((1, sq, 2, 8)), rand((1, skv, 2, 8)), rand((1, skv, 2, 8))
+    eqn = lambda w: jax.make_jaxpr(lambda q: ts.flash_attention(q, k, v, local_window_size=w))(
+        q
+    ).eqns[-1]
+    assert eqn((2**40, 2**40)).params["spec"].local_window_size == (skv, sq)
+    assert eqn((1, 2**40)).params["spec"].local_window_size == (min(1, skv), sq)
+    huge = ts.flash_attention(q, k, v, local_window_size=(2**40, 2**40))
+    want, _ = np_dense(f64(q), f64(k), f64(v), {})
+    assert_close(huge, want, factor=2.0)
+    exact = ts.flash_attention(q, k, v, local_window_size=(skv, sq))
+    np.testing.assert_array_equal(np.asarray(huge), np.asarray(exact))
+
+
 def test_vmap_over_options():
     dims = (2, 9, 12, 2, 1, 8, 8)
     q, k, v = _option_inputs(dims, jnp.float32)

@@ -824,7 +824,10 @@ def _validate_lengths(arg: str, x: Any, batch: int, seq: int, seq_arg: str) -> j
     return x.astype(jnp.int32)
 
 
-def _validate_window(w: Any) -> tuple[int, int] | None:
+def _validate_window(w: Any, seq_q: int, seq_kv: int) -> tuple[int, int] | None:
+    """``(left, right)``, each side clipped to where it stops hiding keys (``seq_kv`` on the
+    left, ``seq_q`` on the right: a wider side sees every key, and the clipped sizes stay
+    in int32 whatever the caller passed)."""
     if w is None:
         return None
     pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
@@ -839,7 +842,7 @@ def _validate_window(w: Any) -> tuple[int, int] | None:
         )
     if pair[0] < 0 or pair[1] < 0:
         raise ValueError(f"{_NAME}: local_window_size={w!r} must not be negative")
-    return int(pair[0]), int(pair[1])
+    return min(int(pair[0]), seq_kv), min(int(pair[1]), seq_q)
 
 
 def _validate_segments(q_seg, kv_seg, q, k) -> tuple[jax.Array | None, jax.Array | None]:
@@ -883,7 +886,7 @@ def _prepare(
         causal=bool(causal),
         scale=scale,
         config=config,
-        local_window_size=_validate_window(window),
+        local_window_size=_validate_window(window, q.shape[1], k.shape[1]),
     ).with_extras(extras)
     return q, k, v, AttentionSpec.operands(extras), spec
 
@@ -927,7 +930,7 @@ def flash_attention(
         outside the range acts as if clipped to it.)
       local_window_size: ``(left, right)`` non-negative ints, or an int for both: query
         ``i`` sees keys within ``left`` before and ``right`` after its position
-        ``i + seq_kv − seq_q``.
+        ``i + seq_kv − seq_q`` (a side of any size: past the sequence it hides nothing).
       q_segment_ids, kv_segment_ids: int ``(batch, seq_q)`` and ``(batch, seq_kv)``, both
         or neither: a query sees only keys with its segment id (packed sequences).
       config: block sizes (:class:`FlashAttentionConfig`); default: chosen per shape (an
