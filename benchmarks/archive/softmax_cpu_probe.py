@@ -1,9 +1,10 @@
 """Probe: ``ts.softmax`` and ``ts.log_softmax`` gradients (``jax.vjp``, forward included) on
-the CPU with the statistics' guards as selects (the old form: ``where(m == -inf, 0, m)`` and
-``where(s == 0, 1, s)``) and as maxima (``maximum(m, finfo.min)``, ``maximum(s, tiny)``, the
-form in ``primitives/softmax.py``), beside ``jax.nn``, in one process
-(``benchmarks._common.time_interleaved``, median ms per call), with the number of fusions
-in each compiled program.
+the CPU with the statistics' guards as selects (``where(m == -inf, 0, m)``, ``where(s == 0,
+1, s)``: the form in ``primitives/softmax.py``) and as maxima (``maximum(m, finfo.min)``,
+``maximum(s, tiny)``: the same values, tried and not kept), beside ``jax.nn``, in one process
+(``benchmarks._common.time_interleaved``, median ms per call), with the number of fusions in
+each compiled program and whether the two forms' programs give the same bits (output and
+input gradient).
 
     JAX_PLATFORMS=cpu python3 benchmarks/archive/softmax_cpu_probe.py
 """
@@ -24,58 +25,73 @@ from tessera_jax.primitives import softmax as sm
 from tessera_jax.primitives._core import compute_dtype
 
 
-def _selects_stable_exp(x, axis):
+def _maxima_stable_exp(x, axis):
     m = jnp.max(x, axis=axis, keepdims=True, initial=-np.inf)
-    m = jnp.where(m == -np.inf, jnp.zeros_like(m), m)
+    m = jnp.maximum(m, jnp.finfo(x.dtype).min)
     shifted = x - m
     e = jnp.exp(shifted)
     return shifted, e, jnp.sum(e, axis=axis, keepdims=True)
 
 
-def _selects_softmax(x, *, axis):
+def _maxima_softmax(x, *, axis):
     xc = x.astype(compute_dtype(x.dtype))
-    _, e, s = _selects_stable_exp(xc, axis)
-    return (e / jnp.where(s == 0, jnp.ones_like(s), s)).astype(x.dtype)
+    _, e, s = _maxima_stable_exp(xc, axis)
+    return (e / jnp.maximum(s, jnp.finfo(s.dtype).tiny)).astype(x.dtype)
 
 
-def _selects_log_softmax(x, *, axis):
+def _maxima_log_softmax(x, *, axis):
     xc = x.astype(compute_dtype(x.dtype))
-    shifted, _, s = _selects_stable_exp(xc, axis)
-    return (shifted - jnp.log(jnp.where(s == 0, jnp.ones_like(s), s))).astype(x.dtype)
+    shifted, _, s = _maxima_stable_exp(xc, axis)
+    return (shifted - jnp.log(jnp.maximum(s, jnp.finfo(s.dtype).tiny))).astype(x.dtype)
+
+
+def _vjp(f):
+    """``(y, dx)``: the output and the input gradient of ``f`` at ``x`` for cotangent ``g``."""
+
+    def run(x, g):
+        y, vjp = jax.vjp(f, x)
+        return y, vjp(g)[0]
+
+    return jax.jit(run)
 
 
 def _programs(x, g):
-    """Jitted ``vjp`` programs of the current forms and of jax.nn, with their fusions."""
-
-    def vjp(f):
-        return jax.jit(lambda x, g: jax.vjp(f, x)[1](g)[0])
-
-    fns = {"softmax": vjp(ts.softmax), "log_softmax": vjp(ts.log_softmax)}
+    """Jitted ``(y, dx)`` programs of the operators as they lower now, with their fusions."""
+    fns = {"softmax": _vjp(ts.softmax), "log_softmax": _vjp(ts.log_softmax)}
     fusions = {n: f.lower(x, g).compile().as_text().count(" fusion(") for n, f in fns.items()}
     return fns, fusions
+
+
+def _same_bits(a, b) -> tuple[bool, ...]:
+    """Whether two ``(y, dx)`` results agree bit for bit, output and gradient."""
+    return tuple(
+        bool(np.array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8)))
+        for u, v in zip(a, b)
+    )
 
 
 def main() -> None:
     for shape in [(4096, 1024), (1024, 4096), (256, 16384)]:
         for dt in (jnp.float32, jnp.bfloat16):
             x, g = normal(0, shape, dt), normal(1, shape, dt)
-            new, new_fusions = _programs(x, g)
-            # The old forms, swapped into the operators' references (re-traced by new jits).
+            # Each program is called (traced, cached) while its form is the operators'.
+            old, old_fusions = _programs(x, g)
+            got = {n: f(x, g) for n, f in old.items()}
             refs = (sm.softmax_op.reference, sm.log_softmax_op.reference)
             sm.softmax_op.reference, sm.log_softmax_op.reference = (
-                _selects_softmax,
-                _selects_log_softmax,
+                _maxima_softmax,
+                _maxima_log_softmax,
             )
             try:
-                old, old_fusions = _programs(x, g)
+                new, new_fusions = _programs(x, g)
+                same = {n: _same_bits(got[n], f(x, g)) for n, f in new.items()}
             finally:
                 sm.softmax_op.reference, sm.log_softmax_op.reference = refs
             fns = {}
             for name in ("softmax", "log_softmax"):
                 fns[f"{name}[maxima]"] = new[name]
                 fns[f"{name}[selects]"] = old[name]
-                nn = getattr(jax.nn, name)
-                fns[f"{name}[jax.nn]"] = jax.jit(lambda x, g, nn=nn: jax.vjp(nn, x)[1](g)[0])
+                fns[f"{name}[jax.nn]"] = _vjp(getattr(jax.nn, name))
             ms = time_interleaved(fns, (x, g), repeats=5, target_ms=30)
             for name in ("softmax", "log_softmax"):
                 nn_ms = ms[f"{name}[jax.nn]"]
@@ -84,7 +100,8 @@ def main() -> None:
                     f"selects {ms[f'{name}[selects]']:7.3f} ms ({old_fusions[name]} fusions, "
                     f"x{nn_ms / ms[f'{name}[selects]']:.2f} of jax.nn)  "
                     f"maxima {ms[f'{name}[maxima]']:7.3f} ms ({new_fusions[name]} fusions, "
-                    f"x{nn_ms / ms[f'{name}[maxima]']:.2f})  jax.nn {nn_ms:7.3f} ms",
+                    f"x{nn_ms / ms[f'{name}[maxima]']:.2f})  jax.nn {nn_ms:7.3f} ms  "
+                    f"same bits (y, dx): {same[name]}",
                     flush=True,
                 )
 

@@ -5,12 +5,8 @@ the row maximum is subtracted before ``exp`` (no overflow), the row is
 normalised, and the result is rounded once to the input dtype.
 
 Rows that are entirely ``-inf`` (a fully masked row) give zeros from
-``softmax`` and ``-inf`` from ``log_softmax``, never NaN: the row maximum is raised
-to the dtype's lowest finite value before subtracting, and the normaliser to the
-smallest normal number (a row with a finite maximum has a normaliser of at least 1,
-its maximum's ``exp(0)``, so only an empty row's 0 changes). Both are maxima rather
-than selects: XLA's CPU backend fuses them, the reductions and the backward into one
-loop at some shapes (``benchmarks/archive/softmax-cpu-probe.txt``). Softmax's
+``softmax`` and ``-inf`` from ``log_softmax``, never NaN: the maximum of such a
+row is replaced by 0 before subtracting and an empty normaliser by 1. Softmax's
 gradient there is zero; log-softmax's is the cotangent itself (``δ − softmax``
 with softmax = 0). A row containing ``+inf`` or NaN gives NaN, as in
 ``jax.nn.softmax``.
@@ -53,9 +49,9 @@ _FLOATING = (jnp.floating,)
 
 
 def _stable_exp(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` finite."""
+    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` set to 0."""
     m = jnp.max(x, axis=axis, keepdims=True, initial=-np.inf)
-    m = jnp.maximum(m, jnp.finfo(x.dtype).min)
+    m = jnp.where(m == -np.inf, jnp.zeros_like(m), m)
     shifted = x - m
     e = jnp.exp(shifted)
     return shifted, e, jnp.sum(e, axis=axis, keepdims=True)
@@ -65,14 +61,14 @@ def softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_softmax`` (and the test oracle of its kernels)."""
     xc = x.astype(compute_dtype(x.dtype))
     _, e, s = _stable_exp(xc, axis)
-    return (e / jnp.maximum(s, jnp.finfo(s.dtype).tiny)).astype(x.dtype)
+    return (e / jnp.where(s == 0, jnp.ones_like(s), s)).astype(x.dtype)
 
 
 def log_softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_log_softmax``."""
     xc = x.astype(compute_dtype(x.dtype))
     shifted, _, s = _stable_exp(xc, axis)
-    return (shifted - jnp.log(jnp.maximum(s, jnp.finfo(s.dtype).tiny))).astype(x.dtype)
+    return (shifted - jnp.log(jnp.where(s == 0, jnp.ones_like(s), s))).astype(x.dtype)
 
 
 softmax_op = Operator("softmax", reference=softmax_reference, abstract_eval=lambda x, **_: x)
