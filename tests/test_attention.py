@@ -626,20 +626,25 @@ def test_spec_names_the_features_a_kernel_may_decline():
 
 @pytest.mark.parametrize("sq, skv", [(3, 20), (20, 3), (8, 8)])
 def test_window_sides_past_the_sequence_see_every_key(sq, skv):
-    """A side longer than the keys (left) or queries (right) reaches in int32, clipped to
-    where it stops hiding keys: the same spec, hence bits, as those lengths, and the
-    result of no window at all."""
+    """A side longer than the keys (left) or queries (right) stays in int32, clipped to
+    where it stops hiding keys; a window neither side of which hides a key is no window:
+    the same spec, hence bits, as without one."""
     q, k, v = rand((1, sq, 2, 8)), rand((1, skv, 2, 8)), rand((1, skv, 2, 8))
-    eqn = lambda w: jax.make_jaxpr(lambda q: ts.flash_attention(q, k, v, local_window_size=w))(
-        q
-    ).eqns[-1]
-    assert eqn((2**40, 2**40)).params["spec"].local_window_size == (skv, sq)
-    assert eqn((1, 2**40)).params["spec"].local_window_size == (min(1, skv), sq)
+
+    def spec(w):
+        f = lambda q: ts.flash_attention(q, k, v, causal=True, local_window_size=w)
+        return jax.make_jaxpr(f)(q).eqns[-1].params["spec"]
+
+    assert spec((1, 2**40)).local_window_size == (min(1, skv), sq)
+    assert spec((2**40, 0)).local_window_size == (skv, 0)
+    assert spec((2**40, 2**40)) == spec((skv, sq)) == spec(None)
     huge = ts.flash_attention(q, k, v, local_window_size=(2**40, 2**40))
     want, _ = np_dense(f64(q), f64(k), f64(v), {})
     assert_close(huge, want, factor=2.0)
-    exact = ts.flash_attention(q, k, v, local_window_size=(skv, sq))
-    np.testing.assert_array_equal(np.asarray(huge), np.asarray(exact))
+    np.testing.assert_array_equal(np.asarray(huge), np.asarray(ts.flash_attention(q, k, v)))
+    left = ts.flash_attention(q, k, v, local_window_size=(2**40, 1))
+    want, _ = np_dense(f64(q), f64(k), f64(v), dict(local_window_size=(skv, 1)))
+    assert_close(left, want, factor=2.0)
 
 
 def test_vmap_over_options():

@@ -827,7 +827,7 @@ def _validate_lengths(arg: str, x: Any, batch: int, seq: int, seq_arg: str) -> j
 def _validate_window(w: Any, seq_q: int, seq_kv: int) -> tuple[int, int] | None:
     """``(left, right)``, each side clipped to where it stops hiding keys (``seq_kv`` on the
     left, ``seq_q`` on the right: a wider side sees every key, and the clipped sizes stay
-    in int32 whatever the caller passed)."""
+    in int32 whatever the caller passed); None where neither side hides a key."""
     if w is None:
         return None
     pair = (w, w) if isinstance(w, (int, np.integer)) and not isinstance(w, bool) else w
@@ -842,7 +842,8 @@ def _validate_window(w: Any, seq_q: int, seq_kv: int) -> tuple[int, int] | None:
         )
     if pair[0] < 0 or pair[1] < 0:
         raise ValueError(f"{_NAME}: local_window_size={w!r} must not be negative")
-    return min(int(pair[0]), seq_kv), min(int(pair[1]), seq_q)
+    left, right = min(int(pair[0]), seq_kv), min(int(pair[1]), seq_q)
+    return None if (left, right) == (seq_kv, seq_q) else (left, right)
 
 
 def _validate_segments(q_seg, kv_seg, q, k) -> tuple[jax.Array | None, jax.Array | None]:
