@@ -15,10 +15,9 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionExtras, AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
-from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tests._util import assert_close, cuda_lowering, f64, rand, sample
 from tests.test_attention import np_attention, np_dense
-from tests.test_attention_kernels import _check_index_masks, _chosen
+from tests.test_attention_kernels import _check_index_masks, _chosen, _mask_bias_operands
 
 # Small chunks and key blocks, so that the interpreter's short caches make several chunks.
 SMALL = ad.DecodeConfig(block_kv=64, split_keys=64)
@@ -32,51 +31,29 @@ def _spec(causal, d, **features):
 def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret, opts=None):
     """The kernel's output and lse against float64, and a second run's bits. ``opts``: the
     operator's other options (``mask``, ``bias``, ``local_window_size``,
-    ``query_seq_lengths``, segment ids), passed to the kernel as the operator does."""
+    ``query_seq_lengths``, segment ids), bound as the primitive binds them."""
     q, k, v = (
         rand((b, sq, hq, d), dtype),
         rand((b, skv, hkv, d), dtype),
         rand((b, skv, hkv, d), dtype),
     )
     opts = dict(opts or {})
-    kv_len = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    q_len = opts.get("query_seq_lengths")
-    q_len = None if q_len is None else jnp.asarray(q_len, jnp.int32)
-    segments = None
-    if "q_segment_ids" in opts:
-        segments = tuple(
-            jnp.asarray(opts[n], jnp.int32) for n in ("q_segment_ids", "kv_segment_ids")
-        )
-    extras = AttentionExtras(mask=opts.get("mask"), bias=opts.get("bias"))
-    spec = _spec(
-        causal,
-        d,
-        has_kv_lengths=kv_len is not None,
-        has_q_lengths=q_len is not None,
-        has_segment_ids=segments is not None,
-        has_mask=extras.mask is not None,
-        has_bias=extras.bias is not None,
-        local_window_size=opts.get("local_window_size"),
+    ints = lambda name: None if opts.get(name) is None else jnp.asarray(opts[name], jnp.int32)
+    extras = AttentionExtras(
+        mask=opts.get("mask"),
+        bias=opts.get("bias"),
+        q_lengths=ints("query_seq_lengths"),
+        kv_lengths=None if lengths is None else jnp.asarray(lengths, jnp.int32),
+        q_segment_ids=ints("q_segment_ids"),
+        kv_segment_ids=ints("kv_segment_ids"),
     )
-    bias = _mgpu._bias_operand(spec, extras, q, k)
-
-    def run(q, k, v, kv_len, q_len, bias, segments):
-        return ad.decode_fwd(
-            spec,
-            q,
-            k,
-            v,
-            kv_len,
-            q_lengths=q_len,
-            bias=bias,
-            segment_ids=segments,
-            config=config,
-            interpret=interpret,
-        )
-
-    run = jax.jit(run)
-    out, lse = run(q, k, v, kv_len, q_len, bias, segments)
-    out2, lse2 = run(q, k, v, kv_len, q_len, bias, segments)
+    spec = _spec(causal, d, local_window_size=opts.get("local_window_size")).with_extras(extras)
+    run = jax.jit(
+        lambda q, k, v, ops: ad.flash_fwd(spec, q, k, v, *ops, config=config, interpret=interpret)
+    )
+    operands = AttentionSpec.operands(extras)
+    out, lse = run(q, k, v, operands)
+    out2, lse2 = run(q, k, v, operands)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
     np_opts = {n: x if n == "local_window_size" else np.asarray(x) for n, x in opts.items()}
@@ -98,13 +75,6 @@ def _segments(b, n, bounds):
     return np.broadcast_to(seg.astype(np.int32), (b, n))
 
 
-def _mask(shape, empty_rows=()):
-    """A random bool mask (75% visible) whose query rows ``empty_rows`` see no key."""
-    mask = np.array(jax.random.uniform(jax.random.key(3), shape) < 0.75)
-    mask[:, :, list(empty_rows)] = False
-    return mask
-
-
 # The operator's options through the kernel (dims: b, sq, skv, hq, hkv, d).
 OPTION_CASES = {
     # a mask per batch entry and query, a row it empties, GQA, causal, 4 chunks
@@ -113,7 +83,7 @@ OPTION_CASES = {
         True,
         SMALL,
         None,
-        lambda: dict(mask=_mask((2, 1, 3, 250), empty_rows=[1])),
+        lambda: dict(mask=_mask_bias_operands((2, 1, 3, 250), None, empty_rows=[1])[0]),
     ),
     # a bias per head and query (f32, not rounded) with a key-padding mask
     "bias-keypad": (
@@ -202,7 +172,12 @@ class TestDecodeGPU:
     @pytest.mark.parametrize(
         "dims, causal, lengths, opts",
         [
-            ((1, 16, 4096, 8, 8, 128), True, None, lambda: dict(mask=_mask((1, 1, 16, 4096)))),
+            (
+                (1, 16, 4096, 8, 8, 128),
+                True,
+                None,
+                lambda: dict(mask=_mask_bias_operands((1, 1, 16, 4096), None)[0]),
+            ),
             (
                 (2, 1, 32768, 32, 8, 128),
                 False,

@@ -406,8 +406,9 @@ def hardware(platform: str) -> str | None:
     return device.hopper_only(platform, "a Triton kernel tuned on Hopper")
 
 
-def flash_fwd(spec, q, k, v, *extras, interpret: bool = False):
-    """``ts_flash_attention_fwd``'s kernel: ``(out, lse)`` with the spec's options."""
+def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, config=None):
+    """``ts_flash_attention_fwd``'s kernel: ``(out, lse)`` with the spec's options, the
+    extras as the primitive binds them (``config``: :func:`decode_fwd`'s)."""
     ex = spec.split(extras)
     segments = None if ex.q_segment_ids is None else (ex.q_segment_ids, ex.kv_segment_ids)
     return decode_fwd(
@@ -419,5 +420,6 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False):
         q_lengths=ex.q_lengths,
         bias=_mgpu._bias_operand(spec, ex, q, k),
         segment_ids=segments,
+        config=config,
         interpret=interpret,
     )
