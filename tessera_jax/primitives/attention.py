@@ -158,10 +158,9 @@ _NAME = "flash_attention"
 REFERENCE_BLOCK_ELEMENTS = 1 << 22
 REFERENCE_MIN_BLOCK = 128
 # On the CPU a kv head of more than REFERENCE_CPU_FEW_ROWS query rows takes blocks of at
-# most REFERENCE_BLOCK_ELEMENTS_CPU scores: there blocks of 128 to 512 keys ran the forward
-# 1.1-2.1x and the gradients 1.2-2.0x faster than the other platforms' blocks, at 256 to
-# 4096 rows; decoding's few rows keep one large block, which ran faster than smaller ones
-# (benchmarks/archive/reference-cpu-blocks.txt).
+# most REFERENCE_BLOCK_ELEMENTS_CPU scores: blocks of 128 to 512 keys ran the forward and
+# the gradients faster there than the other platforms' larger blocks, while decoding's few
+# rows ran fastest in one large block (benchmarks/archive/reference-cpu-blocks.txt).
 REFERENCE_BLOCK_ELEMENTS_CPU = 1 << 17
 REFERENCE_CPU_FEW_ROWS = 64
 

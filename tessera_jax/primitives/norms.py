@@ -102,9 +102,9 @@ def _normalise(v: jax.Array, eps: float, guard_zero: bool) -> tuple[jax.Array, j
     Two forms with the same bits: on the CPU the second mean square is of ``v`` times the
     row's scale (1, or ``c`` where the first overflowed), and one select picks the output;
     XLA's CPU backend ran the other form, both mean squares of every row and a select for
-    each of ``v·r`` and ``r``, 1.2 to 6.4 times slower in the forward
-    (benchmarks/archive/norms-cpu-probe.txt). Elsewhere the two mean squares stay
-    independent, so that one fused reduction may read ``v`` once for both.
+    each of ``v·r`` and ``r``, slower in the forward (benchmarks/archive/norms-cpu-probe.txt).
+    Elsewhere the two mean squares stay independent, so that one fused reduction may read
+    ``v`` once for both.
     """
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
     forms = (_normalise_row_scale, _normalise_select)
