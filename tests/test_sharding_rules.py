@@ -317,3 +317,47 @@ def test_rmsnorm_matmul_kernel_keeps_rows_and_columns_local(mesh):
     pat = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
     assert Counter(re.findall(pat, compiled.as_text())) == Counter()
     assert compiled.output_shardings.spec == P("dp", None, "tp")
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
+    """Queries and keys sharded along their sequences (and a bias along its keys), with
+    every extra operand: the blocked reference, gathered along the sequences by the rule
+    (Auto axes) or before the bind (Explicit), gives the one-device bits, forward and
+    every gradient, where XLA would split its contractions over the devices."""
+    types = (getattr(jax.sharding.AxisType, axis_type),) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=types)
+    b, sq, skv, hq, hkv, d = 2, 16, 32, 4, 2, 8
+    q, k, v = rand((b, sq, hq, d)), rand((b, skv, hkv, d)), rand((b, skv, hkv, d))
+    bias = rand((1, hq, sq, skv))
+    kw = dict(
+        causal=True,
+        mask=jax.random.bernoulli(jax.random.key(3), 0.8, (b, 1, sq, skv)),
+        key_value_seq_lengths=jnp.asarray([skv, 21], jnp.int32),
+        q_segment_ids=jnp.asarray(np.repeat([[0] * 6 + [1] * 10], b, 0), jnp.int32),
+        kv_segment_ids=jnp.asarray(np.repeat([[0] * 20 + [1] * 12], b, 0), jnp.int32),
+    )
+    do = rand(q.shape)
+
+    @jax.jit
+    def run(q, k, v, bias, do):
+        out, vjp = jax.vjp(lambda *a: ts.flash_attention(*a, **kw), q, k, v, bias)
+        return out, vjp(do)
+
+    want = run(q, k, v, bias, do)
+    with jax.set_mesh(mesh):
+        sharded = (
+            put(mesh, q, "dp", "sp"),
+            put(mesh, k, "dp", "sp"),
+            put(mesh, v, "dp", "sp"),
+            put(mesh, bias, None, None, None, "sp"),
+            # Under Explicit axes a GQA group's queries are gathered along the sequence
+            # (the reference folds them into one axis of rows), and so is the output.
+            put(mesh, do, "dp", "sp" if axis_type == "Auto" else None),
+        )
+        got = run(*sharded)
+    if axis_type == "Explicit":
+        assert jax.typeof(got[0]).sharding.spec[:2] == ("dp", None)
+        assert jax.typeof(got[1][1]).sharding.spec[:2] == ("dp", "sp")
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

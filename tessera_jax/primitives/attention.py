@@ -134,8 +134,10 @@ from tessera_jax.primitives._core import (
     batching,
     check_dtype,
     compute_dtype,
+    explicit_sharding,
     move_bdim_to_front,
     not_mapped,
+    unshard_axes,
     zero_tangent,
 )
 from tessera_jax.primitives.reductions import fixed_point_sum, pairwise_tree_sum
@@ -235,7 +237,15 @@ def _from_rows(g: _Geometry, x: jax.Array) -> jax.Array:
 
 def _stat_rows(g: _Geometry, x: jax.Array) -> jax.Array:
     """A per-query statistic ``(B, Hq, Sq)`` → ``(B, Hkv, G·Sq, 1)`` (the rows' order)."""
-    return x.reshape(g.batch, g.heads_kv, g.rows, 1)
+    x = x.reshape(g.batch, g.heads_kv, g.group, g.seq_q)
+    return x.reshape(g.batch, g.heads_kv, g.rows)[..., None]
+
+
+def _stat_from_rows(g: _Geometry, x: jax.Array) -> jax.Array:
+    """Inverse of :func:`_stat_rows`. (Each reshape splits or merges adjacent dims only:
+    on a mesh with Explicit axes jax types no other.)"""
+    x = x[..., 0].reshape(g.batch, g.heads_kv, g.group, g.seq_q)
+    return x.reshape(g.batch, g.heads_q, g.seq_q)
 
 
 def _kv_blocks(g: _Geometry, x: jax.Array) -> jax.Array:
@@ -282,6 +292,7 @@ def _fold_rows(g: _Geometry, x: jax.Array) -> jax.Array:
 def _bias_cotangent(g: _Geometry, ds: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``dS`` of one block ``(B, Hkv, G·Sq, block)`` summed to a bias block of ``shape``
     (``shape[3]`` the block's columns, or 1)."""
+    ds = ds.reshape(g.batch, g.heads_kv, g.group, g.seq_q, ds.shape[-1])
     ds = ds.reshape(g.batch, g.heads_q, g.seq_q, ds.shape[-1])
     axes = tuple(a for a in range(4) if shape[a] == 1 and ds.shape[a] != 1)
     return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
@@ -299,7 +310,7 @@ class _Blocks:
         if extras.q_segment_ids is not None:
             seg = extras.q_segment_ids.reshape(g.batch, 1, 1, g.seq_q)
             seg = jnp.broadcast_to(seg, (g.batch, 1, g.group, g.seq_q))
-            self.q_seg = seg.reshape(g.batch, 1, g.rows, 1)
+            self.q_seg = seg.reshape(g.batch, 1, g.rows)[..., None]
 
     def visible(self, j: jax.Array) -> jax.Array | None:
         """``(b, h, rows, block)``-broadcastable bool: which scores of block ``j`` count
@@ -452,7 +463,7 @@ def _flash_fwd_reference(q, k, v, *extras, spec: AttentionSpec, platform: str | 
     empty = l == 0  # fully masked rows
     out = o / jnp.where(empty, jnp.ones_like(l), l)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, jnp.ones_like(l), l)))
-    lse = lse.reshape(g.batch, g.heads_kv, g.group, g.seq_q).reshape(g.batch, g.heads_q, g.seq_q)
+    lse = _stat_from_rows(g, lse)
     return _from_rows(g, out).astype(q.dtype), lse
 
 
@@ -557,7 +568,7 @@ def _flash_jvp_reference(
     init = (jnp.zeros_like(q_rows, dtype=acc), jnp.zeros_like(q_rows[..., :1], dtype=acc))
     (a, tl), _ = _scan_blocks(step, init, xs)
     t_out = a - tl * _q_rows(g, out).astype(acc)
-    t_lse = tl.reshape(g.batch, g.heads_q, g.seq_q).astype(lse.dtype)
+    t_lse = _stat_from_rows(g, tl).astype(lse.dtype)
     return _from_rows(g, t_out).astype(q.dtype), t_lse
 
 
@@ -710,7 +721,16 @@ def _jvp_transpose(cts, q, k, v, out, lse, *rest, spec: AttentionSpec):
     dlse = [] if _is_zero(ct_lse) else [ct_lse]
     bspec = spec.replace(tangents=(), bias_grad="bias" in spec.tangents, has_dlse=bool(dlse))
     extras = rest[: spec.num_extras]
-    grads = flash_attention_bwd_op.bind(q, k, v, out, lse, dout, *extras, *dlse, spec=bspec)
+    # dK and dV contract the queries: on a mesh with Explicit axes they are gathered first
+    # (the forward gathered the keys, _prepare), and dQ gets the queries' sharding back.
+    rows = [unshard_axes(x, (1,)) for x in (q, out, dout)]
+    stats = [unshard_axes(x, (2,)) for x in (lse, *dlse)]
+    grads = flash_attention_bwd_op.bind(
+        rows[0], k, v, rows[1], stats[0], rows[2], *extras, *stats[1:], spec=bspec
+    )
+    q_sharding = explicit_sharding(jax.typeof(q))
+    if q_sharding is not None:
+        grads = (jax.sharding.reshard(grads[0], q_sharding), *grads[1:])
     by_name = dict(zip(("q", "k", "v", "bias"), grads))
     return [*nonlinear, *(by_name[n] for n in spec.tangents)]
 
@@ -872,6 +892,12 @@ def _prepare(
     """Validated operands and the spec of one call (errors name the argument and shapes)."""
     q, k, v = (as_array(_NAME, n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     scale, config = _validate_core(q, k, v, causal, scale, config)
+    # The products contract the keys and head_dim: on a mesh with Explicit axes they are
+    # gathered first, as the sharding rule gathers them (sharding/rules.py); so are the
+    # queries of a GQA group, which the reference folds into one axis of rows.
+    rows = () if q.shape[2] == k.shape[2] else (1,)
+    q = unshard_axes(q, (*rows, 3))
+    k, v = unshard_axes(k, (1, 3)), unshard_axes(v, (1, 3))
     b = q.shape[0]
     q_seg, kv_seg = _validate_segments(q_seg, kv_seg, q, k)
     extras = AttentionExtras(
@@ -882,11 +908,19 @@ def _prepare(
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
     )
+    gathered = lambda x, axes: None if x is None else unshard_axes(x, axes)
+    extras = extras._replace(
+        mask=gathered(extras.mask, (*(a + 1 for a in rows), 3)),
+        bias=gathered(extras.bias, (*(a + 1 for a in rows), 3)),
+        q_segment_ids=gathered(extras.q_segment_ids, rows),
+        kv_segment_ids=gathered(extras.kv_segment_ids, (1,)),
+    )
+    window = _validate_window(window, q.shape[1], k.shape[1])
     spec = AttentionSpec(
         causal=bool(causal),
         scale=scale,
         config=config,
-        local_window_size=_validate_window(window, q.shape[1], k.shape[1]),
+        local_window_size=window,
     ).with_extras(extras)
     return q, k, v, AttentionSpec.operands(extras), spec
 

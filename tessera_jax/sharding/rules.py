@@ -17,9 +17,11 @@ implementation on local shards:
   with the matmul epilogue applied after the combination.
 
 Operators whose lowering is the XLA reference are partitioned by XLA itself
-(the reference is plain jax.numpy) and get no wrapper, with two exceptions:
+(the reference is plain jax.numpy) and get no wrapper, with three exceptions:
 ``sum(deterministic=True)`` and ``mse`` of floats always take their rule, which
-makes a sum over a sharded axis mesh-size invariant by construction (below).
+makes a sum over a sharded axis mesh-size invariant by construction (below); flash
+attention always takes its rule too, which gathers sharded sequences and head_dim
+(XLA would split the reference's products and sums over them: other bits).
 
 The rules are registered by operator name in ``primitives._core.SHARDING_RULES``;
 ``Operator._lower`` consults them only when lowering under the partitioner (jit
@@ -311,15 +313,14 @@ def reduction_factors(avals_in, params) -> Factors:
     return Factors((dims,), (out,), _sizes(dims, x.shape), reduction=tuple(dims[a] for a in axes))
 
 
-def attention_fwd_factors(avals_in, params) -> Factors | None:
-    """q (b s h d), k/v (b t hk d) -> out (b s h d), lse (b h s): batch and heads pass.
-
-    With extra operands (mask, bias, lengths, segment ids; ``contracts/attention.py``)
-    there is no rule: the partitioner runs such a kernel unsharded.
-    """
+def attention_fwd_factors(avals_in, params) -> Factors:
+    """q (b s h d), k/v (b t hk d), extras -> out (b s h d), lse (b h s): batch and heads
+    pass; the sequences and head_dim are replicated (a contraction split over devices would
+    add its partial sums in another order). The extras (``contracts/attention.py``) name
+    the same factors, a dim they broadcast along (size 1) a factor of its own; a bias
+    whose gradient is wanted and that broadcasts over the batch or heads sums its
+    gradient over them, so those factors are replicated too."""
     spec = params["spec"]
-    if spec.num_extras:
-        return None
     q, k = avals_in[0], avals_in[1]
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
@@ -328,19 +329,47 @@ def attention_fwd_factors(avals_in, params) -> Factors | None:
     if hq != hk:
         sizes["g"] = hq // hk
     q_m, kv_m = ("b", "s", qh, "d"), ("b", "t", "h", "d")
-    return Factors((q_m, kv_m, kv_m), (q_m, ("b", qh, "s")), sizes, replicated=("s", "t", "d"))
+    extras = spec.split(avals_in[3 : 3 + spec.num_extras])
+    replicated = ["s", "t", "d"]
+    maps = []
+    for name, x in zip(extras._fields, extras):
+        if x is None:
+            continue
+        if name in ("mask", "bias"):
+            m = []
+            for i, (size, f) in enumerate(zip(x.shape, ("b", qh, "s", "t"))):
+                if size == 1 and (b, hq, s, t)[i] != 1:
+                    f = f"{name}{i}"  # broadcast: its own factor, of size 1
+                    sizes[f] = 1
+                m.append(f)
+            if name == "bias" and spec.bias_grad:
+                replicated += [_major(f) for f, size in zip(("b", qh), x.shape[:2]) if size == 1]
+            maps.append(tuple(m))
+        else:
+            maps.append(
+                {"q_lengths": ("b",), "kv_lengths": ("b",)}.get(name)
+                or (("b", "s") if name == "q_segment_ids" else ("b", "t"))
+            )
+    return Factors(
+        (q_m, kv_m, kv_m, *maps), (q_m, ("b", qh, "s")), sizes, replicated=tuple(replicated)
+    )
 
 
-def attention_bwd_factors(avals_in, params) -> Factors | None:
-    """(q, k, v, out, lse, dout[, dlse]) -> (dq, dk, dv), batch and heads pass."""
-    f = attention_fwd_factors(avals_in[:3], params)
-    if f is None:
-        return None
-    q_m, kv_m, _ = f.operands
+def attention_bwd_factors(avals_in, params) -> Factors:
+    """(q, k, v, out, lse, dout, *extras[, dlse]) -> (dq, dk, dv[, dbias]), batch and heads
+    pass (:func:`attention_fwd_factors`)."""
+    spec = params["spec"]
+    f = attention_fwd_factors((*avals_in[:3], *avals_in[6 : 6 + spec.num_extras]), params)
+    q_m, kv_m, _, *maps = f.operands
     lse_m = f.results[1]
-    dlse = (lse_m,) if params["spec"].has_dlse else ()
+    dlse = (lse_m,) if spec.has_dlse else ()
+    dbias = ()
+    if spec.bias_grad:
+        dbias = (maps[spec.has_mask],)
     return dataclasses.replace(
-        f, operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m, *dlse), results=(q_m, kv_m, kv_m)
+        f,
+        operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m, *maps, *dlse),
+        results=(q_m, kv_m, kv_m, *dbias),
     )
 
 
@@ -506,8 +535,10 @@ RULES: dict[str, Rule] = {
     "log_softmax": Rule(axis_factors),
     "rmsnorm": Rule(norm_factors),
     "layernorm": Rule(norm_factors),
-    "flash_attention_fwd": Rule(attention_fwd_factors),
-    "flash_attention_bwd": Rule(attention_bwd_factors),
+    # Always, the reference too: a sequence sharded over devices would have XLA split the
+    # reference's contractions and sums (other bits than on one device).
+    "flash_attention_fwd": Rule(attention_fwd_factors, always=True),
+    "flash_attention_bwd": Rule(attention_bwd_factors, always=True),
     **{
         name: Rule(elementwise_factors)
         for name in (
