@@ -647,6 +647,42 @@ def test_window_sides_past_the_sequence_see_every_key(sq, skv):
     assert_close(left, want, factor=2.0)
 
 
+def test_keys_before_every_window_are_not_read():
+    """Decoding with a window: the keys before the first query's window reach no
+    implementation (the primitive binds the rest, with the key lengths shifted and the
+    masks' key columns sliced); the result and every gradient are still the float64
+    ones, and the dropped keys' gradients are exact zeros. The second sequence's keys all
+    lie before the window: its rows see no key."""
+    b, sq, skv, hq, hkv, d, left = 2, 3, 90, 4, 2, 8, 25
+    first = skv - sq - left
+    dims = (b, sq, skv, hq, hkv, d, 16)
+    seg = np.repeat([[0] * 70 + [1] * 20], b, 0)
+    opts = dict(
+        causal=True,
+        local_window_size=(left, 0),
+        mask=_rand_mask((b, 1, sq, skv), 0.8),
+        bias=rand((1, hq, sq, skv)),
+        key_value_seq_lengths=jnp.asarray([skv, first - 5], jnp.int32),
+        q_segment_ids=jnp.asarray(np.repeat([[1] * sq], b, 0)),
+        kv_segment_ids=jnp.asarray(seg),
+    )
+    q, k, v = _option_inputs(dims, jnp.float32)
+    f = _attend_opts(dims, opts)
+    bound = jax.make_jaxpr(f)(q, k, v).eqns[-1]
+    assert bound.primitive.name == "ts_flash_attention_fwd"
+    assert [x.aval.shape[1] for x in bound.invars[1:3]] == [skv - first] * 2
+    do = rand(q.shape)
+    out, got = _attend_and_vjp(dims, opts)(q, k, v, do)
+    (want_out, _), want_grads = np_dense(f64(q), f64(k), f64(v), opts, do=f64(do))
+    assert_close(out, want_out)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    for g, w in zip(got, want_grads):
+        assert_close(g, w)
+    dk, dv, dbias = got[1:]
+    for g in (dk[:, :first], dv[:, :first], dbias[..., :first]):  # the dropped keys'
+        np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
 def test_vmap_over_options():
     dims = (2, 9, 12, 2, 1, 8, 8)
     q, k, v = _option_inputs(dims, jnp.float32)

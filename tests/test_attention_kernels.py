@@ -755,8 +755,8 @@ class TestAttentionKernelsGPU:
             ((4, 1, 8192, 16, 16, 128), {}),
             ((2, 16, 5000, 8, 2, 64), dict(causal=True)),
             (
-                (2, 7, 4100, 4, 1, 256),
-                dict(causal=True, local_window_size=(1000, 0), key_value_seq_lengths=[4100, 2000]),
+                (2, 7, 6000, 4, 1, 256),  # the window leaves the last 4507 keys
+                dict(causal=True, local_window_size=(4500, 0), key_value_seq_lengths=[6000, 2000]),
             ),
             (
                 (2, 8, 6000, 4, 2, 128),

@@ -2215,9 +2215,9 @@ def flash_bwd(
     real = None
     if ex.kv_lengths is not None:
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
-    if p.dq_dkv and spec.local_window_size is not None:
-        seen = jnp.arange(p.seq_kv) >= p.seq_kv - p.seq_q - spec.local_window_size[0]
-        seen = seen[None, :, None, None]
+    first = 0 if spec.local_window_size is None else p.seq_kv - p.seq_q - spec.local_window_size[0]
+    if p.dq_dkv and first > 0:  # (the operator slices such keys off before it binds)
+        seen = (jnp.arange(p.seq_kv) >= first)[None, :, None, None]
         real = seen if real is None else real & seen
     if real is not None:
         dk = jnp.where(real, dk, jnp.zeros((), dk.dtype))

@@ -37,6 +37,9 @@ Algorithm (the reference lowering)
 The FlashAttention online softmax: ``lax.scan`` over blocks of ``block_kv`` keys,
 carrying per query row the running maximum ``m``, normaliser ``l`` and output
 accumulator; memory is ``O(Sq·block_kv)`` per (batch, head), never ``Sq×Skv``.
+With a window, the keys before the first query's window (decoding against a cache longer
+than ``Sq + left``) are sliced off before the primitive binds: no implementation reads
+them, and their gradients are zeros.
 ``mask`` and ``bias`` are read one kv block at a time from the arrays the user passed
 (a gather of the block's columns: no padded or broadcast copy of our own); the other
 masks are computed per block from positions, lengths and segment ids.
@@ -916,6 +919,7 @@ def _prepare(
         kv_segment_ids=gathered(extras.kv_segment_ids, (1,)),
     )
     window = _validate_window(window, q.shape[1], k.shape[1])
+    k, v, extras = _drop_unseen_keys(q, k, v, extras, window)
     spec = AttentionSpec(
         causal=bool(causal),
         scale=scale,
@@ -923,6 +927,40 @@ def _prepare(
         local_window_size=window,
     ).with_extras(extras)
     return q, k, v, AttentionSpec.operands(extras), spec
+
+
+def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
+    """``k``, ``v`` and the extras without the keys before the first query's window.
+
+    Query ``i`` sees no key before ``i + Skv − Sq − left``, so with a window and a cache
+    longer than ``Sq + left`` (decoding) a prefix of the keys is hidden from every query.
+    Dropping it before the primitive spares every implementation the keys' reads and
+    their share of the key chunks, and the dispatch sees the keys that count; the slice's
+    transpose gives them zero gradients. The masks are relative to the shapes (the window
+    and the causal diagonal follow ``Skv − Sq``, which drops with the keys) or to the key
+    lengths, shifted here. It depends on the static shapes and window only: the same on
+    any mesh.
+    """
+    first = 0 if window is None else k.shape[1] - q.shape[1] - window[0]
+    if first <= 0 or q.shape[1] == 0:
+        return k, v, extras
+    k, v = (unshard_axes(x, (1,))[:, first:] for x in (k, v))
+
+    def keys_of(x, axis):
+        if x is None or x.shape[axis] == 1:
+            return x
+        return jax.lax.slice_in_dim(unshard_axes(x, (axis,)), first, None, axis=axis)
+
+    kv_lengths = extras.kv_lengths
+    if kv_lengths is not None:
+        kv_lengths = jnp.maximum(kv_lengths - first, 0)
+    extras = extras._replace(
+        mask=keys_of(extras.mask, 3),
+        bias=keys_of(extras.bias, 3),
+        kv_lengths=kv_lengths,
+        kv_segment_ids=keys_of(extras.kv_segment_ids, 1),
+    )
+    return k, v, extras
 
 
 def flash_attention(
