@@ -29,9 +29,8 @@ mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
 decode kernel (``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel
 called directly (``mosaic_gpu``, forward only); on decode shapes shorter than the Mosaic
 forward's ``DECODE_MIN_KV`` the kernels forced (``ts_pallas``: beside ``ts_auto`` it shows
-whether ``auto``'s key-count thresholds hold) and, for decoding with a mask, bias or window
-(``…-decode-mask-…``), the blocked reference (``ts_reference``, forward only: what ``auto``
-ran there before the decode forward took these options); ``--ref-blocks`` adds the
+whether ``auto``'s key-count thresholds hold) and the blocked reference (``ts_reference``,
+forward only: the path the decode forward's thresholds weigh it against); ``--ref-blocks`` adds the
 reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
@@ -116,7 +115,7 @@ FEATURE_CASES = [
         (b, sq, skv, h, 128, "decode")
         for b, h in ((1, 8), (4, 16))
         for sq in (1, 16)
-        for skv in (1024, 2048)
+        for skv in (512, 1024, 2048)
     ),
     *((1, sq, skv, 32, 128, "decode-gqa") for sq in (1, 16) for skv in (1024, 2048)),
     *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),
@@ -408,7 +407,7 @@ def run_feature_case(
         fns["mosaic_gpu"] = (ts_fn(), "pallas")
     elif feature.startswith("decode") and skv < am.DECODE_MIN_KV:
         fns["ts_pallas"] = (ts_fn(), "pallas")  # the kernels, whether auto prefers them or not
-        if (kw or static) and not backward:  # auto's path before the decode forward took them
+        if not backward:  # the path auto took before the decode forward took the case
             fns["ts_reference"] = (ts_fn(), "xla")
     elif feature.startswith("decode") and not backward:
         # ts_auto runs the Triton decode forward here; this is the Mosaic GPU one.

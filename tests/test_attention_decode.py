@@ -363,8 +363,8 @@ def test_operator_dispatch():
         *[jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)] * 2,
     )
     assert ad.supports(spec, avals(16, 4096)) is None and ad.prefer(spec, avals(16, 4096))
-    assert ad.MIN_KV == 1024 and ad.prefer(spec, avals(1, 1024))
-    assert not ad.prefer(spec, avals(16, 1023))
+    assert ad.MIN_KV == 256 and ad.prefer(spec, avals(1, 256))
+    assert not ad.prefer(spec, avals(16, 255))
     assert "seq_q 17" in ad.supports(spec, avals(17, 4096))
     assert "backward" in ad.supports(spec, (*avals(1, 4096), *avals(1, 4096)))
     assert "config" in ad.supports(

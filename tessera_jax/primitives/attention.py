@@ -1025,7 +1025,7 @@ def flash_attention(
     256, shorter sequences, an explicit ``config`` — runs the blocked XLA reference.
     Decoding's forward, at head_dim 64 or 128 with at most 64 query rows per kv head (GQA
     group × queries), runs a Triton decode kernel instead of the Mosaic GPU forward,
-    against 1024 keys or more, with any of the options (its bias stays f32). Every path
+    against 256 keys or more, with any of the options (its bias stays f32). Every path
     is deterministic: bitwise identical outputs and gradients run to run (no atomics); which
     path runs, and how it blocks the keys, depends on one head's sizes only, never on the
     batch or head count a mesh divides. There is no cuDNN path.
