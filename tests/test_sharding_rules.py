@@ -319,12 +319,14 @@ def test_rmsnorm_matmul_kernel_keeps_rows_and_columns_local(mesh):
     assert compiled.output_shardings.spec == P("dp", None, "tp")
 
 
+@pytest.mark.xla_optimized
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
     """Queries and keys sharded along their sequences (and a bias along its keys), with
     every extra operand: the blocked reference, gathered along the sequences by the rule
-    (Auto axes) or before the bind (Explicit), gives the one-device bits, forward and
-    every gradient, where XLA would split its contractions over the devices."""
+    (Auto axes) or before the bind (Explicit), gives the one-device bits, forward, every
+    gradient and a forward-mode derivative, where XLA would split its contractions over
+    the devices."""
     types = (getattr(jax.sharding.AxisType, axis_type),) * 2
     mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=types)
     b, sq, skv, hq, hkv, d = 2, 16, 32, 4, 2, 8
@@ -341,8 +343,9 @@ def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
 
     @jax.jit
     def run(q, k, v, bias, do):
-        out, vjp = jax.vjp(lambda *a: ts.flash_attention(*a, **kw), q, k, v, bias)
-        return out, vjp(do)
+        f = lambda *a: ts.flash_attention(*a, **kw)
+        out, vjp = jax.vjp(f, q, k, v, bias)
+        return out, vjp(do), jax.jvp(f, (q, k, v, bias), (q, v, k, bias))[1]
 
     want = run(q, k, v, bias, do)
     with jax.set_mesh(mesh):

@@ -52,8 +52,9 @@ kernels do) and accumulate in f32 for 8-/16-bit inputs; f32 products follow
 for f64 inputs). A last, partial kv block is zero-padded and masked. Each block's
 normaliser ``Σ_j p_j`` (``p = exp(s − m) ≤ 1``) is summed in fixed point
 (:func:`~tessera_jax.primitives.reductions.fixed_point_sum`: exact integer sums, the same
-bits in any order, one fused reduction on a GPU) and ``rowsum(dO ∘ O)`` on the canonical
-tree, so the rows' bits do not depend on how XLA orders a reduction in a given program.
+bits in any order, one fused reduction on a GPU), and ``rowsum(dO ∘ O)`` and the JVP's
+``rowsum(P∘tS)`` on the canonical tree, so the rows' bits do not depend on how XLA orders
+a reduction in a given program.
 
 The backward (FlashAttention-2) recomputes each block's probabilities from the
 saved log-sum-exp, ``P = exp(S − lse)``, with ``Δ = rowsum(dO ∘ O) − dlse``::
@@ -90,6 +91,10 @@ Every primitive has a batching rule (``jax.vmap`` over any dimension of any oper
 
 Determinism: the reference and the Pallas kernels registered on these primitives add in
 a fixed order (no atomics), so outputs and gradients are bitwise identical run to run.
+On a mesh the three primitives keep batch and heads sharded and run on local shards;
+sharded sequences and head_dim are gathered first (``sharding/rules.py``; under Explicit
+axes the public function gathers them, and a GQA group's queries, whose output then is
+not sharded along the queries), so the bits are one device's.
 
 Kernels
 -------
@@ -555,7 +560,7 @@ def _flash_jvp_reference(
             ts = tb if ts is None else ts + tb
         if ts is not None:
             pts = p * ts
-            tl = tl + jnp.sum(pts, axis=-1, keepdims=True)
+            tl = tl + _row_sum(pts)
             a = a + _dot(pts.astype(v.dtype), v_blk, 2, acc)
         if "v" in tan:
             a = a + _dot(p.astype(v.dtype), tv_blk, 2, acc)

@@ -373,6 +373,21 @@ def attention_bwd_factors(avals_in, params) -> Factors:
     )
 
 
+def attention_jvp_factors(avals_in, params) -> Factors:
+    """(q, k, v, out, lse, *extras, *tangents) -> (t_out, t_lse), batch and heads pass
+    (:func:`attention_fwd_factors`); a tangent is typed like its primal."""
+    spec = params["spec"]
+    n = spec.num_extras
+    f = attention_fwd_factors((*avals_in[:3], *avals_in[5 : 5 + n]), params)
+    q_m, kv_m, _, *maps = f.operands
+    lse_m = f.results[1]
+    like = {"q": q_m, "k": kv_m, "v": kv_m}
+    if spec.has_bias:
+        like["bias"] = maps[spec.has_mask]
+    tangents = tuple(like[t] for t in spec.tangents)
+    return dataclasses.replace(f, operands=(q_m, kv_m, kv_m, q_m, lse_m, *maps, *tangents))
+
+
 # --- sum: the mesh-size-invariant tree (module docstring) -------------------------------
 
 
@@ -539,6 +554,7 @@ RULES: dict[str, Rule] = {
     # reference's contractions and sums (other bits than on one device).
     "flash_attention_fwd": Rule(attention_fwd_factors, always=True),
     "flash_attention_bwd": Rule(attention_bwd_factors, always=True),
+    "flash_attention_jvp": Rule(attention_jvp_factors, always=True),
     **{
         name: Rule(elementwise_factors)
         for name in (
