@@ -364,3 +364,28 @@ def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
         assert jax.typeof(got[1][1]).sharding.spec[:2] == ("dp", "sp")
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.xla_optimized
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "rmsnorm", "layernorm"])
+def test_normalised_axis_sharded_keeps_its_bits(name, axis_type):
+    """Rows and the normalised axis sharded: the reference runs on local rows with the
+    axis gathered (the rule applies to it too), so the output and dx are one device's
+    bits, where XLA would add partial sums across the devices. (The weight gradients of
+    the norms, sums over the rows, are not claimed: see the norm rules.)"""
+    types = (getattr(jax.sharding.AxisType, axis_type),) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    x, g, w = rand((64, 1024)) * 3, rand((64, 1024)), rand((1024,))
+    op = {
+        "softmax": ts.softmax,
+        "log_softmax": ts.log_softmax,
+        "rmsnorm": lambda x: ts.rmsnorm(x, w),
+        "layernorm": lambda x: ts.layernorm(x, w, w),
+    }[name]
+    run = jax.jit(lambda x, g: (op(x), jax.vjp(op, x)[1](g)[0]))
+    want = run(x, g)
+    with jax.set_mesh(mesh):
+        got = run(put(mesh, x, "dp", "tp"), put(mesh, g, "dp", "tp"))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -17,11 +17,14 @@ implementation on local shards:
   with the matmul epilogue applied after the combination.
 
 Operators whose lowering is the XLA reference are partitioned by XLA itself
-(the reference is plain jax.numpy) and get no wrapper, with three exceptions:
+(the reference is plain jax.numpy) and get no wrapper, with these exceptions:
 ``sum(deterministic=True)`` and ``mse`` of floats always take their rule, which
 makes a sum over a sharded axis mesh-size invariant by construction (below); flash
-attention always takes its rule too, which gathers sharded sequences and head_dim
-(XLA would split the reference's products and sums over them: other bits).
+attention, softmax, log_softmax, rmsnorm and layernorm (and their adjoints) always
+take theirs too, which gather sharded sequences, head_dim or normalised axes (XLA would
+split the reference's products and sums over them: other bits). The norms' weight
+gradients, sums over the rows, are the exception: their local sums and the
+deterministic all-reduce are not the one-device order.
 
 The rules are registered by operator name in ``primitives._core.SHARDING_RULES``;
 ``Operator._lower`` consults them only when lowering under the partitioner (jit
@@ -234,11 +237,18 @@ def _wrap(rule: Rule, op: Any, impl: str, fn: Any, platform: str | None, avals_i
                     out = rule.combine(out, red, [jax.typeof(x) for x in xs], params)
                 return out
 
-        return mesh, lower_fn, outs if multiple else outs[0], args
+        return mesh, lower_fn, _like(result_shape, outs), args
 
     def infer(mesh, arg_shapes, result_shape):  # the GSPMD (non-Shardy) partitioner
         _, _, outs, _ = shardings(mesh, arg_shapes)
-        return outs if multiple else outs[0]
+        return _like(result_shape, outs)
+
+    def _like(result_shape, outs):
+        """The results' shardings in the container the implementation returns (a tuple or
+        a list: custom_partitioning matches the pytree)."""
+        if not multiple:
+            return outs[0]
+        return list(outs) if isinstance(result_shape, list) else outs
 
     wrapped = _compat.custom_partitioning(lambda *xs: fn(*xs, **params))
     wrapped.def_partition(
@@ -545,11 +555,13 @@ RULES: dict[str, Rule] = {
     "sum": Rule(_sum_factors, local=_sum_local, always=True),
     "mse": Rule(_mse_factors, local=_mse_local, always=True),
     "max": Rule(reduction_factors, combine=_reduce_combine("max")),
-    "softmax": Rule(axis_factors),
+    # Always, the reference too: XLA would split a normalised axis that is sharded over
+    # devices into partial sums (other bits than on one device).
+    "softmax": Rule(axis_factors, always=True),
     "fft": Rule(axis_factors),
-    "log_softmax": Rule(axis_factors),
-    "rmsnorm": Rule(norm_factors),
-    "layernorm": Rule(norm_factors),
+    "log_softmax": Rule(axis_factors, always=True),
+    "rmsnorm": Rule(norm_factors, always=True),
+    "layernorm": Rule(norm_factors, always=True),
     # Always, the reference too: a sequence sharded over devices would have XLA split the
     # reference's contractions and sums (other bits than on one device).
     "flash_attention_fwd": Rule(attention_fwd_factors, always=True),
@@ -612,10 +624,10 @@ def _norm_bwd_local(local_impl, xs, assign, factors, params):
 
 RULES.update(
     {
-        "softmax_bwd": Rule(adjoint_axis_factors),
-        "log_softmax_bwd": Rule(adjoint_axis_factors),
-        "rmsnorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local),
-        "layernorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local),
+        "softmax_bwd": Rule(adjoint_axis_factors, always=True),
+        "log_softmax_bwd": Rule(adjoint_axis_factors, always=True),
+        "rmsnorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local, always=True),
+        "layernorm_bwd": Rule(norm_bwd_factors, local=_norm_bwd_local, always=True),
     }
 )
 
