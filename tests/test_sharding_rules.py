@@ -389,3 +389,48 @@ def test_normalised_axis_sharded_keeps_its_bits(name, axis_type):
         got = run(put(mesh, x, "dp", "tp"), put(mesh, g, "dp", "tp"))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.xla_optimized
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("heads_kv", [8, 4, 2, 1])
+def test_attention_with_sharded_heads_keeps_its_bits(heads_kv, axis_type):
+    """Batch and query heads sharded, the kv heads too where they divide (MHA, GQA with a
+    kv head per device, GQA with fewer kv heads than devices, MQA), with every extra
+    operand: the output and every gradient are one device's bits. (Before: GQA and MQA
+    raised under Explicit axes; under Auto axes MQA's dK/dV summed one device's query
+    heads only, and GQA with fewer kv heads than devices did not lower.)"""
+    types = (getattr(jax.sharding.AxisType, axis_type),) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    b, sq, skv, hq, d = 4, 16, 32, 8, 8
+    q, k, v = rand((b, sq, hq, d)), rand((b, skv, heads_kv, d)), rand((b, skv, heads_kv, d))
+    bias, do = rand((1, hq, sq, skv)), rand(q.shape)
+    kw = dict(
+        causal=True,
+        mask=jax.random.bernoulli(jax.random.key(5), 0.8, (b, 1, sq, skv)),
+        query_seq_lengths=jnp.asarray([sq, 1, sq, 2], jnp.int32),
+        key_value_seq_lengths=jnp.asarray([skv, 5, 3, skv], jnp.int32),
+        q_segment_ids=jnp.zeros((b, sq), jnp.int32),
+        kv_segment_ids=jax.random.randint(jax.random.key(6), (b, skv), 0, 2),
+    )
+    f = lambda q, k, v, bias: ts.flash_attention(q, k, v, bias, **kw)
+
+    @jax.jit
+    def run(q, k, v, bias, do):
+        out, vjp = jax.vjp(f, q, k, v, bias)
+        return out, vjp(do)
+
+    want = run(q, k, v, bias, do)
+    kv_heads = "tp" if heads_kv % 4 == 0 else None
+    with jax.set_mesh(mesh):
+        args = [
+            put(mesh, q, "dp", None, "tp"),
+            put(mesh, k, "dp", None, kv_heads),
+            put(mesh, v, "dp", None, kv_heads),
+            put(mesh, bias, None, "tp"),
+        ]
+        # Under Explicit axes the output's type says where the cotangent lives.
+        out_spec = jax.jit(f)(*args).sharding.spec if axis_type == "Explicit" else ("dp",)
+        got = run(*args, put(mesh, do, *out_spec))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -902,8 +902,11 @@ def _prepare(
     scale, config = _validate_core(q, k, v, causal, scale, config)
     # The products contract the keys and head_dim: on a mesh with Explicit axes they are
     # gathered first, as the sharding rule gathers them (sharding/rules.py); so are the
-    # queries of a GQA group, which the reference folds into one axis of rows.
+    # queries of a GQA group, which the reference folds into one axis of rows, and their
+    # heads where the kv heads are not split alike (a group's dK and dV sum over them).
     rows = () if q.shape[2] == k.shape[2] else (1,)
+    if rows and _head_spec(q) != _head_spec(k):
+        rows = (1, 2)
     q = unshard_axes(q, (*rows, 3))
     k, v = unshard_axes(k, (1, 3)), unshard_axes(v, (1, 3))
     b = q.shape[0]
@@ -916,11 +919,15 @@ def _prepare(
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
     )
-    gathered = lambda x, axes: None if x is None else unshard_axes(x, axes)
+    gathered = lambda x, axes: None if x is None else _batch_like(unshard_axes(x, axes), q)
+    # The masks' (B, H, Sq, Skv) axes gathered as q's heads (2) and queries (1) are.
+    logits_axes = (*((1,) if 2 in rows else ()), *((2,) if 1 in rows else ()), 3)
     extras = extras._replace(
-        mask=gathered(extras.mask, (*(a + 1 for a in rows), 3)),
-        bias=gathered(extras.bias, (*(a + 1 for a in rows), 3)),
-        q_segment_ids=gathered(extras.q_segment_ids, rows),
+        mask=gathered(extras.mask, logits_axes),
+        bias=gathered(extras.bias, logits_axes),
+        q_lengths=gathered(extras.q_lengths, ()),
+        kv_lengths=gathered(extras.kv_lengths, ()),
+        q_segment_ids=gathered(extras.q_segment_ids, (1,) if rows else ()),
         kv_segment_ids=gathered(extras.kv_segment_ids, (1,)),
     )
     window = _validate_window(window, q.shape[1], k.shape[1])
@@ -932,6 +939,26 @@ def _prepare(
         local_window_size=window,
     ).with_extras(extras)
     return q, k, v, AttentionSpec.operands(extras), spec
+
+
+def _batch_like(x: jax.Array, q: jax.Array) -> jax.Array:
+    """``x`` (a batch-led extra operand) with ``q``'s batch sharding on a mesh with Explicit
+    axes, where its batch is ``q``'s: the masks built from it then meet the scores with the
+    sharding they have (jax types a select of two shardings as an error)."""
+    target = explicit_sharding(jax.typeof(q))
+    if target is None or x.shape[0] != q.shape[0]:
+        return x
+    own = explicit_sharding(jax.typeof(x))
+    spec = [*(own.spec if own is not None else ()), *([None] * x.ndim)][: x.ndim]
+    spec[0] = (*target.spec, None)[0]
+    return jax.sharding.reshard(x, target.update(spec=jax.sharding.PartitionSpec(*spec)))
+
+
+def _head_spec(x: jax.Array) -> Any:
+    """The mesh axes that split ``x``'s heads (dim 2) on a mesh with Explicit axes."""
+    sharding = explicit_sharding(jax.typeof(x))
+    spec = () if sharding is None else tuple(sharding.spec)
+    return spec[2] if len(spec) > 2 else None
 
 
 def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):

@@ -188,6 +188,8 @@ class Rule:
     combine: Callable[..., Any] | None = None
     always: bool = False
     local: Callable[..., Any] | None = None  # replaces "impl then combine" when given
+    # ``always`` rules: how the factors change where the reference runs (None: they don't)
+    for_reference: Callable[[Factors], Factors] | None = None
 
 
 def _local_impl(op: Any, platform: str | None, mode: str, params: dict[str, Any]):
@@ -209,6 +211,8 @@ def _wrap(rule: Rule, op: Any, impl: str, fn: Any, platform: str | None, avals_i
     factors = rule.factors(avals_in, params)
     if factors is None:
         return None
+    if impl == "reference" and rule.for_reference is not None:
+        factors = rule.for_reference(factors)
     mode = get_kernel_mode()
     multiple = op.prim.multiple_results
     local_impl = _local_impl(op, platform, mode, params)
@@ -334,7 +338,9 @@ def attention_fwd_factors(avals_in, params) -> Factors:
     q, k = avals_in[0], avals_in[1]
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
-    qh = "h" if hq == hk else ("h", "g")
+    # Query heads: the kv heads' factor, or (kv head, group) compound; MQA's one kv head
+    # is a factor of size 1, which Shardy allows only alone: the group then stands alone.
+    qh = "h" if hq == hk else ("g" if hk == 1 else ("h", "g"))
     sizes = {"b": b, "s": s, "h": hk, "d": d, "t": t}
     if hq != hk:
         sizes["g"] = hq // hk
@@ -365,6 +371,25 @@ def attention_fwd_factors(avals_in, params) -> Factors:
     )
 
 
+def _whole_groups(f: Factors) -> Factors:
+    """The reference's attention factors: GQA/MQA heads are not split. The query heads
+    become a factor of their own (``q``), unlinked from the kv heads' (``h``), and both
+    are replicated. (Linked as a (kv head, group) compound, Shardy splits a mesh axis
+    over the compound with sub-axes where the kv heads are fewer than the axis, and
+    custom_partitioning cannot express the operands it then gets; a kernel's rule keeps
+    the compound, and the heads split, for its speed.)"""
+    if "g" not in f.sizes:
+        return f
+    heads = lambda d: "q" if d in (("h", "g"), "g") else d
+    remap = lambda maps: tuple(tuple(map(heads, m)) for m in maps)
+    sizes = {n: x for n, x in f.sizes.items() if n != "g"}
+    sizes["q"] = f.sizes["g"] * f.sizes["h"]
+    replicated = (*(r for r in f.replicated if r != "g"), "h", "q")
+    return dataclasses.replace(
+        f, operands=remap(f.operands), results=remap(f.results), sizes=sizes, replicated=replicated
+    )
+
+
 def attention_bwd_factors(avals_in, params) -> Factors:
     """(q, k, v, out, lse, dout, *extras[, dlse]) -> (dq, dk, dv[, dbias]), batch and heads
     pass (:func:`attention_fwd_factors`)."""
@@ -376,10 +401,14 @@ def attention_bwd_factors(avals_in, params) -> Factors:
     dbias = ()
     if spec.bias_grad:
         dbias = (maps[spec.has_mask],)
+    # dK and dV sum over a kv head's group of query heads: the group is not split (MQA's
+    # group is a factor of its own, which the query heads' sharding would split).
+    replicated = (*f.replicated, "g") if "g" in f.sizes else f.replicated
     return dataclasses.replace(
         f,
         operands=(q_m, kv_m, kv_m, q_m, lse_m, q_m, *maps, *dlse),
         results=(q_m, kv_m, kv_m, *dbias),
+        replicated=replicated,
     )
 
 
@@ -564,9 +593,9 @@ RULES: dict[str, Rule] = {
     "layernorm": Rule(norm_factors, always=True),
     # Always, the reference too: a sequence sharded over devices would have XLA split the
     # reference's contractions and sums (other bits than on one device).
-    "flash_attention_fwd": Rule(attention_fwd_factors, always=True),
-    "flash_attention_bwd": Rule(attention_bwd_factors, always=True),
-    "flash_attention_jvp": Rule(attention_jvp_factors, always=True),
+    "flash_attention_fwd": Rule(attention_fwd_factors, always=True, for_reference=_whole_groups),
+    "flash_attention_bwd": Rule(attention_bwd_factors, always=True, for_reference=_whole_groups),
+    "flash_attention_jvp": Rule(attention_jvp_factors, always=True, for_reference=_whole_groups),
     **{
         name: Rule(elementwise_factors)
         for name in (
