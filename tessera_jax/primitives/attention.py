@@ -93,8 +93,9 @@ Determinism: the reference and the Pallas kernels registered on these primitives
 a fixed order (no atomics), so outputs and gradients are bitwise identical run to run.
 On a mesh the three primitives keep batch and heads sharded and run on local shards;
 sharded sequences and head_dim are gathered first (``sharding/rules.py``; under Explicit
-axes the public function gathers them, and a GQA group's queries, whose output then is
-not sharded along the queries), so the bits are one device's.
+axes the public function gathers them, and a GQA group's queries, and their heads where
+the kv heads are split otherwise: the output then is not sharded along those), so the
+bits are one device's.
 
 Kernels
 -------
@@ -976,12 +977,13 @@ def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
     first = 0 if window is None else k.shape[1] - q.shape[1] - window[0]
     if first <= 0 or q.shape[1] == 0:
         return k, v, extras
-    k, v = (unshard_axes(x, (1,))[:, first:] for x in (k, v))
+    # (_prepare gathered the keys of every operand on a mesh with Explicit axes.)
+    k, v = k[:, first:], v[:, first:]
 
     def keys_of(x, axis):
         if x is None or x.shape[axis] == 1:
             return x
-        return jax.lax.slice_in_dim(unshard_axes(x, (axis,)), first, None, axis=axis)
+        return jax.lax.slice_in_dim(x, first, None, axis=axis)
 
     kv_lengths = extras.kv_lengths
     if kv_lengths is not None:
