@@ -192,3 +192,34 @@ def test_matmul_kernel_path_on_sharded_operands(kind):
             assert jax.typeof(out).sharding.spec == P("dp", None)
     ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(AXIS_TYPES))
+@pytest.mark.parametrize("name", ["matmul", "linear", "rmsnorm_matmul"])
+def test_gradient_of_a_weight_passed_unplaced(name, kind):
+    """A batch sharded over the mesh and a weight passed as a plain array (not placed on
+    the mesh): the weight's gradient contracts the sharded rows. Under Explicit axes it
+    raised (no output sharding for the product); now its values and type are jnp's."""
+    wn = rand((16,))
+    f, g = {
+        "matmul": (ts.op.matmul, jnp.dot),
+        "linear": (
+            lambda x, w: ts.op.linear(x, w, activation="relu"),
+            lambda x, w: jax.nn.relu(x @ w),
+        ),
+        "rmsnorm_matmul": (
+            lambda x, w: ts.op.rmsnorm_matmul(x, wn, w),
+            lambda x, w: _rms(x, wn) @ w,
+        ),
+    }[name]
+    mesh = _mesh(kind)
+    x = jax.device_put(rand((32, 16)), NamedSharding(mesh, P("dp", None)))
+    w = rand((16, 8))
+    with jax.set_mesh(mesh):
+        gout = jax.jit(jax.grad(_loss(f), argnums=(0, 1)))(x, w)
+        gref = jax.jit(jax.grad(_loss(g), argnums=(0, 1)))(x, w)
+        if kind == "explicit":
+            for a, b in zip(gout, gref):
+                assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
+    for a, b in zip(gout, gref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

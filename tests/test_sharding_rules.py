@@ -377,7 +377,9 @@ def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
 @pytest.mark.xla_optimized
 @pytest.mark.parametrize(
     *sample_grid(
-        4, name=["softmax", "log_softmax", "rmsnorm", "layernorm"], axis_type=["Auto", "Explicit"]
+        5,
+        name=["softmax", "log_softmax", "rmsnorm", "layernorm", "rmsnorm_matmul"],
+        axis_type=["Auto", "Explicit"],
     )
 )
 def test_normalised_axis_sharded_keeps_its_bits(name, axis_type):
@@ -387,17 +389,21 @@ def test_normalised_axis_sharded_keeps_its_bits(name, axis_type):
     the norms, sums over the rows, are not claimed: see the norm rules.)"""
     types = (getattr(jax.sharding.AxisType, axis_type),) * 2
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
-    x, g, w = rand((64, 1024)) * 3, rand((64, 1024)), rand((1024,))
+    x, w, wk = rand((64, 1024)) * 3, rand((1024,)), rand((1024, 64))
+    g = rand((64, 64)) if name == "rmsnorm_matmul" else rand((64, 1024))
     op = {
         "softmax": ts.softmax,
         "log_softmax": ts.log_softmax,
         "rmsnorm": lambda x: ts.rmsnorm(x, w),
         "layernorm": lambda x: ts.layernorm(x, w, w),
+        "rmsnorm_matmul": lambda x: ts.op.rmsnorm_matmul(x, w, wk),
     }[name]
     run = jax.jit(lambda x, g: (op(x), jax.vjp(op, x)[1](g)[0]))
     want = run(x, g)
     with jax.set_mesh(mesh):
-        got = run(put(mesh, x, "dp", "tp"), put(mesh, g, "dp", "tp"))
+        got = run(
+            put(mesh, x, "dp", "tp"), put(mesh, g, "dp", "tp" if g.shape == x.shape else None)
+        )
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

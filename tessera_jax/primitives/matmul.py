@@ -785,6 +785,11 @@ def _sum_leading(x: jax.Array, nlead: int) -> jax.Array:
     return _red.sum(x, axis=tuple(range(nlead))) if nlead else x
 
 
+def _explicit_operand(*xs: jax.Array) -> bool:
+    """Whether any of ``xs`` is typed by a mesh with Explicit axes."""
+    return any(explicit_sharding(jax.typeof(x)) is not None for x in xs)
+
+
 def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
     if spec.has_bias or spec.has_residual or spec.activation is not None:
         raise NotImplementedError(
@@ -814,12 +819,17 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
         # Explicit axes the result takes the operand's sharding, as jax's dot_general
         # transpose does.
         sharding = None if like is None else explicit_sharding(like)
+        spec = None if sharding is None else sharding.spec
+        if like is not None and spec is None and _explicit_operand(x, y):
+            # An operand not typed by the mesh (a weight passed unplaced) is replicated
+            # there: so is its cotangent, as jax types it.
+            spec = jax.sharding.PartitionSpec()
         s = MatmulSpec(
             out_dtype=out,
             accumulate_dtype=acc,
             transpose_a=transpose_a,
             transpose_b=transpose_b,
-            out_sharding=None if sharding is None else sharding.spec,
+            out_sharding=spec,
         )
         return _bind(x, y, s, scale=scale)
 

@@ -20,11 +20,11 @@ Operators whose lowering is the XLA reference are partitioned by XLA itself
 (the reference is plain jax.numpy) and get no wrapper, with these exceptions:
 ``sum(deterministic=True)`` and ``mse`` of floats always take their rule, which
 makes a sum over a sharded axis mesh-size invariant by construction (below); flash
-attention, softmax, log_softmax, rmsnorm and layernorm (and their adjoints) always
-take theirs too, which gather sharded sequences, head_dim or normalised axes (XLA would
-split the reference's products and sums over them: other bits). The norms' weight
-gradients, sums over the rows, are the exception: their local sums and the
-deterministic all-reduce are not the one-device order.
+attention, softmax, log_softmax, rmsnorm, layernorm (and their adjoints) and
+rmsnorm_matmul always take theirs too, which gather sharded sequences, head_dim or
+normalised axes (XLA would split the reference's products and sums over them: other
+bits). The weight gradients of the norms, sums over the rows, are the exception: their
+local sums and the deterministic all-reduce are not the one-device order.
 
 The rules are registered by operator name in ``primitives._core.SHARDING_RULES``;
 ``Operator._lower`` consults them only when lowering under the partitioner (jit
@@ -675,4 +675,4 @@ def rmsnorm_matmul_factors(avals_in, params) -> Factors:
     return Factors((dims, ("k",), ("k", "n")), ((*rows, "n"),), sizes, replicated=("k",))
 
 
-RULES["rmsnorm_matmul"] = Rule(rmsnorm_matmul_factors)
+RULES["rmsnorm_matmul"] = Rule(rmsnorm_matmul_factors, always=True)
