@@ -189,3 +189,10 @@ class AttentionSpec:
             has_kv_lengths=extras.kv_lengths is not None,
             has_segment_ids=extras.q_segment_ids is not None,
         )
+
+
+def first_seen_key(window: tuple[int, int] | None, seq_q: int, seq_kv: int) -> int:
+    """The first key any query sees under a ``(left, right)`` window (0 without one):
+    query ``i`` sees none before ``i + seq_kv − seq_q − left``. The operator slices off
+    the keys before it; a kernel skipping their blocks writes their zero gradients."""
+    return 0 if window is None else max(0, seq_kv - seq_q - window[0])

@@ -88,7 +88,7 @@ import numpy as np
 from jax import lax
 
 from tessera_jax import _compat
-from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
+from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig, first_seen_key
 from tessera_jax.pallas_kernels import device
 
 __all__ = ["Problem", "flash_bwd", "flash_fwd", "hardware", "prefer", "supports"]
@@ -2215,7 +2215,7 @@ def flash_bwd(
     real = None
     if ex.kv_lengths is not None:
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
-    first = 0 if spec.local_window_size is None else p.seq_kv - p.seq_q - spec.local_window_size[0]
+    first = first_seen_key(spec.local_window_size, p.seq_q, p.seq_kv)
     if p.dq_dkv and first > 0:  # (the operator slices such keys off before it binds)
         seen = (jnp.arange(p.seq_kv) >= first)[None, :, None, None]
         real = seen if real is None else real & seen

@@ -325,6 +325,16 @@ def explicit_sharding(aval: Any) -> Any:
     return aval.sharding if _has_explicit_axes(aval) else None
 
 
+def explicit_spec(x: jax.Array) -> tuple[Any, ...] | None:
+    """``x``'s PartitionSpec entries, one per dim, on a mesh with Explicit axes; None
+    elsewhere."""
+    aval = jax.typeof(x)
+    if not _has_explicit_axes(aval):
+        return None
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
 def unshard_axes(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     """``x`` with ``axes`` not sharded over Explicit mesh axes (gathered if they were).
 
@@ -333,14 +343,11 @@ def unshard_axes(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     Elsewhere it returns ``x`` unchanged (under Auto axes the partitioner, or the
     operator's sharding rule, decides).
     """
-    aval = jax.typeof(x)
-    if not _has_explicit_axes(aval):
-        return x
-    spec = tuple(aval.sharding.spec) + (None,) * (x.ndim - len(aval.sharding.spec))
-    if all(spec[a] is None for a in axes):
+    spec = explicit_spec(x)
+    if spec is None or all(spec[a] is None for a in axes):
         return x
     keep = jax.sharding.PartitionSpec(*(None if d in axes else s for d, s in enumerate(spec)))
-    return jax.sharding.reshard(x, aval.sharding.update(spec=keep))
+    return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=keep))
 
 
 def _unsharded(aval: Any) -> Any:

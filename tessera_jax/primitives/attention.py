@@ -132,6 +132,7 @@ from tessera_jax.contracts.attention import (
     AttentionExtras,
     AttentionSpec,
     FlashAttentionConfig,
+    first_seen_key,
 )
 from tessera_jax.pallas_kernels import attention_decode as _decode
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
@@ -144,6 +145,7 @@ from tessera_jax.primitives._core import (
     check_dtype,
     compute_dtype,
     explicit_sharding,
+    explicit_spec,
     move_bdim_to_front,
     not_mapped,
     unshard_axes,
@@ -946,20 +948,18 @@ def _batch_like(x: jax.Array, q: jax.Array) -> jax.Array:
     """``x`` (a batch-led extra operand) with ``q``'s batch sharding on a mesh with Explicit
     axes, where its batch is ``q``'s: the masks built from it then meet the scores with the
     sharding they have (jax types a select of two shardings as an error)."""
-    target = explicit_sharding(jax.typeof(q))
+    target = explicit_spec(q)
     if target is None or x.shape[0] != q.shape[0]:
         return x
-    own = explicit_sharding(jax.typeof(x))
-    spec = [*(own.spec if own is not None else ()), *([None] * x.ndim)][: x.ndim]
-    spec[0] = (*target.spec, None)[0]
-    return jax.sharding.reshard(x, target.update(spec=jax.sharding.PartitionSpec(*spec)))
+    own = explicit_spec(x) or (None,) * x.ndim
+    spec = jax.sharding.PartitionSpec(target[0], *own[1:])
+    return jax.sharding.reshard(x, jax.typeof(q).sharding.update(spec=spec))
 
 
 def _head_spec(x: jax.Array) -> Any:
     """The mesh axes that split ``x``'s heads (dim 2) on a mesh with Explicit axes."""
-    sharding = explicit_sharding(jax.typeof(x))
-    spec = () if sharding is None else tuple(sharding.spec)
-    return spec[2] if len(spec) > 2 else None
+    spec = explicit_spec(x)
+    return None if spec is None else spec[2]
 
 
 def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
@@ -974,8 +974,8 @@ def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
     lengths, shifted here. It depends on the static shapes and window only: the same on
     any mesh.
     """
-    first = 0 if window is None else k.shape[1] - q.shape[1] - window[0]
-    if first <= 0 or q.shape[1] == 0:
+    first = first_seen_key(window, q.shape[1], k.shape[1])
+    if first == 0 or q.shape[1] == 0:
         return k, v, extras
     # (_prepare gathered the keys of every operand on a mesh with Explicit axes.)
     k, v = k[:, first:], v[:, first:]

@@ -327,6 +327,15 @@ def reduction_factors(avals_in, params) -> Factors:
     return Factors((dims,), (out,), _sizes(dims, x.shape), reduction=tuple(dims[a] for a in axes))
 
 
+# The factors of attention's integer operands (lengths, segment ids).
+_ATTENTION_INDEX_DIMS = {
+    "q_lengths": ("b",),
+    "kv_lengths": ("b",),
+    "q_segment_ids": ("b", "s"),
+    "kv_segment_ids": ("b", "t"),
+}
+
+
 def attention_fwd_factors(avals_in, params) -> Factors:
     """q (b s h d), k/v (b t hk d), extras -> out (b s h d), lse (b h s): batch and heads
     pass; the sequences and head_dim are replicated (a contraction split over devices would
@@ -362,10 +371,7 @@ def attention_fwd_factors(avals_in, params) -> Factors:
                 replicated += [_major(f) for f, size in zip(("b", qh), x.shape[:2]) if size == 1]
             maps.append(tuple(m))
         else:
-            maps.append(
-                {"q_lengths": ("b",), "kv_lengths": ("b",)}.get(name)
-                or (("b", "s") if name == "q_segment_ids" else ("b", "t"))
-            )
+            maps.append(_ATTENTION_INDEX_DIMS[name])
     return Factors(
         (q_m, kv_m, kv_m, *maps), (q_m, ("b", qh, "s")), sizes, replicated=tuple(replicated)
     )
