@@ -212,6 +212,24 @@ def gpu_interpret_forced() -> bool:
     return state is not None and state.value is not None
 
 
+@contextlib.contextmanager
+def without_gpu_interpret_mode():
+    """Lifts a ``gpu_interpret_mode`` context for the calls traced inside: a kernel in
+    Pallas' Triton backend (``interpret=True``: Pallas' own interpreter) that runs between
+    Mosaic GPU kernels, which the forced mode would hand to the Mosaic GPU interpreter."""
+    from jax._src import config as _config
+
+    state = getattr(_config, "pallas_tpu_interpret_mode_context_manager", None)
+    if state is None or state.value is None:
+        yield
+        return
+    prev = state.swap_local(None)
+    try:
+        yield
+    finally:
+        state.set_local(prev)
+
+
 def races_detected() -> bool | None:
     """Whether the last Mosaic GPU interpret run saw a data race (None if unknown)."""
     try:

@@ -236,3 +236,26 @@ def subjaxprs(params):
             inner = getattr(item, "jaxpr", item)
             if hasattr(inner, "eqns"):
                 yield inner
+
+
+# Primitives whose summation order XLA chooses (on GPUs, its autotuner, by timing).
+XLA_ORDERED_SUMS = frozenset({"reduce_sum", "dot_general", "cumsum"})
+
+
+def xla_ordered_sums(f, *args) -> list[str]:
+    """The primitives in ``f``'s program, outside its Pallas kernels, whose summation order
+    XLA picks: glue around a kernel that must keep its bits from one program to the next
+    (a mesh, another process) sums on the canonical tree instead."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                continue
+            if eqn.primitive.name in XLA_ORDERED_SUMS:
+                found.append(eqn.primitive.name)
+            for sub in subjaxprs(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found

@@ -29,6 +29,7 @@ from tests._util import (
     f64,
     rand,
     skip_unsampled_twin,
+    xla_ordered_sums,
 )
 
 # (shape, dtype), sampled rather than crossed: one whole block of power-of-two rows in
@@ -160,6 +161,18 @@ class _NormKernelCases:
         assert_close(y, y_ref)
         assert_close(dx, dx_ref, factor=2)
 
+    @pytest.mark.parametrize("d", [128, 80])
+    def test_row_dot(self, d):
+        """``row_dot`` (attention's Δ = rowsum(dO ∘ O)) against float64, and each row's
+        bits the same in a launch of fewer rows (a mesh's shard): the tiling reads the row
+        length only."""
+        a, b = rand((3, 50, d), jnp.bfloat16), rand((3, 50, d), jnp.bfloat16)
+        run = jax.jit(functools.partial(norms_gpu.row_dot, interpret=self.MODE == "interpret"))
+        got = run(a, b)
+        assert got.dtype == jnp.float32 and got.shape == (3, 50)
+        assert_close(got, np.einsum("...d,...d->...", f64(a), f64(b)), factor=4)
+        np.testing.assert_array_equal(np.asarray(run(a[1:, 7:], b[1:, 7:])), got[1:, 7:])
+
 
 @pytest.mark.gpu
 class TestNormKernelsGPU(_NormKernelCases):
@@ -193,6 +206,19 @@ def _backward_both_ways(op, shape, config, interpret):
         outs.append(jax.jit(f)(x, w, ct))
     ref = getattr(_norms, f"{op}_bwd_reference")(x, w, ct, **params)
     return *outs, ref
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_parameter_gradients_sum_in_a_fixed_order(op):
+    """dweight and dbias add the programs' partial column sums on the canonical tree, not
+    in an XLA reduction, whose order XLA's GPU autotuner picks by timing."""
+    x, w = rand((512, 128), jnp.bfloat16), rand((128,), jnp.float32)
+    params = dict(eps=EPS, has_weight=True, weight_grad_shape=(128,))
+    if op == "layernorm":
+        params["bias_grad_shape"] = (128,)
+    kernel = getattr(norms_gpu, f"{op}_bwd")
+    f = functools.partial(kernel, tuple(sorted(params.items())), interpret=True)
+    assert xla_ordered_sums(f, x, w, x) == []
 
 
 def _assert_walk_matches(got, other, ref, op):
@@ -267,6 +293,7 @@ def test_kernels_lower_to_triton_for_cuda():
             lambda x, w, c: norms_gpu.layernorm_bwd((*bwd, ("bias_grad_shape", (200,))), x, w, c),
             (x, w, x),
         ),
+        "row_dot": (norms_gpu.row_dot, (x, x)),
     }
     for name, (f, args) in cases.items():
         text = cuda_lowering(f, *args)

@@ -29,7 +29,9 @@ Decoding (at most 64 query rows), the dQ kernel computes dK and dV too
 (:attr:`Problem.dq_dkv`, on by default where :func:`_dq_dkv_reason` allows): its second
 warpgroup, whose rows are padding, takes each key block's P and dS from the first through
 shared memory; the dK/dV kernel does not run, and the cache is read once, not twice.
-``Δ = rowsum(dO∘O)`` is precomputed by XLA (a plain reduction).
+``Δ = rowsum(dO∘O)`` is precomputed by a row kernel (:func:`row_delta`), not XLA's
+reduction, whose order XLA's GPU autotuner picks by timing; the forward's chunk
+combination and dQ's chunk sums are elementwise, in key order.
 
 Masking: the kernels' masks are computed from indices — causal (bottom-right aligned, as
 the operator defines it), a local window ``(left, right)`` around the same diagonal, and
@@ -89,7 +91,8 @@ from jax import lax
 
 from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig, first_seen_key
-from tessera_jax.pallas_kernels import device
+from tessera_jax.pallas_kernels import device, norms_gpu
+from tessera_jax.primitives.reductions import rounded
 
 __all__ = ["Problem", "flash_bwd", "flash_fwd", "hardware", "prefer", "supports"]
 
@@ -2186,9 +2189,7 @@ def flash_bwd(
         dq_dkv,
     )
     p = _with_features(p, spec, bias)
-    delta = jnp.einsum(
-        "bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32)
-    )  # Δ = rowsum(dO ∘ O), (B, Hq, Sq)
+    delta = row_delta(out, dout, interpret)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
         delta = delta - extras[spec.num_extras].astype(jnp.float32)
     # The kernels work in the exp2 domain. Rows that saw no key (lse = -inf) and padded rows
@@ -2225,6 +2226,14 @@ def flash_bwd(
     return dq, dk, dv
 
 
+def row_delta(out: jax.Array, dout: jax.Array, interpret: bool = False) -> jax.Array:
+    """Δ = rowsum(dO ∘ O), ``(B, H, Sq)`` in f32, by a row kernel whose order of summation
+    depends on head_dim only (:func:`norms_gpu.row_dot`): XLA's GPU autotuner picks the
+    emitter of its own reduction, and with it the order, by timing, so two programs (one
+    GPU and a mesh, two processes) rounded Δ, and then dQ and dK, differently."""
+    return jnp.swapaxes(norms_gpu.row_dot(out, dout, interpret=interpret), 1, 2)
+
+
 def _in_key_order(chunks: int, term) -> jax.Array:
     """``Σ_c term(c)`` over the key chunks, added one after the other from the first: the
     fixed order every combination of the kernels' partials uses."""
@@ -2253,7 +2262,9 @@ def _combine_chunks(parts: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Ar
 
     def term(c):
         w = jnp.where(seen, jnp.exp(lse[c] - lse_all), 0.0)  # (B, H, Sq)
-        return jnp.swapaxes(w, 1, 2)[..., None] * _chunk(parts, c)
+        # (rounded: a product contracted into the add (an FMA) in one program and not in
+        # another would round differently.)
+        return rounded(jnp.swapaxes(w, 1, 2)[..., None] * _chunk(parts, c))
 
     return _in_key_order(len(lse), term).astype(parts.dtype), lse_all
 

@@ -9,8 +9,9 @@ perhaps the next block ahead (``RowConfig.default`` says where). The input is re
 the output written once, which is all a bandwidth-bound operator can do. The backward
 kernels recompute the statistics from ``x`` (softmax: from the saved output) instead of
 saving them, and read ``x`` and the cotangent once; the weight and bias gradients are
-per-program partial column sums in f32 (each program walks ``row_steps`` blocks) that one
-small XLA sum finishes, so no atomics and the same bits every run.
+per-program partial column sums in f32 (each program walks ``row_steps`` blocks) that the
+canonical pairwise tree finishes, so no atomics and the same bits every run and in every
+program. :func:`row_dot` (attention's backward Δ = rowsum(dO ∘ O)) is a row kernel too.
 
 Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident tile, a
 reduction along its minor axis and masked loads and stores of ragged rows, which the
@@ -44,6 +45,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tessera_jax import _compat
+from tessera_jax.primitives.reductions import pairwise_tree_sum
+
 __all__ = [
     "Preference",
     "RowConfig",
@@ -56,6 +60,7 @@ __all__ = [
     "prefer_bwd",
     "rmsnorm",
     "rmsnorm_bwd",
+    "row_dot",
     "softmax",
     "softmax_bwd",
     "supports",
@@ -345,6 +350,15 @@ def _norm_bwd_kernel(
         plgpu.store(db_ref.at[prow[:, None], cols[None, :]], db, mask=cmask)
 
 
+def _row_dot_kernel(a_ref, b_ref, o_ref, *, p: Problem) -> None:
+    def block(_, loaded, carry):
+        rows, _, (a, b) = loaded
+        plgpu.store(o_ref.at[rows], jnp.sum(a * b, axis=1), mask=rows < p.rows)
+        return carry
+
+    _walk(p, _loader(p, (a_ref, 0.0), (b_ref, 0.0)), block)
+
+
 # --- wrappers -----------------------------------------------------------------------------
 
 
@@ -455,8 +469,9 @@ def _norm_bwd(op, spec, x, *rest, interpret, config):
         want_db=want_db,
     )
     dx, *partials = _call(kernel, p, outs, [_rows(x), *w, _rows(ct)], interpret, f"ts_{op}_bwd")
-    # The column sums of the programs' partials: a fixed-order XLA reduction, in f32.
-    return (dx.reshape(x.shape), *(jnp.sum(s, axis=0) for s in partials))
+    # The column sums of the programs' partials, in f32 on the canonical tree: the order of
+    # XLA's own reduction depends on the emitter its autotuner picks.
+    return (dx.reshape(x.shape), *(pairwise_tree_sum(s, axis=0) for s in partials))
 
 
 def rmsnorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | None = None):
@@ -467,6 +482,29 @@ def rmsnorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | Non
 def layernorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | None = None):
     """``ts_layernorm_bwd(x, [weight], ct) -> (dx, [dweight], [dbias])``; f32 ``(D,)`` sums."""
     return _norm_bwd("layernorm", spec, x, *rest, interpret=interpret, config=config)
+
+
+def row_dot(a: jax.Array, b: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """``Σ_d a·b`` over the last axis in f32, shape ``a.shape[:-1]``: one read of each.
+
+    The tiling depends on the row length only (blocks of about 8192 elements, one per
+    program), never on the row count, so the order of each row's sum, and its bits, is the
+    same in every program (one GPU or a mesh's shard), unlike XLA's own reduction, whose
+    emitter its autotuner picks by timing. Products of 16-bit inputs are exact in f32.
+    """
+    d = a.shape[-1]
+    dp = pl.next_power_of_2(d)
+    block_rows = max(1, 8192 // dp)
+    p = Problem(
+        int(np.prod(a.shape[:-1], dtype=np.int64)),
+        d,
+        RowConfig(block_rows, max(4, min(16, block_rows * dp // 1024))),
+    )
+    out = jax.ShapeDtypeStruct((p.rows,), _F32)
+    kernel = functools.partial(_row_dot_kernel, p=p)
+    with _compat.without_gpu_interpret_mode():  # (it may run between Mosaic GPU kernels)
+        out = _call(kernel, p, out, [_rows(a), _rows(b)], interpret, "ts_row_dot")
+    return out.reshape(a.shape[:-1])
 
 
 # --- dispatch vocabulary ------------------------------------------------------------------

@@ -1062,7 +1062,10 @@ def flash_attention(
     against 256 keys or more, with any of the options (its bias stays f32). Every path
     is deterministic: bitwise identical outputs and gradients run to run (no atomics); which
     path runs, and how it blocks the keys, depends on one head's sizes only, never on the
-    batch or head count a mesh divides. There is no cuDNN path.
+    batch or head count a mesh divides. The kernels' paths hold no XLA reduction, so they
+    keep their bits from one compilation to the next (another process, a mesh); the XLA
+    reference's GEMMs and fusions do where XLA's autotuning is off
+    (``ts.jit(deterministic=True)``). There is no cuDNN path.
     """
     out, _ = flash_attention_fwd(
         q,
