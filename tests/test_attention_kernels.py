@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax import _compat
@@ -680,6 +682,46 @@ SEGMENTS = [[0] * 300 + [1] * 200 + [2] * 524, [7] * 1024]
 @pytest.mark.gpu
 @pytest.mark.usefixtures("pallas_mode")
 class TestAttentionKernelsGPU:
+    @pytest.mark.parametrize("heads_kv", ["mha", "mqa"])
+    @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+    def test_a_mesh_of_the_gpus_keeps_one_gpus_bits(self, heads_kv, axis_type):
+        """The kernels' output and gradients on a mesh of every local GPU, the batch or the
+        heads sharded: one GPU's bits. (Δ as an XLA reduction broke this: XLA's autotuner
+        emitted it differently in different programs.) The CPU tests check the reference
+        on meshes (test_sharding_rules) and that no XLA reduction surrounds the kernels
+        (test_sums_around_the_kernels_keep_a_fixed_order). Needs 2+ GPUs."""
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if len(gpus) < 2:
+            pytest.skip(f"a mesh of GPUs needs 2+; this host has {len(gpus)}")
+        n = len(gpus)
+        b, s, hq, d = 2 * n, 512, 4 * n, 128
+        hkv = hq if heads_kv == "mha" else 1
+        q, do = rand((b, s, hq, d), jnp.bfloat16), rand((b, s, hq, d), jnp.bfloat16)
+        k, v = rand((b, s, hkv, d), jnp.bfloat16), rand((b, s, hkv, d), jnp.bfloat16)
+        f = functools.partial(ts.flash_attention, causal=True)
+
+        def run(q, k, v, do):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(do)
+
+        assert _chosen(run, q, k, v, do) == ["mosaic_gpu", "mosaic_gpu"]
+        want = jax.jit(run)(q, k, v, do)
+        types = (getattr(jax.sharding.AxisType, axis_type),)
+        mesh = jax.make_mesh((n,), ("x",), axis_types=types, devices=gpus)
+        kv_heads = "x" if hkv % n == 0 else None
+        layouts = {
+            "batch": (("x",), ("x",)),
+            "heads": ((None, None, "x"), (None, None, kv_heads)),
+        }
+        for name, (q_spec, kv_spec) in layouts.items():
+            with jax.set_mesh(mesh):
+                put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+                args = [put(q, q_spec), put(k, kv_spec), put(v, kv_spec)]
+                out_spec = jax.jit(f)(*args).sharding.spec
+                got = jax.jit(run)(*args, put(do, out_spec))
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
     @pytest.mark.parametrize(
         "case",
         [
