@@ -5,8 +5,9 @@ the row maximum is subtracted before ``exp`` (no overflow), the row is
 normalised, and the result is rounded once to the input dtype.
 
 Rows that are entirely ``-inf`` (a fully masked row) give zeros from
-``softmax`` and ``-inf`` from ``log_softmax``, never NaN: the maximum of such a
-row is replaced by 0 before subtracting and an empty normaliser by 1. Softmax's
+``softmax`` and ``-inf`` from ``log_softmax``, never NaN: such a row's maximum is
+taken as a finite value before subtracting and its empty normaliser as a positive one
+(the reference clamps them, the kernels select 0 and 1). Softmax's
 gradient there is zero; log-softmax's is the cotangent itself (``δ − softmax``
 with softmax = 0). A row containing ``+inf`` or NaN gives NaN, as in
 ``jax.nn.softmax``.
