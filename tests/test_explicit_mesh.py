@@ -92,6 +92,18 @@ CASES = {
         _attn_ref,
         [ATT, ATT, ATT],
     ),
+    # GQA with the queries sharded along the sequence, MQA with the heads: the operator
+    # gathers them for the products and gives the output the queries' sharding back.
+    "flash_attention_gqa": (
+        lambda q, k, v: ts.flash_attention(q, k, v, causal=True),
+        _attn_ref,
+        [((4, 16, 4, 8), P("dp", "tp", None, None))] + [((4, 16, 2, 8), P("dp"))] * 2,
+    ),
+    "flash_attention_mqa": (
+        lambda q, k, v: ts.flash_attention(q, k, v, causal=True),
+        _attn_ref,
+        [ATT] + [((4, 16, 1, 8), P("dp"))] * 2,
+    ),
 }
 
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}

@@ -362,13 +362,14 @@ def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
             put(mesh, k, "dp", "sp"),
             put(mesh, v, "dp", "sp"),
             put(mesh, bias, None, None, None, "sp"),
-            # Under Explicit axes a GQA group's queries are gathered along the sequence
-            # (the reference folds them into one axis of rows), and so is the output.
-            put(mesh, do, "dp", "sp" if axis_type == "Auto" else None),
+            # (Under Explicit axes a GQA group's queries are gathered along the sequence,
+            # as the reference folds them into one axis of rows; the output gets the
+            # queries' sharding back, as jax.nn types it.)
+            put(mesh, do, "dp", "sp"),
         )
         got = run(*sharded)
     if axis_type == "Explicit":
-        assert jax.typeof(got[0]).sharding.spec[:2] == ("dp", None)
+        assert jax.typeof(got[0]).sharding.spec[:2] == ("dp", "sp")
         assert jax.typeof(got[1][1]).sharding.spec[:2] == ("dp", "sp")
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

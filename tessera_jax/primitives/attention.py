@@ -1103,6 +1103,8 @@ def flash_attention_fwd(
 ):
     """The forward primitive itself: ``(out, lse)`` with ``lse`` of shape ``(B, Hq, Sq)``
     (``-inf`` for a query that sees no key); arguments as :func:`flash_attention`."""
+    q = as_array(_NAME, "q", q)
+    q_spec = explicit_spec(q)
     q, k, v, extras, spec = _prepare(
         q,
         k,
@@ -1119,6 +1121,25 @@ def flash_attention_fwd(
         kv_segment_ids,
     )
     out, lse = flash_attention_fwd_op.bind(q, k, v, *extras, spec=spec)
+    return _sharded_like_queries(out, lse, q_spec)
+
+
+def _sharded_like_queries(out, lse, q_spec):
+    """``out`` and ``lse`` with the queries' batch, sequence and head sharding on a mesh with
+    Explicit axes, as jax.nn types its output: ``_prepare`` gathered a GQA group's queries
+    (and heads) for the products, and giving them back is a local slice."""
+    if q_spec is None:
+        return out, lse
+    b, s, h = q_spec[:3]
+    specs = ((b, s, h, explicit_spec(out)[3]), (b, h, s))
+    out, lse = (
+        x
+        if explicit_spec(x) == want
+        else jax.sharding.reshard(
+            x, jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*want))
+        )
+        for x, want in zip((out, lse), specs)
+    )
     return out, lse
 
 
