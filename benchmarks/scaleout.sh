@@ -5,6 +5,8 @@
 #   bash benchmarks/scaleout.sh allreduce   # benchmarks/allreduce.py + the ceiling probe
 #   bash benchmarks/scaleout.sh train       # benchmarks/train.py on 1..N GPUs, 2 processes
 #   bash benchmarks/scaleout.sh demo        # the demo's fingerprint on every layout
+#   bash benchmarks/scaleout.sh bits        # the kernels' tests that need 2+ GPUs (a mesh
+#                                           # of all of them keeps one GPU's bits)
 #
 # Records land in $OUT (the device machine) or benchmarks/results/. Every train.py run
 # uses the same gradient groups (TRAIN_GROUPS, default: the GPU count), so every run must
@@ -46,8 +48,12 @@ for what in "$@"; do
       $py -m tessera_jax.launch --nproc 2 --devices-per-proc $((n / 2)) -m tessera_jax demo |
         grep fingerprint: || status=1
       ;;
+    bits)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m pytest -m gpu -q -rf -p no:cacheprovider \
+        -k "mesh_of_the_gpus or nvlink_all_reduce" tests/ || status=1
+      ;;
     *)
-      echo "scaleout.sh: unknown part $what (allreduce, train, demo)" >&2
+      echo "scaleout.sh: unknown part $what (allreduce, train, demo, bits)" >&2
       exit 2
       ;;
   esac
