@@ -592,7 +592,7 @@ class TestAttentionKernelsInterpret:
         _check_folded_group(dims, opts, interpret=True)
 
     # The same with segment ids, a bias or a key-padding mask (which the P handed over
-    # carries): against the two-kernel backward. One case per run.
+    # carries): against float64. One case per run.
     @pytest.mark.parametrize("feature", sample(["segments", "bias", "mask"], 1))
     def test_dq_kernel_computes_dk_dv_with_masks(self, feature):
         b, sq, skv, h, d = 2, 5, 150, 1, 64  # two chunks of keys, the last short
@@ -602,10 +602,13 @@ class TestAttentionKernelsInterpret:
             q_seg = jnp.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], jnp.int32)
             kv_seg = np.searchsorted([0, 60, 100], np.arange(skv), side="right") - 1
             extras = (q_seg, jnp.asarray(np.stack([kv_seg] * b), jnp.int32))
+            opts = dict(q_segment_ids=extras[0], kv_segment_ids=extras[1])
         elif feature == "bias":
             extras = (rand((1, h, sq, skv), jnp.float16),)
+            opts = dict(causal=True, bias=extras[0])
         else:
             extras = (jax.random.bernoulli(jax.random.key(3), 0.8, (b, 1, 1, skv)),)
+            opts = dict(mask=extras[0])
         spec = AttentionSpec(
             causal=feature == "bias",
             scale=d**-0.5,
@@ -617,7 +620,8 @@ class TestAttentionKernelsInterpret:
         with _compat.gpu_interpret_mode(detect_races=True):
             got = [np.asarray(g) for g in bwd(interpret=True, dq_dkv=True, dq_split_keys=128)]
         assert _compat.races_detected() is False
-        for x, y in zip(got, bwd(interpret=True, dq_dkv=False)):
+        _, want = np_dense(f64(q), f64(k), f64(v), opts, do=f64(do))
+        for x, y in zip(got, want):
             assert_close(x, y, factor=2.0)
 
     # A mask and a bias in the kernels, broadcast in every supported way; one case per run:
