@@ -346,8 +346,16 @@ def unshard_axes(x: jax.Array, axes: Sequence[int]) -> jax.Array:
     spec = explicit_spec(x)
     if spec is None or all(spec[a] is None for a in axes):
         return x
-    keep = jax.sharding.PartitionSpec(*(None if d in axes else s for d, s in enumerate(spec)))
-    return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=keep))
+    return reshard_spec(x, [None if d in axes else s for d, s in enumerate(spec)])
+
+
+def reshard_spec(x: jax.Array, spec: Sequence[Any], like: jax.Array | None = None) -> jax.Array:
+    """``x`` resharded to the PartitionSpec entries ``spec`` on the mesh that types ``like``
+    (default ``x``), a mesh with Explicit axes; unchanged where it has them already."""
+    if explicit_spec(x) == tuple(spec):
+        return x
+    sharding = jax.typeof(x if like is None else like).sharding
+    return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
 def _unsharded(aval: Any) -> Any:

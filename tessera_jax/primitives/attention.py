@@ -94,8 +94,8 @@ a fixed order (no atomics), so outputs and gradients are bitwise identical run t
 On a mesh the three primitives keep batch and heads sharded and run on local shards;
 sharded sequences and head_dim are gathered first (``sharding/rules.py``; under Explicit
 axes the public function gathers them, and a GQA group's queries, and their heads where
-the kv heads are split otherwise: the output then is not sharded along those), so the
-bits are one device's.
+the kv heads are split otherwise, then gives the output the queries' sharding back, as
+jax.nn types it), so the bits are one device's.
 
 Kernels
 -------
@@ -148,6 +148,7 @@ from tessera_jax.primitives._core import (
     explicit_spec,
     move_bdim_to_front,
     not_mapped,
+    reshard_spec,
     unshard_axes,
     zero_tangent,
 )
@@ -952,8 +953,7 @@ def _batch_like(x: jax.Array, q: jax.Array) -> jax.Array:
     if target is None or x.shape[0] != q.shape[0]:
         return x
     own = explicit_spec(x) or (None,) * x.ndim
-    spec = jax.sharding.PartitionSpec(target[0], *own[1:])
-    return jax.sharding.reshard(x, jax.typeof(q).sharding.update(spec=spec))
+    return reshard_spec(x, (target[0], *own[1:]), like=q)
 
 
 def _head_spec(x: jax.Array) -> Any:
@@ -1131,16 +1131,7 @@ def _sharded_like_queries(out, lse, q_spec):
     if q_spec is None:
         return out, lse
     b, s, h = q_spec[:3]
-    specs = ((b, s, h, explicit_spec(out)[3]), (b, h, s))
-    out, lse = (
-        x
-        if explicit_spec(x) == want
-        else jax.sharding.reshard(
-            x, jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec(*want))
-        )
-        for x, want in zip((out, lse), specs)
-    )
-    return out, lse
+    return reshard_spec(out, (b, s, h, explicit_spec(out)[3])), reshard_spec(lse, (b, h, s))
 
 
 # --- kernels ------------------------------------------------------------------------------
