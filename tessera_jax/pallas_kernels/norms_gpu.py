@@ -130,14 +130,26 @@ class RowConfig:
         dp = pl.next_power_of_2(d)
         if not backward and has_params and dp >= _WALK_ROW:
             return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
-        elems, per_thread = (2048, 16) if backward else (8192, 32)
+        if not backward:
+            return RowConfig.blocks(d, max_rows=rows)
+        elems, per_thread = 2048, 16
         block_rows = max(1, min(elems // dp, pl.next_power_of_2(rows)))
         num_warps = max(4, min(16, block_rows * dp // (32 * per_thread)))
-        if not backward:
-            return RowConfig(block_rows, num_warps)
         programs = _SMS * max(1, min(4, 8192 // (block_rows * dp)))
         steps = max(1, pl.cdiv(rows, block_rows * programs))
         return RowConfig(block_rows, num_warps, steps, prefetch=dp <= _PREFETCH_ROW)
+
+    @staticmethod
+    def blocks(d: int, max_rows: int | None = None) -> RowConfig:
+        """One block of about 8192 elements per program, 32 per thread (the forward's
+        tiling), at most ``max_rows`` rows (rounded up to a power of two). Without
+        ``max_rows`` it depends on the row length only: the same tiling, and the same
+        order within a row, whatever the row count."""
+        dp = pl.next_power_of_2(d)
+        block_rows = max(1, 8192 // dp)
+        if max_rows is not None:
+            block_rows = max(1, min(block_rows, pl.next_power_of_2(max_rows)))
+        return RowConfig(block_rows, max(4, min(16, block_rows * dp // (32 * 32))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,13 +505,7 @@ def row_dot(a: jax.Array, b: jax.Array, *, interpret: bool = False) -> jax.Array
     emitter its autotuner picks by timing. Products of 16-bit inputs are exact in f32.
     """
     d = a.shape[-1]
-    dp = pl.next_power_of_2(d)
-    block_rows = max(1, 8192 // dp)
-    p = Problem(
-        int(np.prod(a.shape[:-1], dtype=np.int64)),
-        d,
-        RowConfig(block_rows, max(4, min(16, block_rows * dp // 1024))),
-    )
+    p = Problem(int(np.prod(a.shape[:-1], dtype=np.int64)), d, RowConfig.blocks(d))
     out = jax.ShapeDtypeStruct((p.rows,), _F32)
     kernel = functools.partial(_row_dot_kernel, p=p)
     with _compat.without_gpu_interpret_mode():  # (it may run between Mosaic GPU kernels)
