@@ -5,9 +5,8 @@ the row maximum is subtracted before ``exp`` (no overflow), the row is
 normalised, and the result is rounded once to the input dtype.
 
 Rows that are entirely ``-inf`` (a fully masked row) give zeros from
-``softmax`` and ``-inf`` from ``log_softmax``, never NaN: such a row's maximum is
-taken as a finite value before subtracting and its empty normaliser as a positive one
-(the reference clamps them, the kernels select 0 and 1). Softmax's
+``softmax`` and ``-inf`` from ``log_softmax``, never NaN: the maximum of such a
+row is replaced by 0 before subtracting and an empty normaliser by 1. Softmax's
 gradient there is zero; log-softmax's is the cotangent itself (``δ − softmax``
 with softmax = 0). A row containing ``+inf`` or NaN gives NaN, as in
 ``jax.nn.softmax``.
@@ -50,35 +49,26 @@ _FLOATING = (jnp.floating,)
 
 
 def _stable_exp(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(x - m, exp(x - m), s)`` with ``m`` the row maximum and ``s = Σ exp(x - m)``.
-
-    A fully ``-inf`` row gives ``exp = 0`` and ``s`` the smallest normal float, so that
-    softmax is 0 and log-softmax ``-inf`` there: ``m`` is clamped from below to the
-    lowest finite float and ``s`` to the smallest normal one, which changes no other
-    row (a finite ``m`` is at least the lowest float, a row's ``s`` is at least 1 — its
-    maximum's term) and lets NaN through. Clamps rather than selects on ``m == -inf``
-    and ``s == 0``: XLA's CPU backend fuses a softmax and its gradient into one loop
-    nest with maxima, and into six with the selects.
-    """
-    info = jnp.finfo(x.dtype)
+    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` set to 0."""
     m = jnp.max(x, axis=axis, keepdims=True, initial=-np.inf)
-    shifted = x - jnp.maximum(m, info.min)
+    m = jnp.where(m == -np.inf, jnp.zeros_like(m), m)
+    shifted = x - m
     e = jnp.exp(shifted)
-    return shifted, e, jnp.maximum(jnp.sum(e, axis=axis, keepdims=True), info.tiny)
+    return shifted, e, jnp.sum(e, axis=axis, keepdims=True)
 
 
 def softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_softmax`` (and the test oracle of its kernels)."""
     xc = x.astype(compute_dtype(x.dtype))
     _, e, s = _stable_exp(xc, axis)
-    return (e / s).astype(x.dtype)
+    return (e / jnp.where(s == 0, jnp.ones_like(s), s)).astype(x.dtype)
 
 
 def log_softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_log_softmax``."""
     xc = x.astype(compute_dtype(x.dtype))
     shifted, _, s = _stable_exp(xc, axis)
-    return (shifted - jnp.log(s)).astype(x.dtype)
+    return (shifted - jnp.log(jnp.where(s == 0, jnp.ones_like(s), s))).astype(x.dtype)
 
 
 softmax_op = Operator("softmax", reference=softmax_reference, abstract_eval=lambda x, **_: x)
