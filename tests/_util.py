@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import zlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import scipy.special
 
+from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives._core import OPERATORS
 
 # Relative tolerance of ||out - ref|| / ||ref|| against a float64 reference, by the
@@ -146,6 +148,21 @@ def cuda_lowering(f, *args) -> str:
     """The StableHLO text of ``jax.jit(f)`` lowered for cuda, built on this CPU machine: a
     Mosaic GPU kernel goes through its real lowering (layouts, TMA descriptor checks)."""
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _xla_row_dot(a, b, *, interpret=False):
+    del interpret
+    return jnp.einsum("...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def cuda_lowering_xla_row_dot(f, *args) -> str:
+    """``cuda_lowering`` of a function that calls ``norms_gpu.row_dot`` beside Mosaic GPU
+    kernels (attention's Δ, rmsnorm_matmul's statistics): the Mosaic GPU kernels go
+    through their real lowering, XLA's reduction stands in for the row kernel, which
+    (Pallas' Triton backend) lowers only with a local GPU from jax 0.11. Its ``-m gpu``
+    twins compile it; test_norm_kernels lowers it for cuda where this jax can."""
+    with mock.patch.object(norms_gpu, "row_dot", _xla_row_dot):
+        return cuda_lowering(f, *args)
 
 
 def mosaic_gpu_calls(hlo_text: str) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from tests._util import (
     assert_close,
     chosen_kernels,
     cuda_lowering,
+    cuda_lowering_xla_row_dot,
     f64,
     mosaic_gpu_calls,
     rand,
@@ -50,20 +50,6 @@ def _chosen(f, *args) -> list[str]:
     """The implementation each flash-attention primitive in ``f``'s program lowers to."""
     ops = ("flash_attention_fwd", "flash_attention_bwd")
     return [impl for _, impl in chosen_kernels(f, *args, ops=ops)]
-
-
-def _xla_delta(out, dout, interpret=False):
-    del interpret
-    return jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
-
-
-def _bwd_cuda_lowering(f, *args) -> str:
-    """``cuda_lowering`` of a function calling ``flash_bwd``: its Mosaic GPU kernels go
-    through their real lowering. Δ's row kernel (Pallas' Triton backend) lowers only with a
-    local GPU from jax 0.11 (its ``-m gpu`` twin compiles it; test_norm_kernels lowers it
-    for cuda where this jax can), so XLA's reduction stands in for it here."""
-    with mock.patch.object(am, "row_delta", _xla_delta):
-        return cuda_lowering(f, *args)
 
 
 @functools.partial(jax.jit, static_argnames="causal")
@@ -1035,7 +1021,7 @@ def test_index_masks_lower_for_cuda(head_dim):
         spec.has_segment_ids
     )
     fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k, *extras)
-    bwd = _bwd_cuda_lowering(
+    bwd = cuda_lowering_xla_row_dot(
         functools.partial(am.flash_bwd, spec.replace(has_dlse=True), dq_split_keys=256),
         *(q, k, k, q, lse, q, *extras, lse),
     )
@@ -1052,7 +1038,7 @@ def test_decode_chunks_lower_for_cuda(head_dim):
     lse = jnp.zeros((2, 4, 3), jnp.float32)
     fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k)
     bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256, dkv_tiles=4)
-    bwd = _bwd_cuda_lowering(bwd_fn, q, k, k, q, lse, q)
+    bwd = cuda_lowering_xla_row_dot(bwd_fn, q, k, k, q, lse, q)
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
 
 
@@ -1096,7 +1082,7 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
     bias = jnp.zeros((1, 4, bias_rows, 700), jnp.float32)
     extras = (mask, bias, n, jnp.zeros((2, 300), jnp.int32), jnp.zeros((2, 700), jnp.int32))
     fwd = cuda_lowering(functools.partial(am.flash_fwd, spec, split_keys=256), q, k, k, *extras)
-    bwd = _bwd_cuda_lowering(
+    bwd = cuda_lowering_xla_row_dot(
         functools.partial(am.flash_bwd, spec.replace(has_dlse=True), dq_split_keys=256),
         *(q, k, k, q, lse, q, *extras, lse),
     )
@@ -1386,7 +1372,7 @@ def test_dq_dkv_lowers_for_cuda(head_dim):
     q, k = (jnp.zeros((2, s, 2, head_dim), jnp.bfloat16) for s in (3, 700))
     lse, n = jnp.zeros((2, 2, 3), jnp.float32), jnp.array([5, 700], jnp.int32)
     bwd_fn = functools.partial(am.flash_bwd, spec, dq_split_keys=256, dq_dkv=True)
-    assert len(mosaic_gpu_calls(_bwd_cuda_lowering(bwd_fn, q, k, k, q, lse, q, n))) == 1
+    assert len(mosaic_gpu_calls(cuda_lowering_xla_row_dot(bwd_fn, q, k, k, q, lse, q, n))) == 1
 
 
 @pytest.mark.parametrize(
@@ -1423,7 +1409,7 @@ def test_dq_dkv_declines_the_two_kernel_knobs(knobs, reason):
     lse = jnp.zeros((1, 2, 3), jnp.float32)
     with pytest.raises(ValueError, match=re.escape(f"does not take the case: {reason}")):
         am.flash_bwd(_spec(), q, k, k, q, lse, q, dq_dkv=True, **knobs)
-    lowered = _bwd_cuda_lowering(
+    lowered = cuda_lowering_xla_row_dot(
         functools.partial(am.flash_bwd, _spec(), **knobs), q, k, k, q, lse, q
     )
     assert len(mosaic_gpu_calls(lowered)) == 2
@@ -1443,7 +1429,8 @@ def test_dq_dkv_by_default_where_it_fits(q_shape, k_shape, calls):
     else the dQ and dK/dV kernels run (two)."""
     q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
     lse = jnp.zeros((1, q_shape[2], q_shape[1]), jnp.float32)
-    lowered = _bwd_cuda_lowering(functools.partial(am.flash_bwd, _spec()), q, k, k, q, lse, q)
+    bwd = functools.partial(am.flash_bwd, _spec())
+    lowered = cuda_lowering_xla_row_dot(bwd, q, k, k, q, lse, q)
     assert len(mosaic_gpu_calls(lowered)) == calls
 
 
@@ -1461,7 +1448,8 @@ def test_dq_dkv_fits_beside_every_feature():
         jnp.zeros((b, skv), jnp.int32),
     )
     spec = _spec(has_mask=True, has_bias=True, has_kv_lengths=True, has_segment_ids=True)
-    lowered = _bwd_cuda_lowering(functools.partial(am.flash_bwd, spec), q, k, k, q, lse, q, *extras)
+    bwd = functools.partial(am.flash_bwd, spec)
+    lowered = cuda_lowering_xla_row_dot(bwd, q, k, k, q, lse, q, *extras)
     assert len(mosaic_gpu_calls(lowered)) == 1
 
 

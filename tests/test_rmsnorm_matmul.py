@@ -15,7 +15,15 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax.primitives import rmsnorm_matmul as rm
-from tests._util import assert_close, chosen_kernels, cuda_lowering, f64, mosaic_gpu_calls, rand
+from tests._util import (
+    assert_close,
+    chosen_kernels,
+    cuda_lowering_xla_row_dot,
+    f64,
+    mosaic_gpu_calls,
+    rand,
+    xla_ordered_sums,
+)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 EPS = 1e-6
@@ -123,10 +131,20 @@ def test_kernel_lowers_for_cuda_at_a_transformer_shape():
     w = jax.ShapeDtypeStruct((4096,), BF16)
     b = jax.ShapeDtypeStruct((4096, 1024), BF16)
     with ts.kernel_mode("pallas"):
-        hlo = cuda_lowering(
+        hlo = cuda_lowering_xla_row_dot(
             lambda x, w, b: rm.fused_kernel(rm_spec(BF16), x, w, b, interpret=False), x, w, b
         )
     assert len(mosaic_gpu_calls(hlo)) == 1
+
+
+def test_row_statistics_sum_in_a_fixed_order():
+    """The kernel's mean squares come from the row kernel (its order depends on K only),
+    not an XLA reduction, whose order XLA's GPU autotuner picks by timing; they match
+    float64."""
+    x = rand((37, 200), BF16)
+    assert xla_ordered_sums(rm.mean_square, x) == []
+    got = jax.jit(rm.mean_square, static_argnames="interpret")(x, interpret=True)
+    np.testing.assert_allclose(got, np.mean(f64(x) ** 2, axis=-1), rtol=2e-6)
 
 
 def rm_spec(dtype) -> rm.RMSNormMatmulSpec:

@@ -11,9 +11,10 @@ Hopper kernel uses the factorisation::
 
     (x · r · weight) @ b = diag(r) · (x @ (weight[:, None] · b))
 
-``r`` in one f32 read of x, ``weight`` folded into ``b`` (a ``(K, N)`` pass, rounded once to
-b's dtype), and ``r`` applied to the rows of the f32 accumulator in the Mosaic GPU matmul's
-epilogue (``matmul_mgpu.matmul(..., row_scale=r)``). x̂ is never rounded: the kernel rounds
+``r`` in one f32 read of x (a row kernel, whose summation order depends on K only),
+``weight`` folded into ``b`` (a ``(K, N)`` pass, rounded once to b's dtype), and ``r``
+applied to the rows of the f32 accumulator in the Mosaic GPU matmul's epilogue
+(``matmul_mgpu.matmul(..., row_scale=r)``). x̂ is never rounded: the kernel rounds
 ``weight·b`` instead, and the result differs from the unfused path by those roundings (a
 few bf16 ulps of the output, the tests' tolerance). A row whose squares overflow f32
 (elements above ~1.8e19) would overflow the accumulator too: the kernel takes the unfused
@@ -49,7 +50,7 @@ from jax import lax
 
 from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.dtypes import as_np_dtype
-from tessera_jax.pallas_kernels import device
+from tessera_jax.pallas_kernels import device, norms_gpu
 from tessera_jax.pallas_kernels import matmul_configs as _mc
 from tessera_jax.pallas_kernels import matmul_mgpu as _mgpu
 from tessera_jax.primitives._core import (
@@ -269,6 +270,11 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
     m, n, k = _problem(avals)
     if 0 in (m, n, k):
         return f"an empty product (M, N, K) = {(m, n, k)}"
+    if k > norms_gpu.MAX_ROW or m * k >= 2**31:
+        return (
+            f"(M, K) = {(m, k)}: the row statistics' kernel takes rows of at most "
+            f"{norms_gpu.MAX_ROW} elements and fewer than 2**31 in all"
+        )
     rows = jax.ShapeDtypeStruct((m, k), dt)
     return _mgpu.supports(spec.product, (rows, b), row_scaled=True)
 
@@ -296,14 +302,21 @@ def prefer(spec: RMSNormMatmulSpec, avals) -> bool:
     return m % cm == 0 and n % cn == 0 and k % cfg.block_k == 0
 
 
+def mean_square(x2: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """``mean(x2²)`` over each row of ``(M, K)`` in f32. The row kernel's summation order
+    depends on K only, where XLA's own reduction takes the order of the emitter its GPU
+    autotuner picks by timing: the bits would follow the program (a mesh's shard, another
+    process). Products of 16-bit x are exact in f32."""
+    return norms_gpu.row_dot(x2, x2, interpret=interpret) / np.float32(x2.shape[-1])
+
+
 def fused_kernel(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool = False):
     """``diag(r) · (x @ round(weight·b))`` with r in f32 and the row scale in the Mosaic GPU
     matmul's epilogue; the unfused reference where a row's mean square overflows f32."""
     k, n = x.shape[-1], b.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    xc = x2.astype(_F32)
-    s = jnp.mean(xc * xc, axis=-1) + np.float32(spec.eps)
+    s = mean_square(x2, interpret=interpret) + np.float32(spec.eps)
     r = lax.rsqrt(s)  # a NaN in the row makes r NaN: the row's output is NaN
     wb = (weight.astype(_F32)[:, None] * b.astype(_F32)).astype(b.dtype)
 
