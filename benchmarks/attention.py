@@ -115,7 +115,7 @@ FEATURE_CASES = [
         (b, sq, skv, h, 128, "decode")
         for b, h in ((1, 8), (4, 16))
         for sq in (1, 16)
-        for skv in (512, 1024, 2048)
+        for skv in (256, 512, 1024, 2048)
     ),
     *((1, sq, skv, 32, 128, "decode-gqa") for sq in (1, 16) for skv in (1024, 2048)),
     *((4, s, s, 16, 128, "short") for s in (128, 256, 512)),

@@ -1246,7 +1246,8 @@ def test_prefer_decoding_against_a_long_cache(sq, skv, preferred):
         (17, 32768, 16, 16, False),
         (1, 2048, 16, 16, True),  # the backward decodes from fewer keys than the forward
         (16, 1024, 32, 8, True),
-        (1, 1023, 16, 16, False),
+        (16, 256, 16, 16, True),
+        (1, 255, 16, 16, False),
     ],
 )
 def test_prefer_decoding_backward(sq, skv, hq, hkv, preferred):

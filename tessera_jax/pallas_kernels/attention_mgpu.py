@@ -2394,17 +2394,22 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # same bits on any device count.
 # At decode shapes the forward these kernels would run is mostly taken first by
 # ``attention_decode`` (Pallas' Triton backend), registered ahead of them, from fewer keys
-# (its ``MIN_KV``). The backward decodes from DECODE_BWD_MIN_KV keys: against 1024 and 2048
-# keys (the ``fwdbwd-noncausal-decode-…-skv1024/2048`` rows, in-graph, B1 and B4, 1 and 16
-# queries, GQA or not) the Triton forward with these backward kernels ran 0.93-2.03x XLA
-# at B4, where the reference's backward beside it ran 0.95-1.08x, and beat that pairing in
-# 6 of the 8 B1 cases; four B1 cases trail XLA on either path (0.84-0.92x with the
-# kernels). A decode forward that the Triton kernel declines (a mask or bias) keeps the
-# reference below DECODE_MIN_KV, unmeasured.
+# (its ``MIN_KV``). The backward decodes from DECODE_BWD_MIN_KV keys, that forward's
+# threshold: against 1024 and 2048 keys (the ``fwdbwd-noncausal-decode-…-skv1024/2048``
+# rows of benchmarks/results/attention-h100.json, in-graph, B1 and B4, 1 and 16 queries,
+# GQA or not) the Triton forward with these backward kernels ran 0.93-2.03x XLA at B4,
+# where the reference's backward beside it ran 0.95-1.08x, and beat that pairing in 6 of
+# the 8 B1 cases; four B1 cases trail XLA on either path (0.84-0.92x with the kernels).
+# Against 512 keys (attention-h200.json, the same cases: ``ts_pallas`` runs these
+# kernels, ``ts_auto`` ran the reference's backward then) the kernels ran 0.96-1.34x XLA
+# and the reference 0.94-1.01x, the kernels ahead in three of the four cases and level in
+# the fourth; against the 272 keys a window leaves of 2048 (H100, B1, 16 queries) 0.80x
+# against 0.68x. A decode forward that the Triton kernel declines (a mask or bias) keeps
+# the reference below DECODE_MIN_KV, unmeasured.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16
 DECODE_MIN_KV = 4096
-DECODE_BWD_MIN_KV = 1024
+DECODE_BWD_MIN_KV = 256
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
