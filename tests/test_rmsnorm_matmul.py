@@ -158,6 +158,8 @@ def test_supports_and_prefer():
     assert "16-bit" in rm.supports(rm_spec(F32), (sds((64, 64), F32), ok[1], sds((64, 8), F32)))
     w64 = sds((64,), F32)
     assert "empty" in rm.supports(rm_spec(BF16), (sds((0, 64), BF16), w64, sds((64, 8), BF16)))
+    wide = (sds((64, 32768), BF16), sds((32768,), F32), sds((32768, 8), BF16))
+    assert "row statistics' kernel" in rm.supports(rm_spec(BF16), wide)
     assert rm.prefer(rm_spec(BF16), ok)
     for n in (4096, 12288):  # the Mosaic GEMM trails cuBLAS by more than the saving
         assert not rm.prefer(rm_spec(BF16), (ok[0], ok[1], sds((4096, n), BF16)))
