@@ -208,6 +208,15 @@ def _backward_both_ways(op, shape, config, interpret):
     return *outs, ref
 
 
+def test_row_dot_rejects_what_its_kernel_cannot_take():
+    x = jnp.zeros((2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"norms_gpu.row_dot: a.shape=\(2, 8\) and b.shape"):
+        norms_gpu.row_dot(x, x[:, :4])
+    wide = jnp.zeros((1, 2 * norms_gpu.MAX_ROW), jnp.bfloat16)
+    with pytest.raises(ValueError, match="norms_gpu.row_dot: a row of 32768 elements"):
+        norms_gpu.row_dot(wide, wide)
+
+
 @pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
 def test_parameter_gradients_sum_in_a_fixed_order(op):
     """dweight and dbias add the programs' partial column sums on the canonical tree, not

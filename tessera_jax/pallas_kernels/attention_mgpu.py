@@ -2400,13 +2400,12 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # GQA or not) the Triton forward with these backward kernels ran 0.93-2.03x XLA at B4,
 # where the reference's backward beside it ran 0.95-1.08x, and beat that pairing in 6 of
 # the 8 B1 cases; four B1 cases trail XLA on either path (0.84-0.92x with the kernels).
-# Against 256 and 512 keys on an H200, B1 H8 and B4 H16, 1 and 16 queries, in one process
-# (benchmarks/archive/decode-bwd-threshold-probe-h200.txt), the kernels' backward ran
-# 0.93-1.51x XLA and the reference's 0.92-1.08x: the kernels ahead by 1.4-1.6x at B4 with
-# 16 queries, level within a few microseconds elsewhere, behind once (B1, one query, 256
-# keys: 37.7 against 33.6 us). Against the 272 keys a window of 2048 leaves (H100, B1, 16
-# queries) they ran 0.80x against the reference's 0.68x. A decode forward that the
-# Triton kernel declines (a mask or bias) keeps the reference below DECODE_MIN_KV,
+# Against 256 and 512 keys (B1 H8 and B4 H16, 1 and 16 queries; both backwards compiled
+# in one process on an H200, benchmarks/archive/decode-bwd-threshold-probe-h200.txt) the
+# kernels led at B4 with 16 queries and were level within a few microseconds elsewhere,
+# behind in one B1 case; against the 272 keys a window of 2048 leaves they led too (the
+# ``…-decode-window-b1-…-skv2048`` rows of attention-h100.json). A decode forward that
+# the Triton kernel declines (a mask or bias) keeps the reference below DECODE_MIN_KV,
 # unmeasured.
 PREFER_MIN_SEQ = 128
 DECODE_MAX_Q = 16

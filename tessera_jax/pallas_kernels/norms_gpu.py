@@ -504,6 +504,9 @@ def row_dot(a: jax.Array, b: jax.Array, *, interpret: bool = False) -> jax.Array
     same in every program (one GPU or a mesh's shard), unlike XLA's own reduction, whose
     emitter its autotuner picks by timing. Products of 16-bit inputs are exact in f32.
     """
+    why = supports((), (a, b)) if a.shape == b.shape else f"{a.shape=} and {b.shape=} differ"
+    if why is not None:
+        raise ValueError(f"norms_gpu.row_dot: {why}")
     d = a.shape[-1]
     p = Problem(int(np.prod(a.shape[:-1], dtype=np.int64)), d, RowConfig.blocks(d))
     out = jax.ShapeDtypeStruct((p.rows,), _F32)

@@ -270,12 +270,10 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
     m, n, k = _problem(avals)
     if 0 in (m, n, k):
         return f"an empty product (M, N, K) = {(m, n, k)}"
-    if k > norms_gpu.MAX_ROW or m * k >= 2**31:
-        return (
-            f"(M, K) = {(m, k)}: the row statistics' kernel takes rows of at most "
-            f"{norms_gpu.MAX_ROW} elements and fewer than 2**31 in all"
-        )
     rows = jax.ShapeDtypeStruct((m, k), dt)
+    why = norms_gpu.supports((), (rows,))  # mean_square's row kernel
+    if why is not None:
+        return f"the row statistics' kernel: {why}"
     return _mgpu.supports(spec.product, (rows, b), row_scaled=True)
 
 
@@ -285,8 +283,7 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
 # cases, M=16384, K=4096) it beats XLA's norm-then-dot at N=1024 and falls behind it at
 # N=4096 (the Mosaic GEMM trails cuBLAS there by more than the saving), so ``auto`` takes it
 # up to PREFER_MAX_N columns, from PREFER_MIN_ROWS rows and K >= PREFER_MIN_K, whole tiles.
-# On an H200 (norms-h200.json), with the statistics from the row kernel, the same two
-# shapes ran 1.06-1.13x and 0.98x.
+# norms-h200.json repeats those cases on an H200 with the statistics from the row kernel.
 PREFER_MIN_ROWS = 4096
 PREFER_MIN_K = 1024
 PREFER_MAX_N = 1024
