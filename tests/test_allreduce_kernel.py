@@ -81,7 +81,8 @@ def _cuda_hlo(axis, algo, per_rank, dtype=jnp.float32, op="sum"):
     return cuda_lowering(f, x)
 
 
-BIG = ar.MIN_BYTES // 4  # f32 elements per rank where "auto" takes the kernel
+SMALL = coll.algorithms.SMALL_MESSAGE_BYTES // 4  # f32 elements: "auto" gathers up to this
+BIG = 2 * SMALL  # f32 elements per rank where "auto" takes the kernel
 BIG2 = ar.MIN_BYTES_VS_NCCL // 4  # the same where NCCL's order-free psum could run instead
 
 
@@ -94,7 +95,7 @@ BIG2 = ar.MIN_BYTES_VS_NCCL // 4  # the same where NCCL's order-free psum could 
         ("dp", "auto", BIG2, jnp.float32, "sum", "auto", True),  # before NCCL's order-free path
         ("dp", "auto", BIG2 // 2, jnp.float32, "sum", "auto", False),  # NCCL's psum
         ("dp", "auto", 2 * BIG, jnp.bfloat16, "sum", "auto", True),  # bf16: no order-free path
-        ("tp", "auto", BIG // 2, jnp.float32, "sum", "auto", False),  # under the threshold
+        ("tp", "auto", SMALL, jnp.float32, "sum", "auto", False),  # gather's, not the kernel's
         ("tp", "auto", 1 << 14, jnp.float32, "sum", "pallas", True),  # pallas: no threshold
         ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "xla", False),
         ("tp", "nvlink", 1 << 14, jnp.float32, "sum", "interpret", False),
@@ -145,12 +146,13 @@ def test_kernel_hardware_and_dispatch_vocabulary(hopper):
     k = coll.dispatch.NVLINK
     assert (k.name, k.platforms, k.interpretable) == ("nvlink", ("cuda",), False)
     assert (k.fn, k.supports, k.prefer, k.hardware) == (ar.fn, ar.supports, ar.prefer, ar.hardware)
-    big = jax.ShapeDtypeStruct((ar.MIN_BYTES // 4,), jnp.float32)
-    assert ar.prefer(_spec(), (big,)) and not ar.prefer(_spec(), (F32,))
+    big = jax.ShapeDtypeStruct((BIG,), jnp.float32)
+    small = jax.ShapeDtypeStruct((SMALL,), jnp.float32)  # the largest "auto" gathers
+    assert ar.prefer(_spec(), (big,)) and not ar.prefer(_spec(), (small,))
     # Over 2 parts an f32 sum may run NCCL's own all-reduce: the kernel from 32 MiB.
     assert not ar.prefer(_spec(n=2), (big,))
     assert ar.prefer(_spec(n=2), (jax.ShapeDtypeStruct((ar.MIN_BYTES_VS_NCCL // 4,), "f4"),))
-    assert ar.prefer(_spec(n=2), (jax.ShapeDtypeStruct((ar.MIN_BYTES // 2,), jnp.bfloat16),))
+    assert ar.prefer(_spec(n=2), (jax.ShapeDtypeStruct((2 * BIG,), jnp.bfloat16),))
     with pytest.raises(ValueError, match="no interpreter runs peer references"):
         ar.fn(_spec(), jnp.ones(8), interpret=True)
 
@@ -167,13 +169,13 @@ def test_kernel_hardware_off_hopper():
 def test_select_kernel_follows_the_modes(hopper, mode, platform):
     """pallas/auto take the kernel compiled on cuda (auto: where it is preferred or asked
     for by name); xla never; interpret never, as no interpreter runs it."""
-    big = jax.ShapeDtypeStruct((ar.MIN_BYTES // 4,), jnp.float32)
+    big = jax.ShapeDtypeStruct((BIG,), jnp.float32)
     with ts.kernel_mode(mode):
         for algo, aval in [("nvlink", F32), ("auto", big), ("auto", F32), ("ring", big)]:
             got = coll.select_kernel(_spec(algo=algo), (aval,), platform)
             want = platform == "cuda" and mode in ("pallas", "auto") and algo != "ring"
             if mode == "auto" and algo == "auto" and aval is F32:
-                want = False  # under MIN_BYTES
+                want = False  # gather's size
             assert got == ((coll.dispatch.NVLINK, False) if want else None), (algo, aval)
 
 

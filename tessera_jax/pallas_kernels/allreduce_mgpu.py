@@ -151,28 +151,29 @@ def hardware(platform: str) -> str | None:
 # No interpreter runs peer references (module docstring).
 INTERPRETABLE = False
 
-# Per-rank message sizes from which ``auto`` takes the kernel, by its device time inside
-# a program. Against the XLA algorithms it wins from about 1 MiB (below, the all_gather
-# path's smaller fixed cost does). Where NCCL's own all-reduce may run instead (the order
-# cannot change the bits: ``collectives.order_free``), it wins from 32 MiB. Each program
-# that holds the kernel also costs the host more to launch (XLA sets up the peers'
-# addresses), which a program of one small all-reduce called in a loop would feel. The
-# measurements: benchmarks/results/allreduce-nvidia-h200-x4.json (``in_program_*``, 1-4
-# MiB) and allreduce-nvidia-h200-x2.json (the kernel against psum from 32 MiB, per call).
-MIN_BYTES = 1 << 20
+# Where ``auto`` takes the kernel, by per-rank message size. Against the XLA algorithms:
+# above ``algorithms.SMALL_MESSAGE_BYTES`` (1 MiB), where ``auto``'s all_gather path
+# stops. Up to it that path's smaller fixed cost wins: a kernel whose only cross-GPU work
+# is one semaphore round takes longer than the gather path's whole all-reduce (XLA sets
+# up the peers' addresses for every call). Where NCCL's own all-reduce may run instead
+# (the order cannot change the bits: ``collectives.order_free``), the kernel wins from
+# 32 MiB. The measurements: benchmarks/results/allreduce-nvidia-h200-x4.json (per call
+# and ``in_program_*``), benchmarks/archive/allreduce-latency-h200-x4.txt (device time
+# in straight-line programs and loops) and allreduce-nvidia-h200-x2.json (the kernel
+# against psum from 32 MiB).
 MIN_BYTES_VS_NCCL = 32 << 20
 
 
 def prefer(spec: Any, avals: Sequence[Any]) -> bool:
     """Whether the kernel is expected to beat the other paths ``auto`` could take."""
     # Imported here: the collectives package imports this module.
-    from tessera_jax.primitives.collectives.algorithms import order_free
+    from tessera_jax.primitives.collectives.algorithms import SMALL_MESSAGE_BYTES, order_free
 
     (x,) = avals
-    nccl = order_free(x.dtype, spec.n, spec.op)
-    return math.prod(x.shape) * np.dtype(x.dtype).itemsize >= (
-        MIN_BYTES_VS_NCCL if nccl else MIN_BYTES
-    )
+    nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    if order_free(x.dtype, spec.n, spec.op):
+        return nbytes >= MIN_BYTES_VS_NCCL
+    return nbytes > SMALL_MESSAGE_BYTES
 
 
 def fn(spec: Any, x: jax.Array, *, interpret: bool) -> jax.Array:

@@ -34,9 +34,10 @@ caller may ask for; ``"auto"`` picks among them):
   order gives the canonical bits (:func:`order_free`).
 
 ``"auto"`` takes ``"nvlink"`` where ``dispatch`` selects the kernel (in ``auto`` mode:
-messages of at least ``allreduce_mgpu.MIN_BYTES`` per rank, ``MIN_BYTES_VS_NCCL`` where
-the order is free); else ``"psum"`` where the order is free; else ``"gather"`` for
-messages up to ``SMALL_MESSAGE_BYTES`` per rank; else ``"binary_tree"``. The timings
+messages of more than ``SMALL_MESSAGE_BYTES`` per rank, at least
+``allreduce_mgpu.MIN_BYTES_VS_NCCL`` where the order is free); else ``"psum"`` where the
+order is free; else ``"gather"`` for messages up to ``SMALL_MESSAGE_BYTES`` per rank; else
+``"binary_tree"``. The timings
 behind the thresholds are in ``benchmarks/results/allreduce-*.json``.
 """
 
@@ -57,7 +58,8 @@ from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 # Every algorithm choose_algo can return (module docstring).
 ALGORITHMS = ("binary_tree", "ring", "gather", "nvlink", "psum")
-# "auto": per-rank messages up to this size take "gather" (one latency-bound collective).
+# "auto": per-rank messages up to this size take "gather" (one latency-bound collective);
+# larger ones the NVLink kernel where it runs (allreduce_mgpu.prefer), else "binary_tree".
 SMALL_MESSAGE_BYTES = 1 << 20
 
 
