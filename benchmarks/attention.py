@@ -783,12 +783,13 @@ def main():
             traceback.print_exc()
             print(f"!! case {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         write_records(path, recs)  # after every case: a run cut short keeps what it measured
-    print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} vs-cudnn  err     repeat")
+    # ratio = the record's baseline (cuDNN, or XLA where that is jax.nn's default) / impl
+    print(f"\n{'case':40s} {'impl':11s} {'ms':>8s} {'TF/s':>6s} ratio    vs     err     repeat")
     for r in recs:
         ratio = f"x{r['ratio']:.3f}" if r["ratio"] else "-"
         print(
             f"{r['case']:40s} {r['impl']:11s} {r['ms']:8.3f} {r['tflops']:6.1f} {ratio:8s} "
-            f"{r['rel_err']:.1e} {r['bitwise_repeatable']}"
+            f"{r['baseline'] or '-':6s} {r['rel_err']:.1e} {r['bitwise_repeatable']}"
         )
 
 
