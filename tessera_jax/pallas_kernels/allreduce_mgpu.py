@@ -153,14 +153,14 @@ INTERPRETABLE = False
 
 # Where ``auto`` takes the kernel, by per-rank message size. Against the XLA algorithms:
 # above ``algorithms.SMALL_MESSAGE_BYTES`` (1 MiB), where ``auto``'s all_gather path
-# stops. Up to it that path's smaller fixed cost wins: a kernel whose only cross-GPU work
-# is one semaphore round takes longer than the gather path's whole all-reduce (XLA sets
-# up the peers' addresses for every call). Where NCCL's own all-reduce may run instead
-# (the order cannot change the bits: ``collectives.order_free``), the kernel wins from
-# 32 MiB. The measurements: benchmarks/results/allreduce-nvidia-h200-x4.json (per call
-# and ``in_program_*``), benchmarks/archive/allreduce-latency-h200-x4.txt (device time
-# in straight-line programs and loops) and allreduce-nvidia-h200-x2.json (the kernel
-# against psum from 32 MiB).
+# stops. Up to it that path's smaller fixed cost wins per call and in a straight-line
+# program, where a kernel whose only cross-GPU work is one semaphore round with its peers
+# takes longer than the gather path's whole all-reduce. Where NCCL's own all-reduce may
+# run instead (the order cannot change the bits: ``collectives.order_free``), the kernel
+# wins from 32 MiB. The measurements: benchmarks/results/allreduce-nvidia-h200-x4.json
+# (per call and ``in_program_*``), benchmarks/archive/allreduce-latency-h200-x4.txt
+# (device time in straight-line programs and loops) and allreduce-nvidia-h200-x2.json
+# (the kernel against psum from 32 MiB).
 MIN_BYTES_VS_NCCL = 32 << 20
 
 

@@ -37,8 +37,8 @@ caller may ask for; ``"auto"`` picks among them):
 messages of more than ``SMALL_MESSAGE_BYTES`` per rank, at least
 ``allreduce_mgpu.MIN_BYTES_VS_NCCL`` where the order is free); else ``"psum"`` where the
 order is free; else ``"gather"`` for messages up to ``SMALL_MESSAGE_BYTES`` per rank; else
-``"binary_tree"``. The timings
-behind the thresholds are in ``benchmarks/results/allreduce-*.json``.
+``"binary_tree"``. The timings behind the thresholds are in
+``benchmarks/results/allreduce-*.json``.
 """
 
 from __future__ import annotations
