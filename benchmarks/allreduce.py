@@ -17,11 +17,14 @@ each (without it, the first algorithm timed after the host-side checks read up t
 30% slower than the same code path timed next).
 Bus bandwidth = 2(n-1)/n · bytes per rank / time.
 
-Each algorithm is also timed in a program: ``k`` all-reduces chained inside one jitted
-``fori_loop`` (each one's input the last one's output over n), against psum chained
-the same way (``in_program_*`` fields, per all-reduce). Back-to-back calls of a
-one-collective program measure, at small messages, the host's launch of a program on
-every device; in a program (a training step) only the collective's device time counts.
+Each algorithm is also timed in a program: ``k`` all-reduces written out in one jitted
+program (each one's input the last one's output over n), against psum chained the same
+way (``in_program_*`` fields, per all-reduce; ``in_program_form: "unrolled"``). Back-to-back
+calls of a one-collective program measure, at small messages, the host's launch of a
+program on every device; in a program (a training step) only the collective's device
+time counts. Records without ``in_program_form`` chained them in a ``fori_loop``, whose
+own cost per trip favours the NVLink kernel at small messages
+(``benchmarks/archive/allreduce-latency-h200-x4.txt``).
 
 It checks, before timing: the deterministic result is bitwise identical across
 3 runs and on every rank, and equal to the canonical tree of the same data
@@ -93,8 +96,9 @@ def canonical_digest(x, device) -> str:
 
 
 def in_program_reps(nbytes: int) -> int:
-    """How many all-reduces one timed program chains: about 256 MiB per rank in all."""
-    return max(2, min(50, (256 * MIB) // nbytes))
+    """How many all-reduces one timed program writes out: about 256 MiB per rank in all,
+    at most 20 (each is compiled)."""
+    return max(2, min(20, (256 * MIB) // nbytes))
 
 
 def _parse() -> argparse.Namespace:
@@ -144,9 +148,13 @@ def main() -> int:
         )
         return jax.jit(f)
 
-    def chained(body, reps):  # reps all-reduces in one program (no vma types: the carry)
-        step = lambda i, y: body(y) * (1.0 / n)
-        return spmd(lambda v: jax.lax.fori_loop(0, reps, step, v), check_vma=False)
+    def chained(body, reps):  # reps all-reduces written out in one program, as in a step
+        def run(v):
+            for _ in range(reps):
+                v = body(v) * (1.0 / n)
+            return v
+
+        return spmd(run, check_vma=False)
 
     psum_body = lambda v: jax.lax.psum(v, "x")
     psum = spmd(psum_body)
@@ -200,6 +208,7 @@ def main() -> int:
                 "busbw_gbs": round(bus(t), 2),
                 "baseline_busbw_gbs": round(bus(t_psum), 2),
                 "in_program_reps": reps,
+                "in_program_form": "unrolled",
                 "in_program_ms": round(tc, 4),
                 "in_program_baseline_ms": round(tc_psum, 4),
                 "in_program_ratio": round(tc_psum / tc, 4),
