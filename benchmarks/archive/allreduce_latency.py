@@ -2,8 +2,9 @@
 
     NCCL_NVLS_ENABLE=0 python benchmarks/archive/allreduce_latency.py [unrolled] [KiB ...]
 
-Device time per all-reduce, 50 chained in one program (host dispatch out of the figure),
-at each message size (default 64, 256, 1024 and 4096 KiB per rank, f32). The chain is a
+Time per all-reduce of a program of 50 chained all-reduces (timed from the host: one
+dispatch per program, so the launch of each call is out of the figure, not what XLA does
+on the host for each kernel when a program starts), at each message size (default 64, 256, 1024 and 4096 KiB per rank, f32). The chain is a
 ``fori_loop`` (as ``benchmarks/allreduce.py``'s ``in_program`` figures), or with
 ``unrolled`` 20 calls written out in the program (no loop: what a training step does).
 
