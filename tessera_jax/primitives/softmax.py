@@ -49,26 +49,28 @@ _FLOATING = (jnp.floating,)
 
 
 def _stable_exp(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` set to 0."""
+    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` set to 0 and
+    its empty sum to 1."""
     m = jnp.max(x, axis=axis, keepdims=True, initial=-np.inf)
     m = jnp.where(m == -np.inf, jnp.zeros_like(m), m)
     shifted = x - m
     e = jnp.exp(shifted)
-    return shifted, e, jnp.sum(e, axis=axis, keepdims=True)
+    s = jnp.sum(e, axis=axis, keepdims=True)
+    return shifted, e, jnp.where(s == 0, jnp.ones_like(s), s)
 
 
 def softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_softmax`` (and the test oracle of its kernels)."""
     xc = x.astype(compute_dtype(x.dtype))
     _, e, s = _stable_exp(xc, axis)
-    return (e / jnp.where(s == 0, jnp.ones_like(s), s)).astype(x.dtype)
+    return (e / s).astype(x.dtype)
 
 
 def log_softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
     """The XLA lowering of ``ts_log_softmax``."""
     xc = x.astype(compute_dtype(x.dtype))
     shifted, _, s = _stable_exp(xc, axis)
-    return (shifted - jnp.log(jnp.where(s == 0, jnp.ones_like(s), s))).astype(x.dtype)
+    return (shifted - jnp.log(s)).astype(x.dtype)
 
 
 softmax_op = Operator("softmax", reference=softmax_reference, abstract_eval=lambda x, **_: x)
