@@ -150,9 +150,12 @@ def cuda_lowering(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _xla_row_dot(a, b, *, interpret=False):
+def _xla_row_dot(a, b, *, interpret=False, seq_pad=None):
     del interpret
-    return jnp.einsum("...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32))
+    out = jnp.einsum("...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32))
+    if seq_pad is None:
+        return out
+    return jnp.pad(jnp.swapaxes(out, 1, 2), ((0, 0), (0, 0), (0, seq_pad - a.shape[1])))
 
 
 def cuda_lowering_xla_row_dot(f, *args) -> str:

@@ -1435,6 +1435,27 @@ def test_dq_dkv_by_default_where_it_fits(q_shape, k_shape, calls):
     assert len(mosaic_gpu_calls(lowered)) == calls
 
 
+@pytest.mark.skipif(
+    not _compat.TRITON_LOWERS_WITHOUT_GPU,
+    reason="this jax lowers Pallas' Triton kernels only with a local GPU",
+)
+@pytest.mark.parametrize("sq", [1, 300, 512])
+def test_delta_reaches_the_kernels_without_a_transpose_or_pad(sq):
+    """The row kernel writes Δ head-major and padded, as the backward kernels read it:
+    no transpose or pad of it between the kernels (each a launch in a decoding step's
+    chain of dependent ones). Of the f32 rows only lse is padded, where Sq needs it."""
+    q, k = jnp.zeros((2, sq, 4, 128), jnp.bfloat16), jnp.zeros((2, 512, 4, 128), jnp.bfloat16)
+    lse, do = jnp.zeros((2, 4, sq), jnp.float32), jnp.ones((2, sq, 4, 128), jnp.bfloat16)
+    text = cuda_lowering(functools.partial(am.flash_bwd, _spec()), q, k, k, q, lse, do)
+    assert "stablehlo.transpose" not in text
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }\n")]
+    padded = f"-> tensor<2x4x{-(-sq // am.TILE) * am.TILE}xf32>"
+    f32_pads = [ln for ln in main.splitlines() if "pad" in ln and padded in ln]
+    assert len(f32_pads) == (0 if sq % am.TILE == 0 else 1)
+
+
 def test_dq_dkv_fits_beside_every_feature():
     """At head_dim 128 the hand-over ring fits shared memory beside a key-padding mask,
     a bias tile ring, segment ids and key lengths: the one kernel lowers for cuda."""

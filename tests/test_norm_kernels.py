@@ -173,6 +173,20 @@ class _NormKernelCases:
         assert_close(got, np.einsum("...d,...d->...", f64(a), f64(b)), factor=4)
         np.testing.assert_array_equal(np.asarray(run(a[1:, 7:], b[1:, 7:])), got[1:, 7:])
 
+    @pytest.mark.parametrize("shape,seq_pad", [((2, 5, 3, 128), 128), ((1, 130, 2, 64), 256)])
+    def test_row_dot_head_major_padded(self, shape, seq_pad):
+        """``row_dot(..., seq_pad=)`` (attention's Δ as its backward kernels read it): the
+        plain kernel's sums, bit for bit, transposed to ``(B, H, S)`` and zero-padded."""
+        a, b = rand(shape, jnp.bfloat16), rand(shape, jnp.bfloat16)
+        kw = dict(interpret=self.MODE == "interpret")
+        got = jax.jit(functools.partial(norms_gpu.row_dot, seq_pad=seq_pad, **kw))(a, b)
+        plain = np.swapaxes(
+            np.asarray(jax.jit(functools.partial(norms_gpu.row_dot, **kw))(a, b)), 1, 2
+        )
+        assert got.dtype == jnp.float32 and got.shape == (shape[0], shape[2], seq_pad)
+        np.testing.assert_array_equal(np.asarray(got)[..., : shape[1]], plain)
+        np.testing.assert_array_equal(np.asarray(got)[..., shape[1] :], 0.0)
+
 
 @pytest.mark.gpu
 class TestNormKernelsGPU(_NormKernelCases):
@@ -212,6 +226,10 @@ def test_row_dot_rejects_what_its_kernel_cannot_take():
     x = jnp.zeros((2, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"norms_gpu.row_dot: a.shape=\(2, 8\) and b.shape"):
         norms_gpu.row_dot(x, x[:, :4])
+    with pytest.raises(ValueError, match=r"norms_gpu.row_dot: seq_pad=1 needs \(B, S, H, D\)"):
+        norms_gpu.row_dot(x[None, :, None], x[None, :, None], seq_pad=1)
+    with pytest.raises(ValueError, match=r"norms_gpu.row_dot: seq_pad=4 needs"):
+        norms_gpu.row_dot(x, x, seq_pad=4)
     wide = jnp.zeros((1, 2 * norms_gpu.MAX_ROW), jnp.bfloat16)
     with pytest.raises(ValueError, match="norms_gpu.row_dot: a row of 32768 elements"):
         norms_gpu.row_dot(wide, wide)

@@ -2189,14 +2189,13 @@ def flash_bwd(
         dq_dkv,
     )
     p = _with_features(p, spec, bias)
-    delta = row_delta(out, dout, interpret)
+    delta = row_delta(out, dout, interpret, p.seq_q_pad)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
-        delta = delta - extras[spec.num_extras].astype(jnp.float32)
+        delta = delta - _pad_last(extras[spec.num_extras].astype(jnp.float32), p.seq_q_pad, 0.0)
     # The kernels work in the exp2 domain. Rows that saw no key (lse = -inf) and padded rows
     # get +inf, so their probabilities exp2(s - inf) are exactly 0: zero gradients.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
     lse2 = _pad_last(lse2, p.seq_q_pad, jnp.inf)
-    delta = _pad_last(delta, p.seq_q_pad, 0.0)
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
@@ -2226,12 +2225,18 @@ def flash_bwd(
     return dq, dk, dv
 
 
-def row_delta(out: jax.Array, dout: jax.Array, interpret: bool = False) -> jax.Array:
-    """Δ = rowsum(dO ∘ O), ``(B, H, Sq)`` in f32, by a row kernel whose order of summation
-    depends on head_dim only (:func:`norms_gpu.row_dot`): XLA's GPU autotuner picks the
-    emitter of its own reduction, and with it the order, by timing, so two programs (one
-    GPU and a mesh, two processes) rounded Δ, and then dQ and dK, differently."""
-    return jnp.swapaxes(norms_gpu.row_dot(out, dout, interpret=interpret), 1, 2)
+def row_delta(
+    out: jax.Array, dout: jax.Array, interpret: bool = False, seq_pad: int | None = None
+) -> jax.Array:
+    """Δ = rowsum(dO ∘ O), ``(B, H, seq_pad)`` in f32 (zeros past Sq; ``seq_pad`` defaults
+    to Sq), by a row kernel whose order of summation depends on head_dim only
+    (:func:`norms_gpu.row_dot`): XLA's GPU autotuner picks the emitter of its own
+    reduction, and with it the order, by timing, so two programs (one GPU and a mesh, two
+    processes) rounded Δ, and then dQ and dK, differently. The kernel writes Δ in the
+    layout the backward kernels read: a decoding step's backward is a chain of dependent
+    launches, each adding its latency."""
+    seq_pad = out.shape[1] if seq_pad is None else seq_pad
+    return norms_gpu.row_dot(out, dout, interpret=interpret, seq_pad=seq_pad)
 
 
 def _in_key_order(chunks: int, term) -> jax.Array:

@@ -362,13 +362,28 @@ def _norm_bwd_kernel(
         plgpu.store(db_ref.at[prow[:, None], cols[None, :]], db, mask=cmask)
 
 
-def _row_dot_kernel(a_ref, b_ref, o_ref, *, p: Problem) -> None:
+def _row_dot_kernel(a_ref, b_ref, o_ref, *, p: Problem, heads: tuple[int, int, int] | None):
     def block(_, loaded, carry):
         rows, _, (a, b) = loaded
         plgpu.store(o_ref.at[rows], jnp.sum(a * b, axis=1), mask=rows < p.rows)
         return carry
 
-    _walk(p, _loader(p, (a_ref, 0.0), (b_ref, 0.0)), block)
+    if heads is None:
+        _walk(p, _loader(p, (a_ref, 0.0), (b_ref, 0.0)), block)
+        return
+    # Row ``r`` of the result is ``(b, h, s)`` head-major over ``seq_pad`` positions: it
+    # loads input row ``(b, s, h)``, or nothing past ``seq`` (a sum of zeros). The tile,
+    # and so each row's order of summation, is the one above.
+    seq, h, seq_pad = heads
+
+    def load(blk):
+        rows, cols, mask = _index(p, blk)
+        s, bh = rows % seq_pad, rows // seq_pad
+        src = ((bh // h) * seq + s) * h + bh % h
+        mask = mask & (s < seq)[:, None]
+        return rows, mask, tuple(_load(r, src, cols, mask) for r in (a_ref, b_ref))
+
+    _walk(p, load, block)
 
 
 # --- wrappers -----------------------------------------------------------------------------
@@ -496,24 +511,36 @@ def layernorm_bwd(spec, x, *rest, interpret: bool = False, config: RowConfig | N
     return _norm_bwd("layernorm", spec, x, *rest, interpret=interpret, config=config)
 
 
-def row_dot(a: jax.Array, b: jax.Array, *, interpret: bool = False) -> jax.Array:
+def row_dot(
+    a: jax.Array, b: jax.Array, *, interpret: bool = False, seq_pad: int | None = None
+) -> jax.Array:
     """``Σ_d a·b`` over the last axis in f32, shape ``a.shape[:-1]``: one read of each.
 
     The tiling depends on the row length only (blocks of about 8192 elements, one per
     program), never on the row count, so the order of each row's sum, and its bits, is the
     same in every program (one GPU or a mesh's shard), unlike XLA's own reduction, whose
     emitter its autotuner picks by timing. Products of 16-bit inputs are exact in f32.
+
+    With ``seq_pad``, ``a`` and ``b`` are ``(B, S, H, D)`` (attention's rows) and the sums
+    come out head-major and padded, ``(B, H, seq_pad)`` with zeros past ``S``, the same
+    bits: the layout attention's backward kernels read, written by this kernel rather than
+    by a transpose and a pad after it (two more launches between the forward and them).
     """
     why = supports((), (a, b)) if a.shape == b.shape else f"{a.shape=} and {b.shape=} differ"
+    if why is None and seq_pad is not None and (a.ndim != 4 or seq_pad < a.shape[1]):
+        why = f"{seq_pad=} needs (B, S, H, D) inputs with S <= seq_pad, not {a.shape}"
     if why is not None:
         raise ValueError(f"norms_gpu.row_dot: {why}")
-    d = a.shape[-1]
-    p = Problem(int(np.prod(a.shape[:-1], dtype=np.int64)), d, RowConfig.blocks(d))
+    d, shape, heads = a.shape[-1], a.shape[:-1], None
+    if seq_pad is not None:
+        bsz, seq, h = shape
+        shape, heads = (bsz, h, seq_pad), (seq, h, seq_pad)
+    p = Problem(int(np.prod(shape, dtype=np.int64)), d, RowConfig.blocks(d))
     out = jax.ShapeDtypeStruct((p.rows,), _F32)
-    kernel = functools.partial(_row_dot_kernel, p=p)
+    kernel = functools.partial(_row_dot_kernel, p=p, heads=heads)
     with _compat.without_gpu_interpret_mode():  # (it may run between Mosaic GPU kernels)
         out = _call(kernel, p, out, [_rows(a), _rows(b)], interpret, "ts_row_dot")
-    return out.reshape(a.shape[:-1])
+    return out.reshape(shape)
 
 
 # --- dispatch vocabulary ------------------------------------------------------------------
