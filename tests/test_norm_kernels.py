@@ -230,6 +230,8 @@ def test_row_dot_rejects_what_its_kernel_cannot_take():
         norms_gpu.row_dot(x[None, :, None], x[None, :, None], seq_pad=1)
     with pytest.raises(ValueError, match=r"norms_gpu.row_dot: seq_pad=4 needs"):
         norms_gpu.row_dot(x, x, seq_pad=4)
+    with pytest.raises(ValueError, match=r"norms_gpu.row_dot: seq_pad=4.0 must be an int"):
+        norms_gpu.row_dot(x[None, :, None], x[None, :, None], seq_pad=4.0)
     wide = jnp.zeros((1, 2 * norms_gpu.MAX_ROW), jnp.bfloat16)
     with pytest.raises(ValueError, match="norms_gpu.row_dot: a row of 32768 elements"):
         norms_gpu.row_dot(wide, wide)

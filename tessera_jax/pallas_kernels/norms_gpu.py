@@ -527,8 +527,11 @@ def row_dot(
     by a transpose and a pad after it (two more launches between the forward and them).
     """
     why = supports((), (a, b)) if a.shape == b.shape else f"{a.shape=} and {b.shape=} differ"
-    if why is None and seq_pad is not None and (a.ndim != 4 or seq_pad < a.shape[1]):
-        why = f"{seq_pad=} needs (B, S, H, D) inputs with S <= seq_pad, not {a.shape}"
+    if why is None and seq_pad is not None:
+        if not isinstance(seq_pad, int) or isinstance(seq_pad, bool):
+            why = f"{seq_pad=} must be an int or None"
+        elif a.ndim != 4 or seq_pad < a.shape[1]:
+            why = f"{seq_pad=} needs (B, S, H, D) inputs with S <= seq_pad, not {a.shape}"
     if why is not None:
         raise ValueError(f"norms_gpu.row_dot: {why}")
     d, shape, heads = a.shape[-1], a.shape[:-1], None
