@@ -28,7 +28,6 @@ from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
 from tessera_jax.primitives.attention import (
-    _flash_fwd_reference,
     flash_attention_fwd,
     flash_attention_fwd_op,
     reference_block_kv,
@@ -374,7 +373,10 @@ def _bwd_with_lengths(dims, causal, lengths, *, interpret, window=None):
     )
     # (the forward from the reference: the backward kernels are under test, and the
     # interpreter's forward kernel would cost as much as they do)
-    out, lse = jax.jit(functools.partial(_flash_fwd_reference, spec=spec))(q, k, v, n)
+    with ts.kernel_mode("xla"):
+        out, lse = flash_attention_fwd(
+            q, k, v, causal=causal, key_value_seq_lengths=n, local_window_size=window
+        )
     bwd = functools.partial(
         am.flash_bwd, spec.replace(has_dlse=True), q, k, v, out, lse, do, n, dl, interpret=interpret
     )

@@ -524,7 +524,7 @@ def row_dot(
     With ``seq_pad``, ``a`` and ``b`` are ``(B, S, H, D)`` (attention's rows) and the sums
     come out head-major and padded, ``(B, H, seq_pad)`` with zeros past ``S``, the same
     bits: the layout attention's backward kernels read, written by this kernel rather than
-    by a transpose and a pad after it (two more launches between the forward and them).
+    by a transpose and a pad after it (one more launch between the forward and them).
     """
     why = supports((), (a, b)) if a.shape == b.shape else f"{a.shape=} and {b.shape=} differ"
     if why is None and seq_pad is not None:
