@@ -8,6 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.contracts import attention as contracts
 from tessera_jax.primitives import attention as _attention
 from tessera_jax.primitives.attention import FlashAttentionConfig, flash_attention_fwd
 from tests._util import assert_close, f64, key, rand, sample
@@ -647,16 +648,36 @@ def test_window_sides_past_the_sequence_see_every_key(sq, skv):
     assert_close(left, want, factor=2.0)
 
 
+@pytest.mark.parametrize(
+    "window, sq, skv, dropped",
+    [
+        (None, 1, 4096, 0),
+        ((5000, 0), 1, 4096, 0),  # the window hides no key
+        ((25, 0), 3, 100, 0),  # 28 seen keys, kept as 128: more than the cache
+        ((25, 0), 3, 200, 72),
+        ((240, 0), 16, 1000, 744),  # 256 seen keys: a whole multiple, none kept before
+        ((4096, 0), 1, 32768, 32768 - 4224),  # 4097 seen keys, kept as 33 tiles
+        ((4096, 4096), 1, 32768, 32768 - 4224),  # the right side hides nothing more
+    ],
+)
+def test_dropped_keys_keep_whole_tiles(window, sq, skv, dropped):
+    got = contracts.dropped_keys(window, sq, skv)
+    assert got == dropped
+    assert got <= contracts.first_seen_key(window, sq, skv)
+    assert got == 0 or (skv - got) % contracts.KEPT_KEYS_MULTIPLE == 0
+
+
 def test_keys_before_every_window_are_not_read():
     """Decoding with a window: the keys before the first query's window reach no
-    implementation (the primitive binds the rest, with the key lengths shifted and the
-    masks' key columns sliced); the result and every gradient are still the float64
-    ones, and the dropped keys' gradients are exact zeros. The second sequence's keys all
-    lie before the window: its rows see no key."""
-    b, sq, skv, hq, hkv, d, left = 2, 3, 90, 4, 2, 8, 25
-    first = skv - sq - left
+    implementation but for those that keep the rest a multiple of 128 (the primitive
+    binds the rest, with the key lengths shifted and the masks' key columns sliced); the
+    result and every gradient are still the float64 ones, and the gradients of every key
+    before the window are exact zeros. The second sequence's keys all lie before the
+    window: its rows see no key."""
+    b, sq, skv, hq, hkv, d, left = 2, 3, 300, 4, 2, 8, 25
+    first = skv - sq - left  # 272: the 28 keys the queries see are kept as 128
     dims = (b, sq, skv, hq, hkv, d, 16)
-    seg = np.repeat([[0] * 70 + [1] * 20], b, 0)
+    seg = np.repeat([[0] * 280 + [1] * 20], b, 0)
     opts = dict(
         causal=True,
         local_window_size=(left, 0),
@@ -670,7 +691,7 @@ def test_keys_before_every_window_are_not_read():
     f = _attend_opts(dims, opts)
     bound = jax.make_jaxpr(f)(q, k, v).eqns[-1]
     assert bound.primitive.name == "ts_flash_attention_fwd"
-    assert [x.aval.shape[1] for x in bound.invars[1:3]] == [skv - first] * 2
+    assert [x.aval.shape[1] for x in bound.invars[1:3]] == [128] * 2
     do = rand(q.shape)
     out, got = _attend_and_vjp(dims, opts)(q, k, v, do)
     (want_out, _), want_grads = np_dense(f64(q), f64(k), f64(v), opts, do=f64(do))

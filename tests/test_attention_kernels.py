@@ -398,6 +398,20 @@ def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1
         assert_close(got, ref, factor=2.0)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dq_dkv", [False, True])
+def test_kept_keys_need_no_padded_copy(d, dq_dkv):
+    """The keys the operator keeps under a window (a multiple of KEPT_KEYS_MULTIPLE)
+    are a whole number of the backward's key tiles: its K and V operands are the slice
+    itself, not a padded copy of it."""
+    from tessera_jax.contracts.attention import KEPT_KEYS_MULTIPLE
+
+    skv = 33 * KEPT_KEYS_MULTIPLE
+    q, k = (jax.ShapeDtypeStruct((1, s, 8, d), jnp.bfloat16) for s in (16, skv))
+    p = am._bwd_problem(q, k, False, 1.0, dq_dkv=dq_dkv)
+    assert p.seq_kv_pad == skv
+
+
 def _check_dkv_tiles(dims, causal, tiles, *, interpret):
     """The dK/dV kernel at ``tiles`` key tiles per CTA (the last CTA short, the second
     batch entry's length of 100 keys ending in a live CTA) against one tile per CTA, bit

@@ -336,16 +336,16 @@ def test_attention_with_sharded_sequences_keeps_its_bits(axis_type):
     the devices."""
     types = (getattr(jax.sharding.AxisType, axis_type),) * 2
     mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=types)
-    b, sq, skv, hq, hkv, d = 2, 16, 32, 4, 2, 8
+    b, sq, skv, hq, hkv, d = 2, 16, 160, 4, 2, 8
     q, k, v = rand((b, sq, hq, d)), rand((b, skv, hkv, d)), rand((b, skv, hkv, d))
     bias = rand((1, hq, sq, skv))
     kw = dict(
         causal=True,
-        local_window_size=(12, 0),  # the first 4 keys are sliced off
+        local_window_size=(12, 0),  # the first 32 keys are sliced off (128 kept)
         mask=jax.random.bernoulli(jax.random.key(3), 0.8, (b, 1, sq, skv)),
-        key_value_seq_lengths=jnp.asarray([skv, 21], jnp.int32),
+        key_value_seq_lengths=jnp.asarray([skv, 141], jnp.int32),
         q_segment_ids=jnp.asarray(np.repeat([[0] * 6 + [1] * 10], b, 0), jnp.int32),
-        kv_segment_ids=jnp.asarray(np.repeat([[0] * 20 + [1] * 12], b, 0), jnp.int32),
+        kv_segment_ids=jnp.asarray(np.repeat([[0] * 148 + [1] * 12], b, 0), jnp.int32),
     )
     do = rand(q.shape)
 

@@ -15,6 +15,9 @@ Sections (``python benchmarks/archive/decode_bwd_chain_probe.py SECTION``):
 ``delta``   The backward's Δ from ``norms_gpu.row_dot(..., seq_pad=)`` (head-major and
             padded by the row kernel) against the row kernel's plain rows transposed and
             padded by XLA: the same bits or not.
+``ab``      ``ts_auto``'s forward+backward with each of those two forms of Δ (the old one
+            patched into ``attention_mgpu.row_delta`` while its program traces), beside
+            XLA, chained in one program each, timed interleaved in one process.
 """
 
 from __future__ import annotations
@@ -128,5 +131,37 @@ def delta():
         print(f"delta bits {shape} pad {pad}: {'SAME' if same else 'DIFFERENT'}", flush=True)
 
 
+def _delta_transposed_and_padded(out, dout, interpret=False, seq_pad=None):
+    rows = jnp.swapaxes(norms_gpu.row_dot(out, dout, interpret=interpret), 1, 2)
+    pad = (seq_pad or out.shape[1]) - out.shape[1]
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)))
+
+
+def ab():
+    forms = {"new": am.row_delta, "old": _delta_transposed_and_padded, "xla": am.row_delta}
+    for b, sq, skv, h in [(1, 1, 256, 8), (4, 1, 256, 16), (1, 16, 512, 8), (4, 16, 512, 16)]:
+        q, k, v, do = _operands(b, sq, skv, h)
+        sets = [(q, *kv, do) for kv in A._kv_sets(k, v)]
+        fns = {"new": _impls()["ts_auto"], "old": _impls()["ts_auto"], "xla": _impls()["xla"]}
+
+        def jit(name, program):
+            am.row_delta = forms[name]
+            try:
+                compiled = jax.jit(program).lower(tuple(tuple(s) for s in sets)).compile()
+                print(f"   {name}: {compiled.as_text().count(' fusion(')} fusions", flush=True)
+                return compiled
+            finally:
+                am.row_delta = forms["new"]
+
+        ms = time_in_graph(fns, sets, A._chain(True), jit=jit, repeats=7, target_ms=40)
+        new, old, xla = (ms[n] * 1e3 for n in ("new", "old", "xla"))
+        print(
+            f"b{b} sq{sq} skv{skv} h{h}: new {new:.1f} us, old {old:.1f} us, xla {xla:.1f} us;"
+            f" new/old speedup {old / new:.3f}, vs xla new {xla / new:.3f} old {xla / old:.3f}",
+            flush=True,
+        )
+
+
 if __name__ == "__main__":
-    {"chain": chain, "split": split, "thunks": thunks, "delta": delta}[sys.argv[1]]()
+    sections = {"chain": chain, "split": split, "thunks": thunks, "delta": delta, "ab": ab}
+    sections[sys.argv[1]]()

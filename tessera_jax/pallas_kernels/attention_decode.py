@@ -70,8 +70,9 @@ SPLIT_KEYS_MIN = 512
 # benchmarks/results/attention-h100.json, in-graph) it beat the blocked reference that auto
 # ran there in every case; in two runs it ran 0.72-1.89x XLA, below 1.0 in one and in two of
 # the 12 cases, where the reference ran 0.63-1.10x. Against 257 and 272 keys (the
-# ``fwd-noncausal-decode-window-…-skv2048`` rows, whose window leaves those keys: the
-# ``ts_pallas`` and ``ts_reference`` rows) it beat the reference too, at B1 and B4.
+# ``fwd-noncausal-decode-window-…-skv2048`` rows, whose window left those keys then; the
+# operator keeps 384 now, contracts.attention.dropped_keys: the ``ts_pallas`` and
+# ``ts_reference`` rows) it beat the reference too, at B1 and B4.
 MIN_KV = 256
 
 

@@ -2216,7 +2216,8 @@ def flash_bwd(
     if ex.kv_lengths is not None:
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
     first = first_seen_key(spec.local_window_size, p.seq_q, p.seq_kv)
-    if p.dq_dkv and first > 0:  # (the operator slices such keys off before it binds)
+    # (The operator slices off all but fewer than 128 such keys before it binds.)
+    if p.dq_dkv and first > 0:
         seen = (jnp.arange(p.seq_kv) >= first)[None, :, None, None]
         real = seen if real is None else real & seen
     if real is not None:
@@ -2408,8 +2409,10 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # Against 256 and 512 keys (B1 H8 and B4 H16, 1 and 16 queries; both backwards compiled
 # in one process on an H200, benchmarks/archive/decode-bwd-threshold-probe-h200.txt) the
 # kernels led at B4 with 16 queries and were level within a few microseconds elsewhere,
-# behind in one B1 case; against the 272 keys a window of 2048 leaves they led too (the
-# ``…-decode-window-b1-…-skv2048`` rows of attention-h100.json). A decode forward that
+# behind in one B1 case; against the keys a window of 2048 leaves they led too on an
+# H100 (the ``…-decode-window-b1-…-skv2048`` rows of attention-h100.json, 272 keys then),
+# and on an H200, where both trail XLA there, the reference further
+# (benchmarks/archive/decode-window-probe-h200.txt). A decode forward that
 # the Triton kernel declines (a mask or bias) keeps the reference below DECODE_MIN_KV,
 # unmeasured.
 PREFER_MIN_SEQ = 128

@@ -38,8 +38,9 @@ The FlashAttention online softmax: ``lax.scan`` over blocks of ``block_kv`` keys
 carrying per query row the running maximum ``m``, normaliser ``l`` and output
 accumulator; memory is ``O(Sq·block_kv)`` per (batch, head), never ``Sq×Skv``.
 With a window, the keys before the first query's window (decoding against a cache longer
-than ``Sq + left``) are sliced off before the primitive binds: no implementation reads
-them, and their gradients are zeros.
+than ``Sq + left``) are sliced off before the primitive binds, all but those that keep
+the rest a multiple of 128 keys: no implementation reads them, and their gradients are
+zeros.
 ``mask`` and ``bias`` are read one kv block at a time from the arrays the user passed
 (a gather of the block's columns: no padded or broadcast copy of our own); the other
 masks are computed per block from positions, lengths and segment ids.
@@ -132,7 +133,7 @@ from tessera_jax.contracts.attention import (
     AttentionExtras,
     AttentionSpec,
     FlashAttentionConfig,
-    first_seen_key,
+    dropped_keys,
 )
 from tessera_jax.pallas_kernels import attention_decode as _decode
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
@@ -969,12 +970,14 @@ def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
     longer than ``Sq + left`` (decoding) a prefix of the keys is hidden from every query.
     Dropping it before the primitive spares every implementation the keys' reads and
     their share of the key chunks, and the dispatch sees the keys that count; the slice's
-    transpose gives them zero gradients. The masks are relative to the shapes (the window
-    and the causal diagonal follow ``Skv − Sq``, which drops with the keys) or to the key
-    lengths, shifted here. It depends on the static shapes and window only: the same on
-    any mesh.
+    transpose gives them zero gradients. The prefix is rounded down so that the kept keys
+    are a whole number of the kernels' key tiles (``contracts.attention.dropped_keys``):
+    the slice is then the only copy the kernels' operands need. The masks are relative
+    to the shapes (the window and the causal diagonal follow ``Skv − Sq``, which drops
+    with the keys) or to the key lengths, shifted here. It depends on the static shapes
+    and window only: the same on any mesh.
     """
-    first = first_seen_key(window, q.shape[1], k.shape[1])
+    first = dropped_keys(window, q.shape[1], k.shape[1])
     if first == 0 or q.shape[1] == 0:
         return k, v, extras
     # (_prepare gathered the keys of every operand on a mesh with Explicit axes.)
