@@ -412,17 +412,20 @@ def test_kept_keys_need_no_padded_copy(d, dq_dkv):
     assert p.seq_kv_pad == skv
 
 
-def _check_dkv_tiles(dims, causal, tiles, *, interpret):
+def _check_dkv_tiles(dims, causal, tiles, *, interpret, against=1):
     """The dK/dV kernel at ``tiles`` key tiles per CTA (the last CTA short, the second
-    batch entry's length of 100 keys ending in a live CTA) against one tile per CTA, bit
-    for bit, and the gradients of ``(out, lse)``'s cotangents against float64."""
+    batch entry's length of 100 keys ending in a live CTA) against ``against`` tiles per
+    CTA (None: all of them, one CTA per batch entry and kv head), bit for bit, and the
+    gradients of ``(out, lse)``'s cotangents against float64."""
     b, sq, skv, hq, hkv, d = dims
     q, k = (jax.ShapeDtypeStruct((b, s, h, d), jnp.float16) for s, h in ((sq, hq), (skv, hkv)))
-    assert am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles % tiles != 0
+    kv_tiles = am._bwd_problem(q, k, causal, 1.0, dkv_tiles=tiles).kv_tiles
+    assert kv_tiles % tiles != 0
+    against = kv_tiles if against is None else against
     bwd, want = _bwd_with_lengths(dims, causal, [skv, 100], interpret=interpret)
     grads = [np.asarray(g) for g in bwd(dkv_tiles=tiles)]
-    for got, one in zip(grads, bwd(dkv_tiles=1)):
-        np.testing.assert_array_equal(got, np.asarray(one))
+    for got, other in zip(grads, bwd(dkv_tiles=against)):
+        np.testing.assert_array_equal(got, np.asarray(other))
     for got, ref in zip(grads, want):
         assert_close(got, ref, factor=2.0)
 
@@ -537,7 +540,8 @@ class TestAttentionKernelsInterpret:
             assert_close(got, ref, factor=2.0)
 
     # The dK/dV kernel running several key tiles per CTA, as at a long cache: the same bits
-    # as a tile per CTA. The last CTA is short; a batch entry's length ends inside a live
+    # as all tiles in one CTA (fewer CTAs for the interpreter to run than a tile per CTA,
+    # the GPU twin's). The last CTA is short; a batch entry's length ends inside a live
     # CTA, whose tiles past it only skip. Race detection on. One case per run.
     @pytest.mark.parametrize(
         "dims, causal, tiles",
@@ -552,7 +556,7 @@ class TestAttentionKernelsInterpret:
     )
     def test_dkv_tiles_per_cta(self, dims, causal, tiles):
         with _compat.gpu_interpret_mode(detect_races=True):
-            _check_dkv_tiles(dims, causal, tiles, interpret=True)
+            _check_dkv_tiles(dims, causal, tiles, interpret=True, against=None)
         assert _compat.races_detected() is False
 
     # The dQ kernel computing dK and dV too: warpgroup 0 hands each key block's P and dS
