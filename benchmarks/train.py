@@ -7,6 +7,7 @@ ours. Records: ``benchmarks/results/train-<device>.json`` (``suite: "train"``).
 
     python benchmarks/train.py --layers 12 --width 1024 --seq 2048 --batch 8
     tessera-launch --nproc 2 --devices-per-proc 2 benchmarks/train.py --groups 8
+    python benchmarks/train.py --groups 4 --batch 16 --grad-algo binary_tree
 
 Under ``tessera-launch`` every process joins one run (``ts.dist.initialize``) and the
 mesh spans every process's GPUs; process 0 prints and writes the record.
@@ -29,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks._common import device_name, results_path, write_records
+from tessera_jax.primitives.collectives.api import ALGOS
 from tessera_jax.sharding.runtime import initialize
 from tessera_jax.train import data, model, step
 from tessera_jax.train.checkpoint import fingerprint
@@ -128,6 +130,13 @@ def main(argv=None):
         default="auto",
         help="our step's layers and groups as straight-line code (auto: on GPUs)",
     )
+    p.add_argument(
+        "--grad-algo",
+        choices=ALGOS,
+        help="also time our step with its gradients summed by this all-reduce algorithm "
+        "(make_train_step's grad_algo), interleaved with the default: e.g. binary_tree "
+        "against the NVLink kernel that auto takes on GPUs",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps per timing")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="the record file (default: results/train-<device>.json)")
@@ -158,6 +167,9 @@ def main(argv=None):
     # plain-onehot is also timed: the usual gather's gradient is a scatter-add, slow on
     # GPUs for a small vocabulary, and the one-hot form is what our model uses.
     fns = {"ours": (ours_step, ours_in)}
+    if args.grad_algo:
+        variant = step.make_train_step(cfg, optim, mesh, groups, unroll, grad_algo=args.grad_algo)
+        fns[f"ours[{args.grad_algo}]"] = (variant, ours_in)
     for name, plain_unroll, onehot in (
         ("plain-scan", False, False),
         ("plain-unrolled", True, False),
@@ -189,12 +201,13 @@ def main(argv=None):
     ms["plain"], losses["plain"] = ms[plain], losses[plain]
 
     # Bitwise repeatability of our step: two fresh runs of the same steps.
-    fps = []
-    for _ in range(2):
+    def fresh_fingerprint(f):
         state = step.init_state(cfg, optim, mesh, 0)
         for w in ours_in:
-            state, _ = ours_step(state, w)
-        fps.append(fingerprint(state["params"]))
+            state, _ = f(state, w)
+        return fingerprint(state["params"])
+
+    fps = [fresh_fingerprint(ours_step) for _ in range(2)]
 
     tokens_per_step = args.batch * args.seq
     procs = jax.process_count()
@@ -229,6 +242,14 @@ def main(argv=None):
         "repeatable": fps[0] == fps[1],
         "fingerprint": fps[0],
     }
+    if args.grad_algo:  # the same steps, timed interleaved with ours: its bits must match
+        name = f"ours[{args.grad_algo}]"
+        record["grad_algo"] = {
+            "algo": args.grad_algo,
+            "ms": ms[name],
+            "speedup_vs_default": ms["ours"] / ms[name],
+            "fingerprint": fresh_fingerprint(fns[name][0]),
+        }
     if jax.process_index() != 0:
         return
     print(
@@ -241,6 +262,12 @@ def main(argv=None):
         f"{record['ratio']:6.3f} {record['tokens_per_s']:10.0f} {record['repeatable']!s:10s}  "
         + " ".join(f"{k}={v:.0f}" for k, v in compile_s.items())
     )
+    if args.grad_algo:
+        g = record["grad_algo"]
+        print(
+            f"grad_algo={g['algo']}: {g['ms']:.2f} ms (default {ms['ours']:.2f}), "
+            f"fingerprint {g['fingerprint']} (default {fps[0]})"
+        )
     path = results_path(args.json or f"train-{device_name(count=True)}.json")
     write_records(path, [record])
     print(f"wrote {path}")

@@ -200,7 +200,8 @@ def test_streamed_group_sums_are_the_canonical_tree(n):
 def test_unrolled_step_is_mesh_invariant():
     """The straight-line step (the GPU default) gives one set of bits on any mesh, in
     bf16 too: XLA may not keep a bf16 intermediate in f32 in one program's fusion and round
-    it in another's (``xla_allow_excess_precision``)."""
+    it in another's (``xla_allow_excess_precision``); and with its gradients summed over
+    4 parts by another all-reduce algorithm (``grad_algo``)."""
     cfg = model.ModelConfig(
         d_model=64, n_layers=2, n_heads=4, d_ff=128, seq_len=8, chunks=2, compute_dtype="bfloat16"
     )
@@ -208,12 +209,33 @@ def test_unrolled_step_is_mesh_invariant():
     tokens = data.encode(data.corpus())
     window = data.batch(tokens, 0, batch_size=8, seq_len=cfg.seq_len, seed=0)
     fps = set()
-    for dp, tp in ((1, 1), (2, 2)):
+    for dp, tp, grad_algo in ((1, 1, None), (2, 2, None), (4, 2, "ring")):
         mesh = step.make_mesh(jax.devices()[: dp * tp], dp, tp)
-        f = step.make_train_step(cfg, optim, mesh, 4, unroll=True)
+        f = step.make_train_step(cfg, optim, mesh, 4, unroll=True, grad_algo=grad_algo)
         state, _ = f(step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 4))
         fps.add(fingerprint(state["params"]))
     assert len(fps) == 1
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_grad_algo_sums_the_gradients(unroll):
+    """``grad_algo`` names the all-reduce of the loss and gradients over ``dp`` (the
+    model's own sums over ``tp`` keep their rule); a name ``ts.all_reduce`` does not
+    know is an error."""
+    cfg = model.ModelConfig(d_model=64, n_layers=1, n_heads=4, d_ff=128, seq_len=8, chunks=2)
+    optim = step.OptimConfig()
+    window = data.batch(data.encode(data.corpus()), 0, batch_size=8, seq_len=8, seed=0)
+    mesh = step.make_mesh(jax.devices(), 4, 2)
+    state, windows = step.init_state(cfg, optim, mesh, 0), step.place_windows(mesh, window, 4)
+
+    def algos(grad_algo):
+        f = step.make_train_step(cfg, optim, mesh, 4, unroll, False, grad_algo)
+        return set(re.findall(r"algo='?(\w+)", str(jax.make_jaxpr(f)(state, windows))))
+
+    assert algos(None) == {"auto", "binary_tree"}  # small messages over 4 parts: the tree
+    assert algos("ring") == {"auto", "ring"}
+    with pytest.raises(ValueError, match="grad_algo='psum' must be None or one of"):
+        step.make_train_step(cfg, optim, mesh, 4, grad_algo="psum")
 
 
 def _operator_problems(jaxpr, names, out):

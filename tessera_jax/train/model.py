@@ -168,26 +168,30 @@ def param_specs(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
-    """``x`` summed across ``axis_name`` on the canonical tree (None: ``x`` itself).
+def all_sum(x: jax.Array, axis_name: str | None, algo: str | None = None) -> jax.Array:
+    """``x`` summed across ``axis_name`` on the canonical tree (None: ``x`` itself), by
+    ``ts.all_reduce``'s ``algo`` (None: the rule below).
 
     The sum must end in a collective on every mesh: XLA fuses whatever computes it into
     the consumer (the norm after a residual add, its backward), and on the CPU the
     consumer's own row sums then vectorise, and round, differently. ``"auto"`` ends in a
     collective (or the NVLink kernel) except for small messages over more than two
     parts, where it gathers and adds locally; ``"binary_tree"`` ends in an all-gather.
+    So the rule takes ``"binary_tree"`` there and ``"auto"`` elsewhere. A sum whose
+    result only leaves the program (the step's gradients) may name any algorithm.
     """
     if axis_name is None:
         return x
-    small = x.size * x.dtype.itemsize <= SMALL_MESSAGE_BYTES
-    algo = "binary_tree" if jax.lax.axis_size(axis_name) > 2 and small else "auto"
+    if algo is None:
+        small = x.size * x.dtype.itemsize <= SMALL_MESSAGE_BYTES
+        algo = "binary_tree" if jax.lax.axis_size(axis_name) > 2 and small else "auto"
     return ts.all_reduce(x, "sum", axis=axis_name, algo=algo)
 
 
-def tree_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
+def tree_sum(x: jax.Array, axis_name: str | None, algo: str | None = None) -> jax.Array:
     """``(n, …) → (…)``: the canonical tree over the local leading axis, then across
-    ``axis_name`` (None: this device holds every part)."""
-    return all_sum(pairwise_tree_sum(x, axis=0), axis_name)
+    ``axis_name`` (None: this device holds every part), by ``algo`` (:func:`all_sum`)."""
+    return all_sum(pairwise_tree_sum(x, axis=0), axis_name, algo)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tessera_jax import _compat, _config
+from tessera_jax.primitives.collectives.api import ALGOS
 from tessera_jax.train import model
 from tessera_jax.train.model import DP, TP, ModelConfig
 
@@ -150,6 +151,7 @@ def make_train_step(
     groups: int = GROUPS,
     unroll: bool | None = None,
     deterministic: bool = True,
+    grad_algo: str | None = None,
 ):
     """``step(state, windows) -> (state, loss)``, jitted; ``windows: (groups, B/groups,
     S + 1)`` int32 laid out over ``dp``.
@@ -164,7 +166,13 @@ def make_train_step(
     ``_config.deterministic_compile_options`` (the same bits in every process). ``False``
     is for tools that jit the step again, such as ``ts.profile``: jax takes compile
     options on the outermost jit only.
+
+    ``grad_algo``: the all-reduce algorithm (``ts.all_reduce``'s ``algo``) that sums the
+    loss and gradients over ``dp`` (None: ``model.all_sum``'s rule). Every algorithm
+    gives the canonical tree's bits, so the choice changes the time, not the result.
     """
+    if grad_algo is not None and grad_algo not in ALGOS:
+        raise ValueError(f"make_train_step: {grad_algo=} must be None or one of {ALGOS}")
     opt = optim.optimizer()
     abstract = jax.eval_shape(lambda key: _init_tree(cfg, opt, key), jax.random.key(0))
     specs = state_specs(opt, abstract)
@@ -178,11 +186,11 @@ def make_train_step(
         if unroll:
             loss, grads = _group_sums(vg, cparams, windows)
             grads = model.stack_layers(grads)
-            reduce = functools.partial(model.all_sum, axis_name=DP)
+            reduce = functools.partial(model.all_sum, axis_name=DP, algo=grad_algo)
         else:
             loss, grads = jax.lax.map(lambda w: vg(cparams, w), windows)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            reduce = functools.partial(model.tree_sum, axis_name=DP)
+            reduce = functools.partial(model.tree_sum, axis_name=DP, algo=grad_algo)
         return reduce(loss) * scale, jax.tree.map(lambda g: reduce(g) * scale, grads)
 
     # XLA's GPU autotuning would pick kernels, and so bits, per process.
