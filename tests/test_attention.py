@@ -661,10 +661,10 @@ def test_window_sides_past_the_sequence_see_every_key(sq, skv):
     ],
 )
 def test_dropped_keys_keep_whole_tiles(window, sq, skv, dropped):
-    got = contracts.dropped_keys(window, sq, skv)
+    got = contracts.dropped_keys(window, sq, skv, 128)
     assert got == dropped
     assert got <= contracts.first_seen_key(window, sq, skv)
-    assert got == 0 or (skv - got) % contracts.KEPT_KEYS_MULTIPLE == 0
+    assert got == 0 or (skv - got) % 128 == 0
 
 
 def test_keys_before_every_window_are_not_read():

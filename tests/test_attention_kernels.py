@@ -25,11 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax import _compat
-from tessera_jax.contracts.attention import (
-    KEPT_KEYS_MULTIPLE,
-    AttentionSpec,
-    FlashAttentionConfig,
-)
+from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
 from tessera_jax.primitives.attention import (
     flash_attention_fwd,
@@ -405,10 +401,10 @@ def _check_dq_dkv(dims, causal, lengths, *, interpret, split_keys=None, repeat=1
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dq_dkv", [False, True])
 def test_kept_keys_need_no_padded_copy(d, dq_dkv):
-    """The keys the operator keeps under a window (a multiple of KEPT_KEYS_MULTIPLE)
-    are a whole number of the backward's key tiles: its K and V operands are the slice
-    itself, not a padded copy of it."""
-    skv = 33 * KEPT_KEYS_MULTIPLE
+    """The keys the operator keeps under a window (a multiple of TILE) are a whole number
+    of the backward's key tiles: its K and V operands are the slice itself, not a padded
+    copy of it."""
+    skv = 33 * am.TILE
     q, k = (jax.ShapeDtypeStruct((1, s, 8, d), jnp.bfloat16) for s in (16, skv))
     p = am._bwd_problem(q, k, False, 1.0, dq_dkv=dq_dkv)
     assert p.seq_kv_pad == skv

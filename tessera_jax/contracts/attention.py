@@ -191,13 +191,6 @@ class AttentionSpec:
         )
 
 
-# Under a window the operator keeps a whole number of these keys (:func:`dropped_keys`):
-# slicing a cache is a copy (a kernel reads a buffer of its own), and a count that the
-# backward kernels' key tiles divide (attention_mgpu pads keys to 128-row tiles) reaches
-# them as it is, where a ragged count would be padded into a second copy.
-KEPT_KEYS_MULTIPLE = 128
-
-
 def first_seen_key(window: tuple[int, int] | None, seq_q: int, seq_kv: int) -> int:
     """The first key any query sees under a ``(left, right)`` window (0 without one):
     query ``i`` sees none before ``i + seq_kv − seq_q − left``. The operator slices off
@@ -206,11 +199,11 @@ def first_seen_key(window: tuple[int, int] | None, seq_q: int, seq_kv: int) -> i
     return 0 if window is None else max(0, seq_kv - seq_q - window[0])
 
 
-def dropped_keys(window: tuple[int, int] | None, seq_q: int, seq_kv: int) -> int:
+def dropped_keys(window: tuple[int, int] | None, seq_q: int, seq_kv: int, multiple: int) -> int:
     """How many leading keys the operator slices off before it binds: those before
-    :func:`first_seen_key`, fewer by what keeps the rest a multiple of
-    :data:`KEPT_KEYS_MULTIPLE` (the keys between stay, hidden by the window). Static
-    shapes and the window only: the same on any mesh."""
+    :func:`first_seen_key`, fewer by what keeps the rest a multiple of ``multiple`` (the
+    keys between stay, hidden by the window). Static shapes and the window only: the
+    same on any mesh."""
     seen = seq_kv - first_seen_key(window, seq_q, seq_kv)
-    kept = -(-seen // KEPT_KEYS_MULTIPLE) * KEPT_KEYS_MULTIPLE
+    kept = -(-seen // multiple) * multiple
     return max(0, seq_kv - kept)

@@ -2216,7 +2216,7 @@ def flash_bwd(
     if ex.kv_lengths is not None:
         real = _positions_below(ex.kv_lengths, p.seq_kv)[:, :, None, None]
     first = first_seen_key(spec.local_window_size, p.seq_q, p.seq_kv)
-    # (The operator slices off all but fewer than 128 such keys before it binds.)
+    # (The operator slices off all but fewer than TILE such keys before it binds.)
     if p.dq_dkv and first > 0:
         seen = (jnp.arange(p.seq_kv) >= first)[None, :, None, None]
         real = seen if real is None else real & seen

@@ -971,13 +971,14 @@ def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
     Dropping it before the primitive spares every implementation the keys' reads and
     their share of the key chunks, and the dispatch sees the keys that count; the slice's
     transpose gives them zero gradients. The prefix is rounded down so that the kept keys
-    are a whole number of the backward kernels' key tiles
-    (``contracts.attention.dropped_keys``): the slice is then the only copy of K and V
-    their operands need. The masks are relative to the shapes (the window and the causal
-    diagonal follow ``Skv − Sq``, which drops with the keys) or to the key lengths,
-    shifted here. It depends on the static shapes and window only: the same on any mesh.
+    are a whole number of the backward kernels' key tiles (``attention_mgpu.TILE``, to
+    which they pad the keys): the slice, a copy since a kernel reads a buffer of its own,
+    is then the only copy of K and V their operands need. The masks are relative to the
+    shapes (the window and the causal diagonal follow ``Skv − Sq``, which drops with the
+    keys) or to the key lengths, shifted here. It depends on the static shapes and window
+    only: the same on any mesh.
     """
-    first = dropped_keys(window, q.shape[1], k.shape[1])
+    first = dropped_keys(window, q.shape[1], k.shape[1], _mgpu.TILE)
     if first == 0 or q.shape[1] == 0:
         return k, v, extras
     # (_prepare gathered the keys of every operand on a mesh with Explicit axes.)
