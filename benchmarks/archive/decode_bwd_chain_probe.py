@@ -115,26 +115,21 @@ def thunks():
     jax.jit(_impls()[os.environ["PROBE_IMPL"]]).lower(q, k, v, do).compile()
 
 
+def _delta_transposed_and_padded(out, dout, interpret=False, seq_pad=None):
+    rows = jnp.swapaxes(norms_gpu.row_dot(out, dout, interpret=interpret), 1, 2)
+    pad = (seq_pad or out.shape[1]) - out.shape[1]
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)))
+
+
 def delta():
     shapes = [((1, 1, 8, 128), 128), ((4, 16, 16, 128), 128), ((2, 200, 4, 64), 256)]
     shapes += [((1, 300, 2, 256), 384), ((2, 4096, 16, 128), 4096), ((1, 64, 32, 128), 128)]
     for shape, pad in shapes:
         o, do = A.rand(1, shape, A.BF16), A.rand(2, shape, A.BF16)
-
-        def xla_layout(o, do, pad=pad, s=shape[1]):
-            rows = jnp.swapaxes(norms_gpu.row_dot(o, do), 1, 2)
-            return jnp.pad(rows, ((0, 0), (0, 0), (0, pad - s)))
-
-        old = jax.jit(xla_layout)(o, do)
+        old = jax.jit(functools.partial(_delta_transposed_and_padded, seq_pad=pad))(o, do)
         new = jax.jit(functools.partial(norms_gpu.row_dot, seq_pad=pad))(o, do)
         same = np.array_equal(np.asarray(old).view(np.uint32), np.asarray(new).view(np.uint32))
         print(f"delta bits {shape} pad {pad}: {'SAME' if same else 'DIFFERENT'}", flush=True)
-
-
-def _delta_transposed_and_padded(out, dout, interpret=False, seq_pad=None):
-    rows = jnp.swapaxes(norms_gpu.row_dot(out, dout, interpret=interpret), 1, 2)
-    pad = (seq_pad or out.shape[1]) - out.shape[1]
-    return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)))
 
 
 def ab():
