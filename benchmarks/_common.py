@@ -111,6 +111,24 @@ def rotation(set_bytes: int) -> int:
     return max(1, min(16, -(-L2_ROTATE_BYTES // max(set_bytes, 1))))
 
 
+def chained(
+    fn: Callable[..., Any], calls: int, chain: Callable[[Sequence[Any], Any], Sequence[Any]]
+) -> Callable[[Sequence[Sequence[Any]]], list[Any]]:
+    """The program :func:`time_in_graph` times: ``run(sets)`` makes ``calls`` calls of
+    ``fn``, call ``i`` on ``sets[i % len(sets)]`` passed through ``chain(args, previous
+    result)``, and returns every result."""
+
+    def run(sets):
+        results, prev = [], None
+        for i in range(calls):
+            args = sets[i % len(sets)]
+            prev = fn(*(args if prev is None else chain(args, prev)))
+            results.append(prev)
+        return results  # every result is an output: no call's work is dead code
+
+    return run
+
+
 def time_in_graph(
     fns: dict[str, Callable[..., Any]],
     arg_sets: Sequence[Sequence[Any]],
@@ -129,19 +147,7 @@ def time_in_graph(
     program (default :func:`jax.jit`); ``timing`` goes to :func:`time_interleaved`.
     """
     calls = max(len(arg_sets), IN_GRAPH_MIN_CALLS)
-
-    def program(fn):
-        def run(sets):
-            results, prev = [], None
-            for i in range(calls):
-                args = sets[i % len(sets)]
-                prev = fn(*(args if prev is None else chain(args, prev)))
-                results.append(prev)
-            return results  # every result is an output: no call's work is dead code
-
-        return run
-
-    programs = {name: jit(name, program(fn)) for name, fn in fns.items()}
+    programs = {name: jit(name, chained(fn, calls, chain)) for name, fn in fns.items()}
     ms = time_interleaved(programs, (tuple(tuple(s) for s in arg_sets),), **timing)
     return {name: t / calls for name, t in ms.items()}
 

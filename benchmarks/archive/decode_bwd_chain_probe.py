@@ -39,7 +39,7 @@ import numpy as np
 
 import tessera_jax as ts
 from benchmarks import attention as A
-from benchmarks._common import time_in_graph
+from benchmarks._common import chained, time_in_graph
 from tessera_jax.pallas_kernels import attention_mgpu as am
 from tessera_jax.pallas_kernels import norms_gpu
 
@@ -66,16 +66,8 @@ def chain():
         sets = [(q, *kv, do) for kv in A._kv_sets(k, v)]
         calls = max(len(sets), 8)
         for name, fn in _impls().items():
-
-            def run(sets, fn=fn):
-                res, prev = [], None
-                for i in range(calls):
-                    a = sets[i % len(sets)]
-                    prev = fn(*(a if prev is None else A._chain(True)(a, prev)))
-                    res.append(prev)
-                return res
-
-            p = ts.profile(jax.jit(run), tuple(tuple(s) for s in sets), steps=10, warmup=3)
+            run = jax.jit(chained(fn, calls, A._chain(True)))
+            p = ts.profile(run, tuple(tuple(s) for s in sets), steps=10, warmup=3)
             ms = time_in_graph({name: fn}, sets, A._chain(True), repeats=5, target_ms=40)[name]
             kernels = sum(x.time_s for x in p.kernels) / calls * 1e6
             n = sum(x.calls for x in p.kernels) / calls
