@@ -363,12 +363,10 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 
 
 # The head dims where the forward overlaps its steps within a warpgroup
-# (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256 only, with loop
-# bounds known at compile time (benchmarks/results/attention-h100-sweep.json, ``pipelined``
-# rows). At 128 it holds a step's scores, the previous step's probabilities and the output
-# in registers at once and runs a little slower. Wherever its loop bounds are read at run
-# time (causal masks, windows, key lengths) it runs far slower than the serial loop, for a
-# reason not yet found (benchmarks/archive/fwd-pipelined-bounds-h100.txt).
+# (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256, whether its
+# loop bounds are fixed at compile time or read at run time (causal masks, key lengths); level
+# with the serial loop at 128, and slower at 64 at every block length
+# (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json).
 FWD_PIPELINED = {64: False, 128: False, 256: True}
 
 
@@ -393,10 +391,9 @@ def _fwd_problem(
 
 def _fwd_pipelined(p: Problem) -> bool:
     """Whether the forward of ``p`` takes the pipelined loop where it measured faster:
-    :data:`FWD_PIPELINED`'s head dims, loop bounds fixed at compile time (no causal mask,
-    window or key lengths) and blocks visible whole (no segment ids or bias)."""
-    static = p.right is None and p.left is None and not p.kv_lengths
-    return FWD_PIPELINED[p.head_dim] and static and not p.every_block_masked
+    :data:`FWD_PIPELINED`'s head dims, with blocks visible whole (no segment ids or bias:
+    the pipelined step runs a masked block's products one after the other)."""
+    return FWD_PIPELINED[p.head_dim] and not p.every_block_masked
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
@@ -1159,8 +1156,13 @@ def _fwd_kernel(
                     schedule()
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P·V still running
                     m_new, pr, alpha = probs(j, s, m, masked)
-                    state = row_sums(l_, m_new, pr, alpha)
-                    return state, alpha, plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                    l_new = l_ * alpha + pr.sum(axis=1)
+                    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                    # The 16-bit P is written once P·V has landed: written while the
+                    # product still reads the last one, it makes ptxas serialise every
+                    # product of the kernel (its warning C7513).
+                    o, pr = lax.optimization_barrier((o, pr))
+                    return (m_new, l_new, pr.astype(p.dtype)), alpha, o
 
                 state, alpha, o = pl.run_scoped(
                     both, plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
