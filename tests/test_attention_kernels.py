@@ -1026,8 +1026,8 @@ class TestPipelinedForwardGPU:
         check(dtype, repeat=3)
 
 
-# Compiles each kernel at each head_dim in a child process that has Mosaic GPU print ptxas's
-# report; the last line counts the kernels it compiled.
+# Compiles every attention kernel at each head_dim in a child process whose Mosaic GPU
+# prints ptxas's report: one "Compiling entry function" line per kernel, then its warnings.
 _PTXAS_CHILD = """
 import functools, jax, jax.numpy as jnp
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
@@ -1054,7 +1054,7 @@ def test_no_kernel_serialises_its_wgmmas():
     """ptxas serialises a kernel's wgmma products when other instructions write registers
     that an in-flight product reads (warning C7513): the pipelined forward cast the next
     block's probabilities to 16 bits while the previous block's P·V was still reading the
-    last ones, and ran at half speed. No attention kernel may draw that warning."""
+    last ones, and ran at about half speed. No attention kernel may draw that warning."""
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

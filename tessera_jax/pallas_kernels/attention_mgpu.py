@@ -364,9 +364,10 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 
 # The head dims where the forward overlaps its steps within a warpgroup
 # (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256, whether its
-# loop bounds are fixed at compile time or read at run time (causal masks, key lengths); level
-# with the serial loop at 128, and slower at 64 at every block length
-# (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json).
+# loop bounds are fixed at compile time or read at run time (causal masks, key lengths; a
+# window's bounds are read the same way, not timed); level with the serial loop at 128, and
+# slower at 64 at every block length (benchmarks/archive/fwd-pipelined-bounds-h200.txt,
+# results/attention-h200-sweep.json).
 FWD_PIPELINED = {64: False, 128: False, 256: True}
 
 
