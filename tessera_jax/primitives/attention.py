@@ -978,20 +978,20 @@ def _drop_unseen_keys(q, k, v, extras: AttentionExtras, window):
     keys) or to the key lengths, shifted here. It depends on the static shapes and window
     only: the same on any mesh.
     """
-    first = dropped_keys(window, q.shape[1], k.shape[1], _mgpu.TILE)
-    if first == 0 or q.shape[1] == 0:
+    dropped = dropped_keys(window, q.shape[1], k.shape[1], _mgpu.TILE)
+    if dropped == 0 or q.shape[1] == 0:
         return k, v, extras
     # (_prepare gathered the keys of every operand on a mesh with Explicit axes.)
-    k, v = k[:, first:], v[:, first:]
+    k, v = k[:, dropped:], v[:, dropped:]
 
     def keys_of(x, axis):
         if x is None or x.shape[axis] == 1:
             return x
-        return jax.lax.slice_in_dim(x, first, None, axis=axis)
+        return jax.lax.slice_in_dim(x, dropped, None, axis=axis)
 
     kv_lengths = extras.kv_lengths
     if kv_lengths is not None:
-        kv_lengths = jnp.maximum(kv_lengths - first, 0)
+        kv_lengths = jnp.maximum(kv_lengths - dropped, 0)
     extras = extras._replace(
         mask=keys_of(extras.mask, 3),
         bias=keys_of(extras.bias, 3),
