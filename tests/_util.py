@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import zlib
+from pathlib import Path
 from unittest import mock
 
 import jax
@@ -15,6 +16,9 @@ import scipy.special
 
 from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives._core import OPERATORS
+
+# The repository's root: what a child process puts on its PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[1]
 
 # Relative tolerance of ||out - ref|| / ||ref|| against a float64 reference, by the
 # dtype the op computes in. 8-bit formats have 3 (e4m3) or 2 (e5m2) mantissa bits.

@@ -36,6 +36,7 @@ from tessera_jax.primitives.attention import (
     reference_block_kv,
 )
 from tests._util import (
+    ROOT,
     assert_close,
     chosen_kernels,
     cuda_lowering,
@@ -1056,8 +1057,7 @@ def test_no_kernel_serialises_its_wgmmas():
     block's probabilities to 16 bits while the previous block's P·V was still reading the
     last ones, and ran at about half speed. No attention kernel may draw that warning."""
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", _PTXAS_CHILD], env=env, capture_output=True, text=True
     )

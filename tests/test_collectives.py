@@ -660,9 +660,9 @@ def test_allreduce_benchmark_smoke(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    from tests._util import ROOT as root
+
     env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [

@@ -22,9 +22,8 @@ from tessera_jax import _compat, _config
 from tessera_jax.__main__ import main
 from tessera_jax.train import data, demo, model, step
 from tessera_jax.train.checkpoint import fingerprint
-from tests._util import subjaxprs
+from tests._util import ROOT, subjaxprs
 
-ROOT = pathlib.Path(__file__).parent.parent
 # A model small enough for CI: a few steps compile and run in seconds.
 TINY = ["--layers", "1", "--width", "64", "--seq", "32", "--batch", "8", "--sample", "0"]
 

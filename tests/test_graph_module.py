@@ -7,19 +7,18 @@ patterns (the graph left exactly as traced).
 
 import math
 import os
-import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import assert_close, f64
+from _util import ROOT, assert_close, f64
 
 import tessera_jax as ts
 
 BF16 = jnp.bfloat16
-GRAPHS_MD = pathlib.Path(__file__).parent.parent / "docs" / "GRAPHS.md"
+GRAPHS_MD = ROOT / "docs" / "GRAPHS.md"
 _RNG = np.random.default_rng(2026 + int(os.environ.get("TESSERA_TEST_SEED", "0")))
 
 

@@ -24,12 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax.launch import process as launch
-from tests._util import assert_close, f64, np_tree, rand
+from tests._util import ROOT, assert_close, f64, np_tree, rand
 
 # Bitwise across process layouts: checked on the code XLA optimises (tests/conftest.py).
 pytestmark = pytest.mark.xla_optimized
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # op, dtype, global shape: dim 0 holds the 4 parts (one per device of the 2×2 run).
 CASES = [

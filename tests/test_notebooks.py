@@ -1,12 +1,13 @@
 """Every notebook in notebooks/ runs top to bottom (code cells executed in one namespace)."""
 
 import json
-import pathlib
 
 import jax
 import pytest
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+from tests._util import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

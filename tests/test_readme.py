@@ -1,11 +1,12 @@
 """The README's tour runs as written."""
 
-import pathlib
 import re
 
 import numpy as np
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+from tests._util import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_readme_tour_runs(capsys):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import pathlib
 import re
 
 import jax
@@ -22,9 +21,9 @@ import pytest
 import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.tile import lowering as tile_lowering
-from tests._util import assert_close, rand
+from tests._util import ROOT, assert_close, rand
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kernels"
+EXAMPLES = ROOT / "examples" / "kernels"
 
 
 def _example(name: str):
