@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from unittest import mock
@@ -283,3 +285,16 @@ def xla_ordered_sums(f, *args) -> list[str]:
 
     walk(jax.make_jaxpr(f)(*args).jaxpr)
     return found
+
+
+def assert_no_serialised_wgmma(child: str, kernels: int) -> None:
+    """Compiles in a child process with ptxas's report on (one "Compiling entry function"
+    line per kernel, at least ``kernels`` of them) and fails on any C7513 warning."""
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "compiled" in proc.stdout, log[-3000:]
+    assert log.count("Compiling entry function") >= kernels, log[-3000:]
+    serialised = [line for line in log.splitlines() if "C7513" in line]
+    assert not serialised, "\n".join(serialised)

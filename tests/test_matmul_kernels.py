@@ -26,6 +26,7 @@ from tessera_jax.pallas_kernels import matmul_mgpu as mg
 from tessera_jax.pallas_kernels import matmul_portable as mp
 from tessera_jax.primitives.matmul import matmul_op
 from tests._util import (
+    assert_no_serialised_wgmma,
     cuda_lowering,
     f64,
     mosaic_gpu_calls,
@@ -543,3 +544,35 @@ def test_prefer_follows_the_measurements():
     assert not mg.prefer(spec_of(), _avals(((16, 8192), BF16), ((8192, 28672), BF16)))
     assert not mg.prefer(spec_of(), _avals(((16, 8192), BF16), ((8192, 1024), BF16)))
     assert not mp.prefer(spec_of(), big)
+
+
+# The matmul kernel's forms: plain, both transposes, the full epilogue, the activation's
+# derivative, the rmsnorm row scale, 8-bit operands and a few-row (decode) product.
+_PTXAS_CHILD = """
+import jax, jax.numpy as jnp, numpy as np
+from tessera_jax.contracts.matmul import MatmulSpec
+from tessera_jax.pallas_kernels import matmul_mgpu as mg
+bf, f32, e4 = jnp.bfloat16, np.float32, jnp.float8_e4m3fn
+def spec(**kw):
+    return MatmulSpec(out_dtype=bf, accumulate_dtype=f32, **kw)
+def compile_(s, shapes, dtype=bf, **kw):
+    args = [jnp.ones(x, dtype if i < 2 else f32) for i, x in enumerate(shapes)]
+    jax.jit(lambda *x: mg.matmul(s, *x, **kw)).lower(*args).compile()
+compile_(spec(), [(4096, 4096), (4096, 4096)])
+compile_(spec(transpose_a=True, transpose_b=True), [(1024, 2048), (4096, 1024)])
+full = spec(activation="gelu", has_bias=True, has_residual=True, has_scale=True)
+compile_(full, [(2048, 1024), (1024, 4096), (4096,), (2048, 4096), ()])
+compile_(spec(activation="relu"), [(2048, 1024), (1024, 4096)], with_derivative=True)
+compile_(spec(), [(2048, 1024), (1024, 4096)], row_scale=jnp.ones((2048,), f32))
+compile_(spec(transpose_b=True), [(4096, 4096), (4096, 4096)], dtype=e4)
+compile_(spec(), [(64, 4096), (4096, 8192)])
+print("compiled")
+"""
+
+
+@pytest.mark.gpu
+def test_no_kernel_serialises_its_wgmmas():
+    """ptxas serialises a kernel's wgmma products when other instructions write registers
+    that an in-flight product reads (warning C7513; see test_attention_kernels.py). The
+    matmul kernel's forms may not draw it either: the epilogues read the accumulator."""
+    assert_no_serialised_wgmma(_PTXAS_CHILD, kernels=7)
