@@ -462,9 +462,15 @@ def run_sweep() -> list[dict]:
     return _sweep_fwd() + _sweep_bwd()
 
 
+def _flash_fwd_out(spec, q, k, v, *, bkv, pipelined, pingpong):
+    out, _ = am.flash_fwd(spec, q, k, v, block_kv=bkv, pipelined=pipelined, pingpong=pingpong)
+    return out
+
+
 def _sweep_fwd(only: list[str] = ()) -> list[dict]:
     """The forward kernel with each ``block_kv`` that fits, serial and pipelined
-    (``Problem.fwd_pipelined``), vs cuDNN, B4 S4096 H16, bf16; in f16 also jax's own
+    (``Problem.fwd_pipelined``), the latter with and without the ping-pong
+    (``Problem.fwd_pingpong``), vs cuDNN, B4 S4096 H16, bf16; in f16 also jax's own
     Mosaic GPU FA3 forward (its kernel applies no score scale: checked against cuDNN at
     scale 1). ``repeatable``: three calls gave the same bits."""
     recs = []
@@ -486,12 +492,14 @@ def _sweep_fwd(only: list[str] = ()) -> list[dict]:
             fns = {
                 "cudnn": jax.jit(functools.partial(_jax_nn, causal=causal, implementation="cudnn"))
             }
-            for bkv, pipelined in itertools.product(am.FWD_BLOCK_KV_CHOICES, (False, True)):
+            loops = ((False, True), (True, True), (True, False))  # (pipelined, pingpong)
+            for bkv, (pipelined, pingpong) in itertools.product(am.FWD_BLOCK_KV_CHOICES, loops):
                 if am._fwd_stages(d, bkv) >= 2:
-                    fns[f"mosaic_gpu[block_kv={bkv}{',pipelined' * pipelined}]"] = jax.jit(
-                        lambda q, k, v, bkv=bkv, spec=spec, pipelined=pipelined: am.flash_fwd(
-                            spec, q, k, v, block_kv=bkv, pipelined=pipelined
-                        )[0]
+                    loop = ",pipelined" * pipelined + ",no-pingpong" * (not pingpong)
+                    fns[f"mosaic_gpu[block_kv={bkv}{loop}]"] = jax.jit(
+                        functools.partial(
+                            _flash_fwd_out, spec, bkv=bkv, pipelined=pipelined, pingpong=pingpong
+                        )
                     )
             refs = {name: fns["cudnn"] for name in fns}
             if dtype == F16 and (fa3 := _jax_fa3(causal, d)) is not None:

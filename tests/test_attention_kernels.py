@@ -962,12 +962,15 @@ class TestPipelinedForwardInterpret:
         check(jnp.bfloat16)
 
     @pytest.mark.parametrize("head_dim", sample([64, 128], 1))
-    def test_no_races_bitwise_repeatable(self, head_dim):
-        """The forward alone, race detection on, twice: the same bits."""
+    @pytest.mark.parametrize("pingpong", [True, False])
+    def test_no_races_bitwise_repeatable(self, head_dim, pingpong):
+        """The forward alone, race detection on, twice: the same bits; with the compute
+        warpgroups taking turns on the tensor cores and without."""
         spec = AttentionSpec(causal=True, scale=head_dim**-0.5, config=FlashAttentionConfig())
         q, k, v = (rand((1, 128, 1, head_dim), jnp.float16) for _ in range(3))
+        fwd = functools.partial(am.flash_fwd, spec, interpret=True, pingpong=pingpong)
         with _compat.gpu_interpret_mode(detect_races=True):
-            runs = [am.flash_fwd(spec, q, k, v, interpret=True) for _ in range(2)]
+            runs = [fwd(q, k, v) for _ in range(2)]
         assert _compat.races_detected() is False
         for x, y in zip(*runs):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -1153,8 +1156,10 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
         (256, dict(local_window_size=(64, 64)), True),
         (256, dict(has_kv_lengths=True), True),
         (256, dict(has_segment_ids=True), False),
-        (128, {}, False),
-        (128, dict(causal=True), False),
+        (128, {}, True),
+        (128, dict(causal=True), True),
+        (128, dict(has_segment_ids=True), False),
+        (64, {}, False),
         (64, dict(has_mask=True), False),
     ],
 )
@@ -1167,6 +1172,16 @@ def test_pipelined_forward_where_it_measured_faster(head_dim, features, pipeline
     bias = jnp.zeros((1, 1, 256, 256)) if spec.has_mask else None
     p = am._with_features(am._fwd_problem(q, q, causal, 0.1), spec, bias)
     assert am._fwd_pipelined(p) is pipelined
+
+
+def test_pingpong_off_needs_the_pipelined_loop():
+    """The serial loop's warpgroups always take turns: asking it not to is an error."""
+    spec = _spec()
+    q = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pingpong=False needs the pipelined loop"):
+        am.flash_fwd(spec, q, q, q, interpret=True, pipelined=False, pingpong=False)
+    with pytest.raises(TypeError, match="pingpong=1 must be a bool"):
+        am.flash_fwd(spec, q, q, q, interpret=True, pingpong=1)
 
 
 # --- what the kernels decline (no kernel runs: fast) ----------------------------------------

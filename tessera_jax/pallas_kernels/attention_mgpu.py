@@ -138,6 +138,10 @@ class Problem:
       fwd_pipelined: the forward's steps overlap within a warpgroup (:func:`_fwd_pipelined`):
         step j issues ``S_j = Q·K_jᵀ`` and ``O += P_{j−1}·V_{j−1}`` together and runs the
         softmax of ``S_j`` while the second product is on the tensor cores.
+      fwd_pingpong: the forward's two compute warpgroups take turns on the tensor cores
+        (FA3's ping-pong: one's softmax runs while the other's products do). Always so
+        with the serial loop; the pipelined loop may instead run both freely
+        (:data:`FWD_PINGPONG`).
       dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
@@ -187,6 +191,7 @@ class Problem:
     kv_split: int | None = None
     dkv_paired: bool = False
     fwd_pipelined: bool = False
+    fwd_pingpong: bool = True
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     segments: bool = False
@@ -365,10 +370,19 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 # The head dims where the forward overlaps its steps within a warpgroup
 # (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256, whether its
 # loop bounds are fixed at compile time or read at run time (causal masks, key lengths; a
-# window's bounds are read the same way, not timed); level with the serial loop at 128, and
-# slower at 64 at every block length (benchmarks/archive/fwd-pipelined-bounds-h200.txt,
-# results/attention-h200-sweep.json).
-FWD_PIPELINED = {64: False, 128: False, 256: True}
+# window's bounds are read the same way, not timed); slower at 64 at every block length
+# (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json).
+# At 128 it is faster than the serial loop without the ping-pong (:data:`FWD_PINGPONG`),
+# level with it; timed there non-causal against both, causal against cuDNN only, with a
+# window or key lengths not at all.
+FWD_PIPELINED = {64: False, 128: True, 256: True}
+
+# Whether the pipelined loop keeps the ping-pong between the compute warpgroups, by
+# head_dim (``Problem.fwd_pingpong``). With it the two softmaxes take turns, and at 128 a
+# block's softmax outlasts the other warpgroup's two products, so the tensor cores wait;
+# without it both softmaxes run while both warpgroups' products do (the ``no-pingpong``
+# rows of results/attention-h200-sweep.json). Not timed without it at 64 or 256.
+FWD_PINGPONG = {64: True, 128: False, 256: True}
 
 
 def _fwd_problem(
@@ -1002,9 +1016,10 @@ def _fwd_kernel(
 
     def schedule():
         # Ping-pong between the two compute warpgroups: one's softmax overlaps the other's
-        # wgmma (the FA3 schedule).
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+        # wgmma (the FA3 schedule). Without it (the pipelined loop only) no rendezvous.
+        if p.fwd_pingpong:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
@@ -1997,6 +2012,7 @@ def flash_fwd(
     block_kv: int | None = None,
     pipelined: bool | None = None,
     split_keys: int | None = None,
+    pingpong: bool | None = None,
 ):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
@@ -2007,19 +2023,22 @@ def flash_fwd(
     (:func:`default_split_keys`), the chunks' outputs and lse are combined in f32 in a fixed
     order (:func:`_combine_chunks`).
 
-    ``block_kv``, ``pipelined`` and ``split_keys`` (benchmarks, tests) replace the tuned
-    keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a bias), loop
-    schedule (:func:`_fwd_pipelined`) and keys per chunk (a multiple of the keys per step;
-    at least ``seq_kv``: no split); a ``block_kv`` whose K/V (and bias) ring does not fit
-    shared memory is a ValueError.
+    ``block_kv``, ``pipelined``, ``pingpong`` and ``split_keys`` (benchmarks, tests)
+    replace the tuned keys per loop step (:data:`FWD_BLOCK_KV`, :func:`_fwd_block_kv` with a
+    bias), loop schedule (:func:`_fwd_pipelined`), whether the pipelined loop's warpgroups
+    take turns (:data:`FWD_PINGPONG`; the serial loop always does) and keys per chunk (a
+    multiple of the keys per step; at least ``seq_kv``: no split); a ``block_kv`` whose K/V
+    (and bias) ring does not fit shared memory is a ValueError, and so is
+    ``pingpong=False`` with the serial loop.
     """
-    if pipelined is not None and not isinstance(pipelined, bool):
-        raise TypeError(f"attention_mgpu.flash_fwd: {pipelined=} must be a bool or None")
+    for name, knob in (("pipelined", pipelined), ("pingpong", pingpong)):
+        if knob is not None and not isinstance(knob, bool):
+            raise TypeError(f"attention_mgpu.flash_fwd: {name}={knob!r} must be a bool or None")
     reason = supports(spec, (q, k, v, *extras))
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
     # (for the calls on padded head dims or a folded group)
-    knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys)
+    knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys, pingpong=pingpong)
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
@@ -2042,7 +2061,12 @@ def flash_fwd(
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
     p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind, split_keys), spec, bias)
-    p = dataclasses.replace(p, fwd_pipelined=_fwd_pipelined(p) if pipelined is None else pipelined)
+    pipelined = _fwd_pipelined(p) if pipelined is None else pipelined
+    if pingpong is None:
+        pingpong = FWD_PINGPONG[p.head_dim] or not pipelined
+    elif not (pingpong or pipelined):
+        raise ValueError("attention_mgpu.flash_fwd: pingpong=False needs the pipelined loop")
+    p = dataclasses.replace(p, fwd_pipelined=pipelined, fwd_pingpong=pingpong)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
