@@ -1136,9 +1136,10 @@ def _fwd_kernel(
         # it is done and runs its softmax while the P·V product is still on the tensor
         # cores; O is rescaled by step j's factor once that product has landed. The first
         # block a warpgroup sees only computes its scores, one P·V product follows the
-        # last, and masked blocks run their two products one after the other. A step's two
-        # schedule rendezvous stay where the serial loop has them: after the products are
-        # issued and after the softmax.
+        # last, and masked blocks run their two products one after the other. With the
+        # ping-pong (``p.fwd_pingpong``) a step's two schedule rendezvous stay where the
+        # serial loop has them, after the products are issued and after the softmax;
+        # without it the warpgroups meet only at the K/V ring's barriers.
 
         def row_sums(l_, m_new, pr, alpha):  # the carried softmax state after a block
             return m_new, l_ * alpha + pr.sum(axis=1), pr.astype(p.dtype)
