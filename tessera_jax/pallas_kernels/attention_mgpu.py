@@ -373,8 +373,8 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 # window's bounds are read the same way, not timed); slower at 64 at every block length
 # (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json).
 # At 128 it is faster than the serial loop without the ping-pong (:data:`FWD_PINGPONG`),
-# level with it; timed there non-causal against both, causal against cuDNN only, with a
-# window or key lengths not at all.
+# level with it; timed there at B4 S4096 H16, non-causal against both and causal against
+# cuDNN only; not with a window or key lengths, nor at decode shapes or short sequences.
 FWD_PIPELINED = {64: False, 128: True, 256: True}
 
 # Whether the pipelined loop keeps the ping-pong between the compute warpgroups, by
