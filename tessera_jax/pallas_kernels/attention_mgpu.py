@@ -379,9 +379,11 @@ FWD_PIPELINED = {64: False, 128: True, 256: True}
 
 # Whether the pipelined loop keeps the ping-pong between the compute warpgroups, by
 # head_dim (``Problem.fwd_pingpong``). With it the two softmaxes take turns, and at 128 a
-# block's softmax outlasts the other warpgroup's two products, so the tensor cores wait;
-# without it both softmaxes run while both warpgroups' products do (the ``no-pingpong``
-# rows of results/attention-h200-sweep.json). Not timed without it at 64 or 256.
+# block's softmax (benchmarks/archive/fwd-profile-h200.txt) outlasts what the other
+# warpgroup's two products take at the tensor cores' peak rate (an estimate), so the tensor
+# cores wait; without it both softmaxes run while both warpgroups' products do (the
+# ``no-pingpong`` rows of results/attention-h200-sweep.json). Not timed without it at 64
+# or 256.
 FWD_PINGPONG = {64: True, 128: False, 256: True}
 
 
