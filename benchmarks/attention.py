@@ -545,6 +545,9 @@ def _bwd_variants(d: int) -> dict:
     if d in am.DKV_PAIRED:  # (head_dim 256's dK/dV warpgroups split roles instead)
         paired = not am.DKV_PAIRED[d]
         out[f"mosaic_gpu[dkv_paired={paired}]"] = dict(dkv_paired=paired)
+    if d in am.DKV_DQ:  # dQ from the dK/dV kernel (one kernel) or the dQ kernel
+        fused = not am.DKV_DQ[d]
+        out[f"mosaic_gpu[dkv_dq={fused}]"] = dict(dkv_dq=fused)
     return out
 
 

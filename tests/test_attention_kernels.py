@@ -12,7 +12,9 @@ fail the test instead of testing the reference.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import re
 
@@ -411,6 +413,32 @@ def test_kept_keys_need_no_padded_copy(d, dq_dkv):
     assert p.seq_kv_pad == skv
 
 
+def _check_dkv_dq(dims, causal, lengths, *, interpret, repeat=1, window=None):
+    """dQ from the dK/dV kernel (``flash_bwd(dkv_dq=True)``, head_dim 128) with key
+    lengths, an lse cotangent and a ``window`` vs float64, dK and dV bit for bit those of
+    the two kernels; ``repeat`` runs agree bit for bit."""
+    bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret, window=window)
+    runs = [[np.asarray(g) for g in bwd(dkv_dq=True)] for _ in range(repeat)]
+    for later in runs[1:]:
+        for x, y in zip(runs[0], later):
+            np.testing.assert_array_equal(x, y)
+    two = [np.asarray(g) for g in bwd(dkv_dq=False, dq_dkv=False)]
+    for x, y in zip(runs[0][1:], two[1:]):
+        np.testing.assert_array_equal(x, y)
+    for got, ref in zip(runs[0], want):
+        assert_close(got, ref, factor=2.0)
+
+
+# (dims, causal, key lengths, window) of the dK/dV kernel computing dQ too: chains of key
+# tiles per query block that start late (a window, the causal diagonal), end early
+# (lengths) or hold one tile; GQA.
+DKV_DQ_CASES = [
+    pytest.param((1, 200, 300, 2, 1, 128), False, [250], None, id="gqa-lengths"),
+    pytest.param((2, 130, 400, 1, 1, 128), True, [400, 200], None, id="causal-lengths"),
+    pytest.param((1, 330, 330, 1, 1, 128), False, [330], (100, 30), id="window"),
+]
+
+
 def _check_dkv_tiles(dims, causal, tiles, *, interpret, against=1):
     """The dK/dV kernel at ``tiles`` key tiles per CTA (the last CTA short, the second
     batch entry's length of 100 keys ending in a live CTA) against ``against`` tiles per
@@ -576,6 +604,16 @@ class TestAttentionKernelsInterpret:
     def test_dq_kernel_computes_dk_dv(self, dims, causal, lengths, split_keys):
         with _compat.gpu_interpret_mode(detect_races=True):
             _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
+        assert _compat.races_detected() is False
+
+    # The dK/dV kernel computing dQ too: the interpreter runs the CTAs in grid order, one
+    # after the other, and adds each partial by a read-add-write (TMA's reduce-add and the
+    # semaphores that order the adds on the GPU: test_dkv_dq_turns). Race detection on.
+    # One case per run.
+    @pytest.mark.parametrize("dims, causal, lengths, window", sample(DKV_DQ_CASES, 1))
+    def test_dkv_kernel_computes_dq(self, dims, causal, lengths, window):
+        with _compat.gpu_interpret_mode(detect_races=True):
+            _check_dkv_dq(dims, causal, lengths, interpret=True, window=window)
         assert _compat.races_detected() is False
 
     def test_dq_kernel_computes_dk_dv_after_a_window_start(self):
@@ -811,6 +849,10 @@ class TestAttentionKernelsGPU:
     )
     def test_dkv_tiles_per_cta(self, dims, causal, tiles):
         _check_dkv_tiles(dims, causal, tiles, interpret=False)
+
+    @pytest.mark.parametrize("dims, causal, lengths, window", DKV_DQ_CASES)
+    def test_dkv_kernel_computes_dq(self, dims, causal, lengths, window):
+        _check_dkv_dq(dims, causal, lengths, interpret=False, repeat=3, window=window)
 
     @pytest.mark.parametrize(
         "dims, opts",
@@ -1436,6 +1478,95 @@ def test_decode_chunk_lengths():
     assert lengths == [1024, 1024, 1024, 1024, 2048, 4096, 4096]
     blocks = {*am.FWD_BLOCK_KV_CHOICES, *am.DQ_BLOCK_KV_CHOICES}
     assert all(keys % bkv == 0 for keys in lengths for bkv in blocks)
+
+
+def test_dkv_dq_lowers_for_cuda():
+    """The dK/dV kernel computing dQ too goes through the real Mosaic GPU lowering: the
+    global semaphores, TMA's reduce-add, dSᵀ read transposed and K by column halves."""
+    spec = AttentionSpec(causal=True, scale=0.1, config=FlashAttentionConfig(), has_kv_lengths=True)
+    q, k = (jnp.zeros((2, s, 2, 128), jnp.bfloat16) for s in (300, 700))
+    lse, n = jnp.zeros((2, 2, 300), jnp.float32), jnp.array([5, 700], jnp.int32)
+    bwd_fn = functools.partial(am.flash_bwd, spec.replace(local_window_size=(200, 0)), dkv_dq=True)
+    assert len(mosaic_gpu_calls(cuda_lowering_xla_row_dot(bwd_fn, q, k, k, q, lse, q, n))) == 1
+
+
+@pytest.mark.parametrize(
+    "seq_q, seq_kv, causal, window, lengths",
+    [
+        (512, 512, False, None, None),
+        (300, 1000, True, None, [1000, 517, 0]),
+        (1000, 1000, False, (150, 40), [1000, 700, 129]),
+        (1000, 300, True, (500, 0), None),
+    ],
+)
+def test_dkv_dq_turns(seq_q, seq_kv, causal, window, lengths):
+    """The semaphore protocol of :attr:`Problem.dkv_dq` (:func:`_dq_turns`,
+    :func:`_dq_passes`), run by a scheduler that holds every key tile at once and steps a
+    random one (a waiting tile spins): every tile finishes, each query block's partials are
+    added in key-tile order by exactly the tiles that see it, and every count ends at 0."""
+    aval = jax.ShapeDtypeStruct((1, seq_q, 1, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq_kv, 1, 128), jnp.bfloat16)
+    p = am._bwd_problem(aval, kv, causal, 0.1, dkv_dq=True)
+    p = dataclasses.replace(p, window=window, kv_lengths=lengths is not None)
+    rng = np.random.default_rng(0)
+    for kv_len in lengths or [None]:
+        n_tiles = p.kv_tiles if kv_len is None else min(-(-kv_len // am.TILE), p.kv_tiles)
+        count = collections.Counter()
+        added = collections.defaultdict(list)
+
+        def tile(t, kv_len=kv_len, n_tiles=n_tiles, count=count, added=added):
+            start, stop = (int(x) for x in am._tile_q_span(p, t))
+            if t >= n_tiles:
+                stop = start  # (a tile past the length sees no query)
+            for qi in range(*(int(x) for x in am._dq_passes(p, t, kv_len))):
+                count[qi] += 1
+            for qi in range(start, stop):
+                follows, followed = (bool(x) for x in am._dq_turns(p, t, qi, kv_len))
+                if (follows and followed) or (t > 0 and not followed):
+                    while count[qi] < t:
+                        yield
+                    count[qi] -= 0 if followed else t
+                added[qi].append((t, follows))
+                count[qi] += followed
+                yield
+
+        running = [tile(t) for t in range(p.kv_tiles)]
+        while running:
+            i = int(rng.integers(len(running)))
+            try:
+                next(running[i])
+            except StopIteration:
+                running.pop(i)
+        nq = -(-seq_q // am.WG_ROWS)
+        for qi in range(nq):
+            chain = [t for t in range(n_tiles) if am._tile_q_span(p, t)[0] <= qi]
+            chain = [t for t in chain if qi < am._tile_q_span(p, t)[1]]
+            assert [t for t, _ in added[qi]] == chain, (kv_len, qi)
+            assert [f for _, f in added[qi]] == [i > 0 for i in range(len(chain))]
+        assert not any(count.values()), (kv_len, dict(count))
+
+
+@pytest.mark.parametrize(
+    "knobs, error",
+    [
+        (dict(dkv_dq=True, dq_block_kv=64), "dq_block_kv=64"),
+        (dict(dkv_dq=True, dkv_tiles=2), "dkv_tiles=2"),
+        (dict(dkv_dq=True, dq_dkv=True), "dq_dkv=True"),
+        (dict(dkv_dq=1), "must be a bool"),
+    ],
+)
+def test_dkv_dq_declines_the_dq_kernels_knobs(knobs, error):
+    q, k = jnp.zeros((1, 200, 1, 128), jnp.bfloat16), jnp.zeros((1, 300, 1, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 200), jnp.float32)
+    with pytest.raises((ValueError, TypeError), match=re.escape(error)):
+        am.flash_bwd(_spec(), q, k, k, q, lse, q, **knobs)
+
+
+def test_dkv_dq_declines_head_dim_64():
+    q = jnp.zeros((1, 200, 1, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 200), jnp.float32)
+    with pytest.raises(ValueError, match="dkv_dq=True does not take the case: head_dim 64"):
+        am.flash_bwd(_spec(), q, q, q, q, lse, q, dkv_dq=True)
 
 
 @pytest.mark.parametrize("head_dim", sample([64, 128], 1))

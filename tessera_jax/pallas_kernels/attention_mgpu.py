@@ -18,7 +18,10 @@ TMA into a ring of shared-memory slots, released by per-slot "consumed" barriers
   accumulates ``dK`` (no product is computed twice).
 
 No atomics anywhere: every output element is written by exactly one warpgroup after a loop
-of fixed order, so outputs and all three gradients are bitwise identical run to run.
+of fixed order, so outputs and all three gradients are bitwise identical run to run. (The
+dK/dV kernel can compute dQ too, :attr:`Problem.dkv_dq`, off by default: there each key
+tile adds its dQ partial to an f32 accumulator with TMA's reduce-add, the tiles of a query
+block taking turns in key order on a global semaphore, so the sum's order is fixed too.)
 Decoding (a head's queries fit one tile) against a long cache, the forward and dQ kernels
 split the keys into chunks (:func:`default_split_keys`), a CTA each,
 that write partial results as pairs of 16-bit terms; XLA combines them in f32 in key order
@@ -173,6 +176,10 @@ class Problem:
         into the rows; its second warpgroup, whose query rows are padding, turns each key
         block's P and dS into the block's dV and dK). ``flash_bwd``'s default wherever it
         fits.
+      dkv_dq: the dK/dV kernel computes dQ too, and the dQ kernel does not run
+        (:data:`DKV_DQ`): each key tile adds its dQ partials to an f32 accumulator in
+        global memory in key-tile order, tile ``t`` after tile ``t − 1`` (a semaphore per
+        query block hands the turn on; :func:`_dq_turns`), so the sum has a fixed order.
     """
 
     batch: int
@@ -200,6 +207,7 @@ class Problem:
     bias_heads: bool = False
     dkv_tiles: int = 1
     dq_dkv: bool = False
+    dkv_dq: bool = False
 
     @property
     def every_block_masked(self) -> bool:
@@ -382,9 +390,9 @@ FWD_PIPELINED = {64: False, 128: True, 256: True}
 # block's softmax (benchmarks/archive/fwd-profile-h200.txt) outlasts what the other
 # warpgroup's two products take at the tensor cores' peak rate (an estimate), so the tensor
 # cores wait; without it both softmaxes run while both warpgroups' products do (the
-# ``no-pingpong`` rows of results/attention-h200-sweep.json). Not timed without it at 64
-# or 256.
-FWD_PINGPONG = {64: True, 128: False, 256: True}
+# ``no-pingpong`` rows of results/attention-h200-sweep.json, at B4 S4096 H16: faster at 128
+# and 256, causal and not; at 64 the serial loop, which keeps it, is faster than either).
+FWD_PINGPONG = {64: True, 128: False, 256: False}
 
 
 def _fwd_problem(
@@ -480,6 +488,26 @@ def _dkv_tiles(p: Problem) -> int:
     return tiles
 
 
+# Where the dK/dV kernel computes dQ too (:attr:`Problem.dkv_dq`), by head_dim: five
+# products per key block and query block instead of the two kernels' seven (the dQ kernel
+# recomputes S and dP), for a dQ partial per key tile that goes through shared memory to an
+# f32 accumulator (a TMA reduce-add) once the tile before it has added its own. Each compute
+# warpgroup forms 64 of the partial's columns from both warpgroups' dS, so head_dim 64
+# (32-column halves, narrower than the 128-byte swizzle) keeps the two kernels, as does
+# the role-split kernel of 256. Off: correct and bitwise repeatable on the GPU, but slower
+# than the two kernels (``--sweep-bwd``'s ``dkv_dq`` rows). Each warpgroup waits for its
+# last partial to reach the accumulator before it stages the next, and hands the turn on
+# only then, so every tile of a chain starts its adds a step after the one before;
+# handing the adds to a warpgroup of their own (FA3's dQ writer) is the way on.
+DKV_DQ = {128: False}
+
+
+def _dkv_dq_smem(d: int) -> int:
+    """Shared memory :attr:`Problem.dkv_dq` adds: both warpgroups' dSᵀ (16-bit, 64 keys by
+    64 queries each) and each one's f32 half of the dQ partial."""
+    return NUM_COMPUTE_WGS * WG_ROWS * WG_ROWS * 2 + NUM_COMPUTE_WGS * WG_ROWS * (d // 2) * 4
+
+
 def _dkv_roles(d: int) -> bool:
     return d >= DKV_ROLES_HEAD_DIM
 
@@ -488,15 +516,15 @@ def _dkv_rows(d: int) -> int:
     return WG_ROWS if _dkv_roles(d) else TILE
 
 
-def _dkv_smem(d: int, stages: int, bias: str | None = None) -> int:
+def _dkv_smem(d: int, stages: int, bias: str | None = None, dq: bool = False) -> int:
     """Shared-memory bytes of the dK/dV kernel: K and V of its key rows, the Q/dO ring (with
-    a ``bias``, each slot also holds the key rows' part of it) and, where the warpgroups
-    split roles, the f32 Pᵀ tile they hand over."""
+    a ``bias``, each slot also holds the key rows' part of it), where the warpgroups
+    split roles, the f32 Pᵀ tile they hand over, and with ``dq`` :func:`_dkv_dq_smem`."""
     hand_over = WG_ROWS * WG_ROWS * 4 if _dkv_roles(d) else 0
     slot = 2 * WG_ROWS * d * 2 + 2 * WG_ROWS * 4
     slot += _bias_slot_bytes(bias, WG_ROWS, _dkv_rows(d))
     fixed = 2 * _dkv_rows(d) * d * 2 + hand_over + _bias_ring_bytes(bias) + 4096
-    return fixed + stages * slot
+    return fixed + stages * slot + (_dkv_dq_smem(d) if dq else 0)
 
 
 def _bwd_problem(
@@ -512,6 +540,7 @@ def _bwd_problem(
     dq_split_keys: int | None = None,
     dkv_tiles: int | None = None,
     dq_dkv: bool = False,
+    dkv_dq: bool = False,
 ) -> Problem:
     """The backward's problem; ``extra``: shared memory the dQ kernel gives segment ids."""
     b, sq, hq, d = q.shape
@@ -541,8 +570,20 @@ def _bwd_problem(
         _kv_split(sq, skv, bkv, dq_split_keys),
         paired,
     )
-    tiles = _dkv_tiles(p) if dkv_tiles is None else dkv_tiles
-    return dataclasses.replace(p, dkv_tiles=tiles, dq_dkv=dq_dkv)
+    tiles = 1 if dkv_dq else _dkv_tiles(p) if dkv_tiles is None else dkv_tiles
+    return dataclasses.replace(p, dkv_tiles=tiles, dq_dkv=dq_dkv, dkv_dq=dkv_dq)
+
+
+def _dkv_dq_reason(d: int, stages: int, extra: int, bias: str | None) -> str | None:
+    """Why the dK/dV kernel cannot compute dQ too (:attr:`Problem.dkv_dq`) at head_dim
+    ``d`` with ``stages`` Q/dO ring slots, ``extra`` bytes of segment ids and a ``bias``
+    kind, or None."""
+    if d not in DKV_DQ:
+        return f"head_dim {d} (it takes {', '.join(map(str, DKV_DQ))})"
+    need = _dkv_smem(d, stages, bias, dq=True) + extra
+    if need > SMEM_BYTES:
+        return f"shared memory: {need} bytes > {SMEM_BYTES}"
+    return None
 
 
 # Decoding with GQA, each query head of a group would stream its kv head's keys in CTAs of
@@ -1546,6 +1587,42 @@ def _q_ranges(p: Problem, kv_base):
     return start, lo, lo if p.every_block_masked else hi, stop
 
 
+def _tile_q_span(p: Problem, t):
+    """``(start, stop)``: the query blocks that key tile ``t`` (of two 64-key groups) sees."""
+    return _q_ranges(p, t * TILE)[0], _q_ranges(p, t * TILE + WG_ROWS)[3]
+
+
+def _live_tiles(p: Problem, kv_len=None):
+    """Key tiles that see any query: those before ``kv_len`` (all without lengths)."""
+    return p.kv_tiles if kv_len is None else lax.min(_cdiv(kv_len, TILE), _i32(p.kv_tiles))
+
+
+def _dq_turns(p: Problem, t, qi, kv_len=None):
+    """``(follows, followed)`` of key tile ``t``'s dQ partial for query block ``qi``
+    (:attr:`Problem.dkv_dq`): whether tile ``t − 1`` adds one before it, and tile ``t + 1``
+    one after it. The tiles that see a query block are consecutive (a tile's query span
+    moves forward with its keys), so the partials go in key order, each tile taking its
+    turn from the one before. Tiles past ``kv_len`` see no query.
+
+    The turns are counted on a semaphore per block (and head and column half) that every
+    tile from the first on raises by one once it is done with the block: tile ``t``
+    waits for ``t``, and the last of the chain takes the count back to 0. A tile before
+    the chain that will not see the block (a window's) raises it as it starts
+    (:func:`_dq_passes`)."""
+    live = _live_tiles(p, kv_len)
+    return (
+        (t >= 1) & (t - 1 < live) & (qi < _tile_q_span(p, t - 1)[1]),
+        (t + 1 < live) & (qi >= _tile_q_span(p, t + 1)[0]),
+    )
+
+
+def _dq_passes(p: Problem, t, kv_len=None):
+    """``[first, stop)``: the query blocks past key tile ``t``'s span that a later tile sees
+    (the window's): the tile passes their turns on at its start (:func:`_dq_turns`)."""
+    last = _live_tiles(p, kv_len) - 1
+    return _tile_q_span(p, t)[1], _tile_q_span(p, last)[1]
+
+
 def _dkv_kernel(
     q_ref,
     k_ref,
@@ -1560,18 +1637,23 @@ def _dkv_kernel(
     bias_t_ref,
     dk_ref,
     dv_ref,
-    *scratch,
+    *refs,
     p,
     interpret,
 ):
     del bias_ref  # the dQ kernel's; this one streams tiles of its transpose, or the vector
+    dq_ref, *scratch = refs if p.dkv_dq else (None, *refs)
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
     # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
     kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:20]
     # The bias: a ring of (key rows, 64 queries) tiles of its transpose, or of the vectors
     # of the key rows, per key-row group, beside Q and dO.
-    bias_smem, bias_bar = scratch[20:]
+    bias_smem, bias_bar = scratch[20:22]
+    # dkv_dq: both warpgroups' dSᵀ, each one's f32 half of the dQ partial, the hand-over's
+    # barriers and (the interpreter's read-add-write in place of TMA's reduce-add) a barrier
+    # per warpgroup for reading the accumulator.
+    ds_smem, dq_stage, ds_ready, ds_free, acc_bar = scratch[22:] if p.dkv_dq else [None] * 5
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -1621,6 +1703,10 @@ def _dkv_kernel(
                 vis = _mask((bkv, bq), kv_base, qi * bq, rows_are_q=False, p=p, segs=segs)
                 if vis is not None:  # (a bias alone masks no index)
                     pt = jnp.where(vis, pt, 0.0)
+            if p.dkv_dq and kv_len is not None:
+                # Keys past the length would reach dQ (their dK and dV are zeroed later).
+                keys = kv_base + lax.broadcasted_iota(jnp.int32, pt.shape, 0)
+                pt = jnp.where(keys < kv_len, pt, 0.0)
             return pt
 
         def dscores(pt, dpt, slot):
@@ -1640,9 +1726,9 @@ def _dkv_kernel(
                 # shared memory) together, then dV and dK together.
                 st, dpt = _dots((bkv, bq), (ks, qt), (vs, dot))
                 pt = probs(st, slot, qi, kv_base, masked)
-                dst = dscores(pt, dpt, slot)
+                dst = dscores(pt, dpt, slot).astype(p.dtype)
                 dv, dk = _dots_acc(
-                    [(dv, pt.astype(p.dtype), dos), (dk, dst.astype(p.dtype), qs)],
+                    [(dv, pt.astype(p.dtype), dos), (dk, dst, qs)],
                     stg,
                     interpret=interpret,
                 )
@@ -1651,10 +1737,121 @@ def _dkv_kernel(
                 pt = probs(_dot((bkv, bq), ks, qt), slot, qi, kv_base, masked)
                 dpt = _dot((bkv, bq), vs, dot)
                 dv = _dot_acc(dv, pt.astype(p.dtype), dos, stg, interpret=interpret)
-                dst = dscores(pt, dpt, slot)
-                dk = _dot_acc(dk, dst.astype(p.dtype), qs, stg, interpret=interpret)
+                dst = dscores(pt, dpt, slot).astype(p.dtype)
+                dk = _dot_acc(dk, dst, qs, stg, interpret=interpret)
             plgpu.barrier_arrive(done.at[slot])
+            if p.dkv_dq:
+                dq_part(n, qi, g, dst)
             return dk, dv
+
+        # dkv_dq (one key tile per CTA): the tile's dQ partial of each step, over both
+        # warpgroups' keys, goes to the f32 accumulator ``dq_ref`` in key-tile order. A
+        # semaphore per query block, head and column half counts the tiles that have added
+        # theirs (:func:`_dq_turns`): tile ``t`` waits for the count ``t`` (the first
+        # tile of a block's chain sets it to its own ``t + 1``, the last one clears it).
+        nqb = p.seq_q_pad // bq
+        sems = None
+        if p.dkv_dq and not interpret:  # (the interpreter runs the CTAs in grid order)
+            n_sems = p.batch * p.heads_q * nqb * NUM_COMPUTE_WGS
+            sems = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,)))
+        t_cta = lax.axis_index("kv_seq")
+
+        def step_block(n):
+            """Step ``n``'s query block and head of the group (one tile per CTA)."""
+            local = lax.rem(n, per_tile)
+            return cta_start + lax.rem(local, per_head), lax.div(local, per_head)
+
+        def sem_of(qi, g, half):
+            h = hk * p.group + g
+            return sems.at[((b * p.heads_q + h) * nqb + qi) * NUM_COMPUTE_WGS + half]
+
+        def hand_on(n, half):
+            """Step ``n``'s partial has reached the accumulator: the next tile's turn."""
+            if sems is None:
+                return
+            qi, g = step_block(n)
+            followed = _dq_turns(p, t_cta, qi, kv_len)[1]
+
+            @pl.when(followed)
+            def _():
+                plgpu.semaphore_signal(sem_of(qi, g, half), 1, memory_scope="gpu")
+
+        def take_turn(qi, g, half):
+            """Waits for the tiles before this one to be done with ``(qi, g)``; returns
+            whether any of them added a partial."""
+            follows, followed = _dq_turns(p, t_cta, qi, kv_len)
+            if sems is not None:
+                sem = sem_of(qi, g, half)
+
+                @pl.when(follows & followed)
+                def _():
+                    plgpu.semaphore_wait(sem, t_cta, decrement=False, memory_scope="gpu")
+
+                @pl.when((t_cta > 0) & ~followed)  # the last takes the count back to 0
+                def _():
+                    plgpu.semaphore_wait(sem, t_cta, decrement=True, memory_scope="gpu")
+
+            return follows
+
+        if sems is not None and p.left is not None:
+
+            @pl.loop(*_dq_passes(p, t_cta, kv_len))
+            def _(qi):
+                for g in range(p.group):
+                    plgpu.semaphore_signal(sem_of(qi, g, wg), 1, memory_scope="gpu")
+
+        def dq_half(n, qi, g, half):
+            """Columns ``half`` of the tile's dQ partial, from both warpgroups' dSᵀ, added
+            to the accumulator in turn."""
+            cols = pl.ds(half * (p.head_dim // 2), p.head_dim // 2)
+            dst = [ds_smem.at[i].transpose((1, 0)) for i in range(NUM_COMPUTE_WGS)]
+            keys = [k_smem.at[i, :, cols] for i in range(NUM_COMPUTE_WGS)]
+            dq = _dot((bq, p.head_dim // 2), dst, keys)
+            plgpu.barrier_arrive(ds_free)
+            # The last step's partial has left the stage and reached the accumulator.
+            plgpu.wait_smem_to_gmem(0)
+            pl.when(n > 0)(lambda: hand_on(n - 1, half))
+            stage = dq_stage.at[half]
+            out = dq_ref.at[b, pl.ds(qi * bq, bq), hk * p.group + g, cols]
+            follows = take_turn(qi, g, half)
+            if interpret:  # a read-add-write in place of TMA's reduce-add
+
+                @pl.when(follows)
+                def _():
+                    plgpu.copy_gmem_to_smem(out, stage, acc_bar.at[half])
+                    plgpu.barrier_wait(acc_bar.at[half])
+                    stage[...] = stage[...] + dq
+
+                @pl.when(~follows)
+                def _():
+                    stage[...] = dq
+
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage, out)
+                return
+            stage[...] = dq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage, out, predicate=follows, reduction_op="add")
+            plgpu.copy_smem_to_gmem(stage, out, predicate=~follows)
+
+        def dq_part(n, qi, g, dst):
+            """Hands this warpgroup's dSᵀ (16-bit) of step ``n`` over, then adds its half
+            of the dQ partial."""
+            _wait_if(n > 0, [ds_free])()  # both have read the last step's
+            ds_smem.at[r][...] = dst
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready)
+            plgpu.barrier_wait(ds_ready)
+            for half in range(NUM_COMPUTE_WGS):
+                pl.when(wg == half)(functools.partial(dq_half, n, qi, g, half))
+
+        def dq_drain():
+            """After the last step: its turn handed on, and the other warpgroup done with
+            this one's K (the write of dK goes through it)."""
+            n_steps = tiles * per_tile
+            plgpu.wait_smem_to_gmem(0)
+            pl.when(n_steps > 0)(lambda: hand_on(n_steps - 1, wg))
+            _wait_if(n_steps > 0, [ds_free])()
 
         def step_dv(qi, dv, t, g, masked: bool):
             # Roles, warpgroup 0: Pᵀ from Sᵀ = K·Qᵀ, handed to warpgroup 1 through shared
@@ -1688,12 +1885,15 @@ def _dkv_kernel(
             return dk
 
         def skip(qi, _, t, g):
-            slot = _slot(t * per_tile + g * per_head + qi - cta_start, s)
+            n = t * per_tile + g * per_head + qi - cta_start
+            slot = _slot(n, s)
             wait(slot)
             # The bias is read by the warpgroup(s) computing Pᵀ: with roles, warpgroup 0.
             flush = functools.partial(_bias_flush, p, bias_smem, bias_bar, slot, r)
             pl.when(wg == 0)(flush) if roles else flush()
             plgpu.barrier_arrive(done.at[slot])
+            if p.dkv_dq:  # the other warpgroup's keys see the block: its dQ partial
+                dq_part(n, qi, g, jnp.zeros((bkv, bq), p.dtype))
 
         def tile(t, body, carry, write):
             """Key tile ``t``: load its K/V (and ids), run ``body`` over its query steps
@@ -1708,6 +1908,8 @@ def _dkv_kernel(
 
                 # With roles, the dV warpgroup (0) reads only K, the dK warpgroup (1) only V.
                 pl.when(wg == i)(load) if roles else load()
+            if p.dkv_dq:  # the dQ partial reads the other warpgroup's K too
+                plgpu.barrier_wait(kv_bar.at[2 * (1 - r)])
 
             if p.segments:  # the key rows' ids, read by the warpgroup(s) computing Pᵀ
 
@@ -1748,6 +1950,8 @@ def _dkv_kernel(
         def write(rows, *results):
             # Each result goes out through a K or V tile that only this warpgroup reads; the
             # next tile's loads wait for the copies.
+            if p.dkv_dq:
+                dq_drain()
             for buf, value, _ in results:
                 buf[...] = value.astype(p.dtype)
             plgpu.commit_smem()
@@ -1852,9 +2056,23 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
         *_bias_scratch(p, s, groups, WG_ROWS),  # (a vector of 64 keys, or 64 queries)
     ]
     kv = jax.ShapeDtypeStruct((p.batch, p.seq_kv_pad, p.heads_kv, d), p.dtype)
+    out_type = (kv, kv)
+    if p.dkv_dq:
+        scratch += [
+            _smem((w, WG_ROWS, WG_ROWS), p.dtype),  # dSᵀ, per warpgroup
+            plgpu.SMEM(  # the dQ partial's halves, f32, as TMA stores them
+                (w, WG_ROWS, d // 2),
+                jnp.float32,
+                transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+            ),
+            plgpu.Barrier(num_arrivals=w),
+            plgpu.Barrier(num_arrivals=w),
+            plgpu.Barrier(num_barriers=w) if interpret else None,
+        ]
+        out_type += (jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), jnp.float32),)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
-        out_type=(kv, kv),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(p.heads_kv, -(-p.kv_tiles // p.dkv_tiles), p.batch),
         grid_names=("heads", "kv_seq", "batch"),
@@ -2102,6 +2320,7 @@ def flash_bwd(
     dq_split_keys: int | None = None,
     dkv_tiles: int | None = None,
     dq_dkv: bool | None = None,
+    dkv_dq: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -2127,7 +2346,12 @@ def flash_bwd(
     the two-kernel backward is given (the dK/dV kernel's, or ``dq_block_kv`` other than
     64). True where either holds is a ValueError. The two paths sum a key's gradients
     over the same queries in a different order: for more than one query row their bits
-    differ.
+    differ. ``dkv_dq``: whether the dK/dV kernel computes dQ too (:attr:`Problem.dkv_dq`:
+    dQ sums f32 partials of 128 keys each, in key order, where the dQ kernel sums its
+    products in one accumulator: other bits); None: :data:`DKV_DQ` where
+    :func:`_dkv_dq_reason` gives no reason, ``dq_dkv`` is off and no knob of the dQ kernel
+    (``dq_block_kv``, ``dq_split_keys``) or ``dkv_tiles`` other than 1 is given. True
+    where any of these holds is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -2140,6 +2364,7 @@ def flash_bwd(
         dq_split_keys=dq_split_keys,
         dkv_tiles=dkv_tiles,
         dq_dkv=dq_dkv,
+        dkv_dq=dkv_dq,
     )
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
@@ -2191,7 +2416,19 @@ def flash_bwd(
     if dq_dkv and (why is not None or two_kernels):
         why = why or f"{', '.join(two_kernels)} tune the two-kernel backward"
         raise ValueError(f"attention_mgpu.flash_bwd: dq_dkv=True does not take the case: {why}")
-    dq_dkv = why is None and not two_kernels if dq_dkv is None else dq_dkv
+    if dkv_dq is not None and not isinstance(dkv_dq, bool):
+        raise TypeError(f"attention_mgpu.flash_bwd: {dkv_dq=} must be a bool or None")
+    dq_dkv = why is None and not two_kernels and not dkv_dq if dq_dkv is None else dq_dkv
+    stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
+    why_not = _dkv_dq_reason(d, stages, extra, kind)
+    dq_knobs = {"dq_block_kv": dq_block_kv, "dq_split_keys": dq_split_keys}
+    other = [f"{n}={x}" for n, x in dq_knobs.items() if x is not None]
+    other += ["dq_dkv=True"] * bool(dq_dkv) + [f"{dkv_tiles=}"] * (dkv_tiles not in (None, 1))
+    if dkv_dq and (why_not is not None or other):
+        why_not = why_not or f"{', '.join(other)} (the dQ kernel's, or key tiles per CTA)"
+        raise ValueError(f"attention_mgpu.flash_bwd: dkv_dq=True does not take the case: {why_not}")
+    if dkv_dq is None:
+        dkv_dq = DKV_DQ.get(d, False) and why_not is None and not other
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
@@ -2217,6 +2454,7 @@ def flash_bwd(
         dq_split_keys,
         dkv_tiles,
         dq_dkv,
+        dkv_dq,
     )
     p = _with_features(p, spec, bias)
     delta = row_delta(out, dout, interpret, p.seq_q_pad)
@@ -2232,12 +2470,18 @@ def flash_bwd(
     operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
-    if p.dq_dkv:
+    if p.dkv_dq:
+        dk, dv, dq = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+        # Query blocks that no key tile sees are never written: their rows saw no key.
+        seen = jnp.swapaxes(lse != -jnp.inf, 1, 2)[..., None]
+        dq = jnp.where(seen, dq[:, : p.seq_q] * p.scale, 0.0).astype(p.dtype)
+    elif p.dq_dkv:
         dq, dk, dv = _run(_build_dq(p, interpret), operands, interpret=interpret)
     else:
         dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
         dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
-    dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
+    if not p.dkv_dq:
+        dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
     dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
     # Keys no query sees get zero gradients: past the lengths (the dK/dV kernel ran past
     # them in its last CTA; the dQ kernel skips their blocks) and, where the dQ kernel
