@@ -495,10 +495,9 @@ def _dkv_tiles(p: Problem) -> int:
 # warpgroup forms 64 of the partial's columns from both warpgroups' dS, so head_dim 64
 # (32-column halves, narrower than the 128-byte swizzle) keeps the two kernels, as does
 # the role-split kernel of 256. Off: correct and bitwise repeatable on the GPU, but slower
-# than the two kernels (``--sweep-bwd``'s ``dkv_dq`` rows). Each warpgroup waits for its
-# last partial to reach the accumulator before it stages the next, and hands the turn on
-# only then, so every tile of a chain starts its adds a step after the one before;
-# handing the adds to a warpgroup of their own (FA3's dQ writer) is the way on.
+# than the two kernels (``--sweep-bwd``'s ``dkv_dq`` rows): staging the partial, the
+# reduce-add and the turns each cost more than the saved products gain
+# (benchmarks/archive/dkv-dq-variants-h200.txt).
 DKV_DQ = {128: False}
 
 
