@@ -433,6 +433,12 @@ def _check_dkv_dq(dims, causal, lengths, *, interpret, repeat=1, window=None):
 # tiles per query block that start late (a window, the causal diagonal), end early
 # (lengths) or hold one tile; GQA.
 DKV_DQ_CASES = [
+    pytest.param((1, 130, 300, 2, 1, 128), False, [250], None, id="gqa-lengths"),
+    pytest.param((2, 70, 300, 1, 1, 128), True, [300, 140], None, id="causal-lengths"),
+    pytest.param((1, 200, 330, 1, 1, 128), False, [330], (100, 30), id="window"),
+]
+# The GPU twins: longer chains of the same kinds.
+DKV_DQ_GPU_CASES = [
     pytest.param((1, 200, 300, 2, 1, 128), False, [250], None, id="gqa-lengths"),
     pytest.param((2, 130, 400, 1, 1, 128), True, [400, 200], None, id="causal-lengths"),
     pytest.param((1, 330, 330, 1, 1, 128), False, [330], (100, 30), id="window"),
@@ -850,7 +856,7 @@ class TestAttentionKernelsGPU:
     def test_dkv_tiles_per_cta(self, dims, causal, tiles):
         _check_dkv_tiles(dims, causal, tiles, interpret=False)
 
-    @pytest.mark.parametrize("dims, causal, lengths, window", DKV_DQ_CASES)
+    @pytest.mark.parametrize("dims, causal, lengths, window", DKV_DQ_GPU_CASES)
     def test_dkv_kernel_computes_dq(self, dims, causal, lengths, window):
         _check_dkv_dq(dims, causal, lengths, interpret=False, repeat=3, window=window)
 
