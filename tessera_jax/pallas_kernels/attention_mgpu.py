@@ -1746,8 +1746,9 @@ def _dkv_kernel(
         # dkv_dq (one key tile per CTA): the tile's dQ partial of each step, over both
         # warpgroups' keys, goes to the f32 accumulator ``dq_ref`` in key-tile order. A
         # semaphore per query block, head and column half counts the tiles that have added
-        # theirs (:func:`_dq_turns`): tile ``t`` waits for the count ``t`` (the first
-        # tile of a block's chain sets it to its own ``t + 1``, the last one clears it).
+        # theirs (:func:`_dq_turns`): tile ``t`` waits for the count ``t`` (tiles that a
+        # window puts before a block's chain raise it as they start; the chain's last tile
+        # takes it back to 0).
         nqb = p.seq_q_pad // bq
         sems = None
         if p.dkv_dq and not interpret:  # (the interpreter runs the CTAs in grid order)
