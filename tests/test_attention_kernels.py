@@ -415,16 +415,18 @@ def test_kept_keys_need_no_padded_copy(d, dq_dkv):
 
 def _check_dkv_dq(dims, causal, lengths, *, interpret, repeat=1, window=None):
     """dQ from the dK/dV kernel (``flash_bwd(dkv_dq=True)``, head_dim 128) with key
-    lengths, an lse cotangent and a ``window`` vs float64, dK and dV bit for bit those of
-    the two kernels; ``repeat`` runs agree bit for bit."""
+    lengths, an lse cotangent and a ``window`` vs float64; ``repeat`` runs agree bit for
+    bit. Compiled, dK and dV are bit for bit those of the two kernels too (the interpreter
+    would take as long again for them)."""
     bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret, window=window)
     runs = [[np.asarray(g) for g in bwd(dkv_dq=True)] for _ in range(repeat)]
     for later in runs[1:]:
         for x, y in zip(runs[0], later):
             np.testing.assert_array_equal(x, y)
-    two = [np.asarray(g) for g in bwd(dkv_dq=False, dq_dkv=False)]
-    for x, y in zip(runs[0][1:], two[1:]):
-        np.testing.assert_array_equal(x, y)
+    if not interpret:
+        two = [np.asarray(g) for g in bwd(dkv_dq=False, dq_dkv=False)]
+        for x, y in zip(runs[0][1:], two[1:]):
+            np.testing.assert_array_equal(x, y)
     for got, ref in zip(runs[0], want):
         assert_close(got, ref, factor=2.0)
 
@@ -433,9 +435,9 @@ def _check_dkv_dq(dims, causal, lengths, *, interpret, repeat=1, window=None):
 # tiles per query block that start late (a window, the causal diagonal), end early
 # (lengths) or hold one tile; GQA.
 DKV_DQ_CASES = [
-    pytest.param((1, 130, 300, 2, 1, 128), False, [250], None, id="gqa-lengths"),
-    pytest.param((2, 70, 300, 1, 1, 128), True, [300, 140], None, id="causal-lengths"),
-    pytest.param((1, 200, 330, 1, 1, 128), False, [330], (100, 30), id="window"),
+    pytest.param((1, 70, 300, 2, 1, 128), False, [250], None, id="gqa-lengths"),
+    pytest.param((2, 60, 260, 1, 1, 128), True, [260, 140], None, id="causal-lengths"),
+    pytest.param((1, 130, 260, 1, 1, 128), False, [260], (60, 10), id="window"),
 ]
 # The GPU twins: longer chains of the same kinds.
 DKV_DQ_GPU_CASES = [
