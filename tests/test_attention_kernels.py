@@ -1508,7 +1508,7 @@ def test_dkv_dq_lowers_for_cuda():
     ],
 )
 def test_dkv_dq_turns(seq_q, seq_kv, causal, window, lengths):
-    """The semaphore protocol of :attr:`Problem.dkv_dq` (:func:`_dq_turns`,
+    """The semaphore protocol of :attr:`Problem.dkv_dq` (:func:`_dq_turn`,
     :func:`_dq_passes`), run by a scheduler that holds every key tile at once and steps a
     random one (a waiting tile spins): every tile finishes, each query block's partials are
     added in key-tile order by exactly the tiles that see it, and every count ends at 0."""
@@ -1529,13 +1529,13 @@ def test_dkv_dq_turns(seq_q, seq_kv, causal, window, lengths):
             for qi in range(*(int(x) for x in am._dq_passes(p, t, kv_len))):
                 count[qi] += 1
             for qi in range(start, stop):
-                follows, followed = (bool(x) for x in am._dq_turns(p, t, qi, kv_len))
-                if (follows and followed) or (t > 0 and not followed):
+                follows, waits, clears, hands_on = (bool(x) for x in am._dq_turn(p, t, qi, kv_len))
+                if waits:
                     while count[qi] < t:
                         yield
-                    count[qi] -= 0 if followed else t
+                    count[qi] -= t if clears else 0
                 added[qi].append((t, follows))
-                count[qi] += followed
+                count[qi] += hands_on
                 yield
 
         running = [tile(t) for t in range(p.kv_tiles)]

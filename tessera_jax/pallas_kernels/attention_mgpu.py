@@ -1615,6 +1615,17 @@ def _dq_turns(p: Problem, t, qi, kv_len=None):
     )
 
 
+def _dq_turn(p: Problem, t, qi, kv_len=None):
+    """What key tile ``t`` does on block ``qi``'s semaphore (:func:`_dq_turns`):
+    ``(follows, waits, clears, hands_on)``: it adds onto earlier tiles' partials; it waits
+    for the count ``t`` before adding (for the turn, or, first of a chain that a window
+    starts late, to clear the passes); it takes the count back to 0 as it does (the last
+    of the chain); it raises the count by one once its partial has landed."""
+    follows, followed = _dq_turns(p, t, qi, kv_len)
+    last = jnp.logical_not(followed)  # (not ``~``: the turns may be Python bools)
+    return follows, (follows & followed) | ((t > 0) & last), last, followed
+
+
 def _dq_passes(p: Problem, t, kv_len=None):
     """``[first, stop)``: the query blocks past key tile ``t``'s span that a later tile sees
     (the window's): the tile passes their turns on at its start (:func:`_dq_turns`)."""
@@ -1676,6 +1687,12 @@ def _dkv_kernel(
     per_head = cta_stop - cta_start
     per_tile = p.group * per_head  # query steps per key tile
     bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
+
+    def qh(step):
+        """``(query head, first query row)`` of the CTA's query step ``step``: every key
+        tile streams the same query steps, heads of the group, then blocks."""
+        local = lax.rem(step, per_tile)
+        return hk * p.group + lax.div(local, per_head), (cta_start + lax.rem(local, per_head)) * bq
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
@@ -1756,40 +1773,31 @@ def _dkv_kernel(
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,)))
         t_cta = lax.axis_index("kv_seq")
 
-        def step_block(n):
-            """Step ``n``'s query block and head of the group (one tile per CTA)."""
-            local = lax.rem(n, per_tile)
-            return cta_start + lax.rem(local, per_head), lax.div(local, per_head)
-
-        def sem_of(qi, g, half):
-            h = hk * p.group + g
+        def sem_of(qi, h, half):
             return sems.at[((b * p.heads_q + h) * nqb + qi) * NUM_COMPUTE_WGS + half]
 
         def hand_on(n, half):
             """Step ``n``'s partial has reached the accumulator: the next tile's turn."""
             if sems is None:
                 return
-            qi, g = step_block(n)
-            followed = _dq_turns(p, t_cta, qi, kv_len)[1]
+            h, q0 = qh(n)
+            qi = lax.div(q0, bq)
 
-            @pl.when(followed)
+            @pl.when(_dq_turn(p, t_cta, qi, kv_len)[3])
             def _():
-                plgpu.semaphore_signal(sem_of(qi, g, half), 1, memory_scope="gpu")
+                plgpu.semaphore_signal(sem_of(qi, h, half), 1, memory_scope="gpu")
 
-        def take_turn(qi, g, half):
-            """Waits for the tiles before this one to be done with ``(qi, g)``; returns
-            whether any of them added a partial."""
-            follows, followed = _dq_turns(p, t_cta, qi, kv_len)
+        def take_turn(qi, h, half):
+            """Waits for the tiles before this one to be done with block ``qi`` of head
+            ``h``; returns whether any of them added a partial."""
+            follows, waits, clears, _ = _dq_turn(p, t_cta, qi, kv_len)
             if sems is not None:
-                sem = sem_of(qi, g, half)
+                sem = sem_of(qi, h, half)
+                for clear in (False, True):
 
-                @pl.when(follows & followed)
-                def _():
-                    plgpu.semaphore_wait(sem, t_cta, decrement=False, memory_scope="gpu")
-
-                @pl.when((t_cta > 0) & ~followed)  # the last takes the count back to 0
-                def _():
-                    plgpu.semaphore_wait(sem, t_cta, decrement=True, memory_scope="gpu")
+                    @pl.when(waits & (clears == clear))
+                    def _(clear=clear):
+                        plgpu.semaphore_wait(sem, t_cta, decrement=clear, memory_scope="gpu")
 
             return follows
 
@@ -1798,7 +1806,7 @@ def _dkv_kernel(
             @pl.loop(*_dq_passes(p, t_cta, kv_len))
             def _(qi):
                 for g in range(p.group):
-                    plgpu.semaphore_signal(sem_of(qi, g, wg), 1, memory_scope="gpu")
+                    plgpu.semaphore_signal(sem_of(qi, hk * p.group + g, wg), 1, memory_scope="gpu")
 
         def dq_half(n, qi, g, half):
             """Columns ``half`` of the tile's dQ partial, from both warpgroups' dSᵀ, added
@@ -1812,8 +1820,9 @@ def _dkv_kernel(
             plgpu.wait_smem_to_gmem(0)
             pl.when(n > 0)(lambda: hand_on(n - 1, half))
             stage = dq_stage.at[half]
-            out = dq_ref.at[b, pl.ds(qi * bq, bq), hk * p.group + g, cols]
-            follows = take_turn(qi, g, half)
+            h = hk * p.group + g
+            out = dq_ref.at[b, pl.ds(qi * bq, bq), h, cols]
+            follows = take_turn(qi, h, half)
             if interpret:  # a read-add-write in place of TMA's reduce-add
 
                 @pl.when(follows)
@@ -1985,13 +1994,6 @@ def _dkv_kernel(
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
-        def qh(step):
-            # Every key tile streams the same query steps: heads of the group, then blocks.
-            local = lax.rem(step, per_tile)
-            return hk * p.group + lax.div(local, per_head), (
-                cta_start + lax.rem(local, per_head)
-            ) * bq
-
         def rows_of(ref):
             def src(step):
                 h, q0 = qh(step)
@@ -2420,15 +2422,16 @@ def flash_bwd(
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_dq=} must be a bool or None")
     dq_dkv = why is None and not two_kernels and not dkv_dq if dq_dkv is None else dq_dkv
     stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
-    why_not = _dkv_dq_reason(d, stages, extra, kind)
+    fused_why = _dkv_dq_reason(d, stages, extra, kind)
     dq_knobs = {"dq_block_kv": dq_block_kv, "dq_split_keys": dq_split_keys}
-    other = [f"{n}={x}" for n, x in dq_knobs.items() if x is not None]
-    other += ["dq_dkv=True"] * bool(dq_dkv) + [f"{dkv_tiles=}"] * (dkv_tiles not in (None, 1))
-    if dkv_dq and (why_not is not None or other):
-        why_not = why_not or f"{', '.join(other)} (the dQ kernel's, or key tiles per CTA)"
-        raise ValueError(f"attention_mgpu.flash_bwd: dkv_dq=True does not take the case: {why_not}")
+    two_passes = [f"{n}={x}" for n, x in dq_knobs.items() if x is not None]
+    two_passes += ["dq_dkv=True"] * bool(dq_dkv)
+    two_passes += [f"{dkv_tiles=}"] * (dkv_tiles not in (None, 1))
+    if dkv_dq and (fused_why is not None or two_passes):
+        why = fused_why or f"{', '.join(two_passes)} (the dQ kernel's, or key tiles per CTA)"
+        raise ValueError(f"attention_mgpu.flash_bwd: dkv_dq=True does not take the case: {why}")
     if dkv_dq is None:
-        dkv_dq = DKV_DQ.get(d, False) and why_not is None and not other
+        dkv_dq = DKV_DQ.get(d, False) and fused_why is None and not two_passes
     if dkv_paired is not None and not isinstance(dkv_paired, bool):
         raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
@@ -2475,12 +2478,12 @@ def flash_bwd(
         # Query blocks that no key tile sees are never written: their rows saw no key.
         seen = jnp.swapaxes(lse != -jnp.inf, 1, 2)[..., None]
         dq = jnp.where(seen, dq[:, : p.seq_q] * p.scale, 0.0).astype(p.dtype)
-    elif p.dq_dkv:
-        dq, dk, dv = _run(_build_dq(p, interpret), operands, interpret=interpret)
     else:
-        dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
-        dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
-    if not p.dkv_dq:
+        if p.dq_dkv:
+            dq, dk, dv = _run(_build_dq(p, interpret), operands, interpret=interpret)
+        else:
+            dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
+            dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
         dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
     dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
     # Keys no query sees get zero gradients: past the lengths (the dK/dV kernel ran past
