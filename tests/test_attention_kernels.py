@@ -614,10 +614,10 @@ class TestAttentionKernelsInterpret:
             _check_dq_dkv(dims, causal, lengths, interpret=True, split_keys=split_keys)
         assert _compat.races_detected() is False
 
-    # The dK/dV kernel computing dQ too: the interpreter runs the CTAs in grid order, one
-    # after the other, and adds each partial by a read-add-write (TMA's reduce-add and the
-    # semaphores that order the adds on the GPU: test_dkv_dq_turns). Race detection on.
-    # One case per run.
+    # The dK/dV kernel computing dQ too: interpreted, each key tile writes its partial
+    # apart and the wrapper adds them in the GPU's order (am._dq_in_key_order; TMA's
+    # reduce-add and the semaphores that order the adds on the GPU: test_dkv_dq_turns).
+    # Race detection on. One case per run.
     @pytest.mark.parametrize("dims, causal, lengths, window", sample(DKV_DQ_CASES, 1))
     def test_dkv_kernel_computes_dq(self, dims, causal, lengths, window):
         with _compat.gpu_interpret_mode(detect_races=True):

@@ -1626,6 +1626,29 @@ def _dq_turn(p: Problem, t, qi, kv_len=None):
     return follows, (follows & followed) | ((t > 0) & last), last, followed
 
 
+def _dq_in_key_order(p: Problem, parts: jax.Array, kv_lengths) -> jax.Array:
+    """dQ's f32 accumulator from the key tiles' ``(kv_tiles, B, Sq_pad, Hq, D)`` partials
+    of the interpreted dkv_dq kernel, summed as the GPU's reduce-adds sum them: block by
+    block, the first tile's stored, each later one that sees it added, in key order.
+
+    The interpreter runs the CTAs one after the other but models them as concurrent: a
+    read-add-write of one accumulator (it has neither TMA's reduce-add nor semaphores) is
+    a race there, as it would be on the GPU."""
+    qi = jnp.arange(p.seq_q_pad // WG_ROWS)[None]  # (1, query blocks of 64 rows)
+    kv_len = None
+    if kv_lengths is not None:
+        kv_len = jnp.clip(kv_lengths.astype(jnp.int32), 0, p.seq_kv)[:, None]  # (_kv_len's)
+    live = _live_tiles(p, kv_len)
+    acc = jnp.zeros(parts.shape[1:], jnp.float32)
+    for t in range(p.kv_tiles):
+        start, stop = _tile_q_span(p, t)
+        seen = (t < live) & (qi >= start) & (qi < stop)  # (B or 1, query blocks)
+        follows = _dq_turns(p, t, qi, kv_len)[0]
+        seen, follows = (jnp.repeat(x, WG_ROWS, axis=-1)[..., None, None] for x in (seen, follows))
+        acc = jnp.where(seen, jnp.where(follows, acc + parts[t], parts[t]), acc)
+    return acc
+
+
 def _dq_passes(p: Problem, t, kv_len=None):
     """``[first, stop)``: the query blocks past key tile ``t``'s span that a later tile sees
     (the window's): the tile passes their turns on at its start (:func:`_dq_turns`)."""
@@ -1660,10 +1683,9 @@ def _dkv_kernel(
     # The bias: a ring of (key rows, 64 queries) tiles of its transpose, or of the vectors
     # of the key rows, per key-row group, beside Q and dO.
     bias_smem, bias_bar = scratch[20:22]
-    # dkv_dq: both warpgroups' dSᵀ, each one's f32 half of the dQ partial, the hand-over's
-    # barriers and (the interpreter's read-add-write in place of TMA's reduce-add) a barrier
-    # per warpgroup for reading the accumulator.
-    ds_smem, dq_stage, ds_ready, ds_free, acc_bar = scratch[22:] if p.dkv_dq else [None] * 5
+    # dkv_dq: both warpgroups' dSᵀ, each one's f32 half of the dQ partial and the
+    # hand-over's barriers.
+    ds_smem, dq_stage, ds_ready, ds_free = scratch[22:] if p.dkv_dq else [None] * 4
     roles = p.dkv_roles
     b, hk = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -1768,7 +1790,7 @@ def _dkv_kernel(
         # takes it back to 0).
         nqb = p.seq_q_pad // bq
         sems = None
-        if p.dkv_dq and not interpret:  # (the interpreter runs the CTAs in grid order)
+        if p.dkv_dq and not interpret:
             n_sems = p.batch * p.heads_q * nqb * NUM_COMPUTE_WGS
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,)))
         t_cta = lax.axis_index("kv_seq")
@@ -1821,24 +1843,13 @@ def _dkv_kernel(
             pl.when(n > 0)(lambda: hand_on(n - 1, half))
             stage = dq_stage.at[half]
             h = hk * p.group + g
+            stage[...] = dq
+            if interpret:  # each tile's partial apart (:func:`_dq_in_key_order`)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage, dq_ref.at[t_cta, b, pl.ds(qi * bq, bq), h, cols])
+                return
             out = dq_ref.at[b, pl.ds(qi * bq, bq), h, cols]
             follows = take_turn(qi, h, half)
-            if interpret:  # a read-add-write in place of TMA's reduce-add
-
-                @pl.when(follows)
-                def _():
-                    plgpu.copy_gmem_to_smem(out, stage, acc_bar.at[half])
-                    plgpu.barrier_wait(acc_bar.at[half])
-                    stage[...] = stage[...] + dq
-
-                @pl.when(~follows)
-                def _():
-                    stage[...] = dq
-
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage, out)
-                return
-            stage[...] = dq
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage, out, predicate=follows, reduction_op="add")
             plgpu.copy_smem_to_gmem(stage, out, predicate=~follows)
@@ -2069,9 +2080,11 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
             ),
             plgpu.Barrier(num_arrivals=w),
             plgpu.Barrier(num_arrivals=w),
-            plgpu.Barrier(num_barriers=w) if interpret else None,
         ]
-        out_type += (jax.ShapeDtypeStruct((p.batch, p.seq_q_pad, p.heads_q, d), jnp.float32),)
+        # (the interpreter: each key tile's partial apart, :func:`_dq_in_key_order`)
+        tiles = (p.kv_tiles,) if interpret else ()
+        dq = jax.ShapeDtypeStruct((*tiles, p.batch, p.seq_q_pad, p.heads_q, d), jnp.float32)
+        out_type += (dq,)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, p=p, interpret=interpret),
         out_type=out_type,
@@ -2475,6 +2488,8 @@ def flash_bwd(
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     if p.dkv_dq:
         dk, dv, dq = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+        if interpret:
+            dq = _dq_in_key_order(p, dq, ex.kv_lengths)
         # Query blocks that no key tile sees are never written: their rows saw no key.
         seen = jnp.swapaxes(lse != -jnp.inf, 1, 2)[..., None]
         dq = jnp.where(seen, dq[:, : p.seq_q] * p.scale, 0.0).astype(p.dtype)
