@@ -549,6 +549,13 @@ class TestAttentionKernelsInterpret:
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
 
+    # Query lengths: the kernels skip blocks of padded queries only: here a warpgroup's
+    # rows and a whole CTA of the forward (its pipelined loop) and of the dQ kernel, and
+    # the dK/dV kernel's loop past the first query block.
+    def test_query_lengths_skip_padded_blocks(self):
+        opts = dict(query_seq_lengths=[10], key_value_seq_lengths=[100])
+        _check_index_masks((1, 130, 100, 1, 1, 128), opts, jnp.bfloat16)
+
     # One case per run.
     @pytest.mark.parametrize("dims, opts", sample(DECODE_MASKS, 1))
     def test_decode_splits_the_keys(self, dims, opts, monkeypatch):
@@ -820,6 +827,11 @@ class TestAttentionKernelsGPU:
                 ),
             ),
             ((1, 1000, 1000, 2, 1, 256), dict(causal=True, local_window_size=(200, 0))),
+            # (a batch entry of padded queries only: no block to run)
+            (
+                (3, 1000, 1000, 4, 2, 128),
+                dict(query_seq_lengths=[1000, 300, 0], local_window_size=(200, 100)),
+            ),
             (
                 (1, 333, 1100, 4, 4, 256),
                 dict(local_window_size=(100, 50), key_value_seq_lengths=[900]),

@@ -156,8 +156,12 @@ class Problem:
       window: ``(left, right)``: query ``i`` sees keys ``i + offset − left`` to
         ``i + offset + right`` (the operator's ``local_window_size``); None: no window.
       kv_lengths: the forward and dQ kernels read each batch entry's key count from an
-        int32 ``(B,)`` operand (keys from it on are masked, their blocks skipped);
-        False: all ``seq_kv`` keys (the operand is then not read).
+        int32 ``(2, B)`` operand's first row (keys from it on are masked, their blocks
+        skipped); False: all ``seq_kv`` keys (the row is then not read).
+      q_lengths: every kernel reads each batch entry's query count from that operand's
+        second row and skips the blocks of queries from it on (the rows of a block that
+        reaches the count still run, with zero probabilities: the wrappers zero padded
+        queries' outputs and gradients); False: not read.
       segments: queries see only keys of their segment id: every kernel streams the ids
         of the keys (or queries) it loops over beside them, and masks every block.
       bias: a ``mask`` and/or ``bias`` folded into one additive array (``-inf`` where
@@ -201,6 +205,7 @@ class Problem:
     fwd_pingpong: bool = True
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
+    q_lengths: bool = False
     segments: bool = False
     bias: str | None = None
     bias_batch: bool = False
@@ -685,8 +690,8 @@ def _fdiv(x, d: int):
     return lax.max(lax.div(x, jnp.int32(d)), jnp.int32(0))
 
 
-def _clip(x, hi: int):
-    return lax.min(x, jnp.int32(hi))
+def _clip(x, hi):
+    return lax.min(x, _i32(hi))
 
 
 def _i32(x):
@@ -827,12 +832,20 @@ def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None, segs=
     return functools.reduce(lambda a, b: a & b, conds) if conds else None
 
 
-def _kv_len(p: Problem, kv_len_ref, b):
-    """Batch entry ``b``'s key count: read from the lengths operand (clipped to
-    ``[0, seq_kv]``, as the reference's masks clip it) or ``seq_kv``."""
+def _kv_len(p: Problem, lengths_ref, b):
+    """Batch entry ``b``'s key count: read from the lengths operand (:func:`_lengths_operand`;
+    clipped to ``[0, seq_kv]``, as the reference's masks clip it) or ``seq_kv``."""
     if not p.kv_lengths:
         return jnp.int32(p.seq_kv)
-    return lax.clamp(jnp.int32(0), kv_len_ref[b], jnp.int32(p.seq_kv))
+    return lax.clamp(jnp.int32(0), lengths_ref[0, b], jnp.int32(p.seq_kv))
+
+
+def _q_len(p: Problem, lengths_ref, b):
+    """Batch entry ``b``'s query count (clipped to ``[0, seq_q]``), or None without query
+    lengths: the kernels skip the blocks of padded queries only (their rows are zeroed)."""
+    if not p.q_lengths:
+        return None
+    return lax.clamp(jnp.int32(0), lengths_ref[1, b], jnp.int32(p.seq_q))
 
 
 def _kv_ranges(p: Problem, q_base, kv_len):
@@ -1010,18 +1023,22 @@ def _in_chunk(p: Problem, chunk, bounds):
     return tuple(lax.clamp(c0, _i32(x), c0 + p.kv_split) for x in bounds)
 
 
-def _cta_kv_ranges(p: Problem, tile0, chunk, kv_len):
+def _cta_kv_ranges(p: Problem, tile0, chunk, kv_len, q_len=None):
     """``(cta_first, cta_steps, ranges(q_base))``: the CTA's loop over kv blocks, from its
     first warpgroup's first block to the last block of its last warpgroup with a query
-    row, and a warpgroup's :func:`_kv_ranges` in the chunk (empty for a warpgroup of
-    padded rows only, which computes nothing)."""
+    row (below ``q_len``, :func:`_q_len`, where given), and a warpgroup's
+    :func:`_kv_ranges` in the chunk (empty for a warpgroup of padded rows only, which
+    computes nothing: its rows' results are zeros)."""
+    n_q = p.seq_q if q_len is None else q_len
     first0, *_, steps0 = _in_chunk(p, chunk, _kv_ranges(p, tile0, kv_len))
     steps1 = _in_chunk(p, chunk, _kv_ranges(p, tile0 + WG_ROWS, kv_len))[3]
-    cta_steps = lax.select(tile0 + WG_ROWS < p.seq_q, steps1, steps0)
+    cta_steps = lax.select(tile0 + WG_ROWS < n_q, steps1, steps0)
+    if q_len is not None:  # (a CTA of padded queries only streams nothing)
+        cta_steps = lax.select(tile0 < n_q, cta_steps, first0)
 
     def ranges(q_base):
         own = _in_chunk(p, chunk, _kv_ranges(p, q_base, kv_len))
-        return tuple(lax.select(q_base < p.seq_q, x, first0) for x in own)
+        return tuple(lax.select(q_base < n_q, x, first0) for x in own)
 
     return first0, cta_steps, ranges
 
@@ -1033,7 +1050,7 @@ def _fwd_kernel(
     q_ref,
     k_ref,
     v_ref,
-    kv_len_ref,
+    lengths_ref,
     q_seg_ref,
     kv_seg_ref,
     bias_ref,
@@ -1052,8 +1069,9 @@ def _fwd_kernel(
     kv_head = lax.div(h, jnp.int32(p.group))
     tile, chunk = _tile_and_chunk(p, reverse=p.causal)
     tile0 = tile * TILE
-    kv_len = _kv_len(p, kv_len_ref, b)
-    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len)
+    kv_len = _kv_len(p, lengths_ref, b)
+    q_len = _q_len(p, lengths_ref, b)
+    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len, q_len)
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     def schedule():
@@ -1355,7 +1373,7 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    kv_len_ref,
+    lengths_ref,
     q_seg_ref,
     kv_seg_ref,
     bias_ref,
@@ -1379,8 +1397,10 @@ def _dq_kernel(
     kv_head = lax.div(h, jnp.int32(p.group))
     tile, chunk = _tile_and_chunk(p)
     tile0 = tile * TILE
-    kv_len = _kv_len(p, kv_len_ref, b)
-    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len)
+    kv_len = _kv_len(p, lengths_ref, b)
+    # (computing dK and dV, warpgroup 1 streams the keys for rows that are all padding)
+    q_len = None if p.dq_dkv else _q_len(p, lengths_ref, b)
+    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len, q_len)
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
 
     @pl.when(wg < NUM_COMPUTE_WGS)
@@ -1567,12 +1587,15 @@ def _build_dq(p: Problem, interpret: bool) -> Any:
 # --- backward: dK/dV ------------------------------------------------------------------------
 
 
-def _q_ranges(p: Problem, kv_base):
+def _q_ranges(p: Problem, kv_base, q_blocks=None):
     """Query blocks for the keys ``[kv_base, kv_base + 64)``: ``(start, lo, hi, stop)``:
     blocks before ``start`` and from ``stop`` on see none of the keys (skipped), those in
     ``[start, lo)`` and ``[hi, stop)`` are masked, those in ``[lo, hi)`` see all of them
-    (none with segment ids or a bias)."""
+    (none with segment ids or a bias). ``q_blocks``: the blocks with a query below the
+    batch entry's query length (None: all)."""
     nq = -(-p.seq_q // WG_ROWS)  # (blocks of padded rows only contribute nothing)
+    if q_blocks is not None:
+        nq = lax.min(_i32(q_blocks), _i32(nq))
     start, lo, hi, stop = 0, 0, nq, nq
     if p.left is not None:  # query i sees key j only if i <= j - offset + left: stop, hi
         stop = _clip(_cdiv(kv_base + (WG_ROWS - p.offset + p.left), WG_ROWS), nq)
@@ -1663,7 +1686,7 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    kv_len_ref,
+    lengths_ref,
     q_seg_ref,
     kv_seg_ref,
     bias_ref,
@@ -1698,12 +1721,16 @@ def _dkv_kernel(
     def tile_rows(t):
         return (first + t) * p.dkv_rows
 
-    # The CTA's query blocks: from its first key rows' first to its last key rows' last.
-    cta_start = _q_ranges(p, tile_rows(0))[0]
-    cta_stop = _q_ranges(p, tile_rows(tiles) - WG_ROWS)[3]
+    # The CTA's query blocks: from its first key rows' first to its last key rows' last,
+    # and (query lengths) before the batch entry's padded queries. (dkv_dq's turns count
+    # on every tile seeing its whole span: it streams the padded blocks.)
+    q_len = None if p.dkv_dq else _q_len(p, lengths_ref, b)
+    q_blocks = None if q_len is None else _cdiv(q_len, WG_ROWS)
+    cta_start = _q_ranges(p, tile_rows(0), q_blocks)[0]
+    cta_stop = _q_ranges(p, tile_rows(tiles) - WG_ROWS, q_blocks)[3]
     # Key rows past the batch entry's length (whole tiles of them) see no query: their
     # loops only skip, or a CTA of them has none (the wrapper zeroes such rows' gradients).
-    kv_len = _kv_len(p, kv_len_ref, b) if p.kv_lengths else None
+    kv_len = _kv_len(p, lengths_ref, b) if p.kv_lengths else None
     if kv_len is not None:
         cta_stop = lax.select(tile_rows(0) < kv_len, _i32(cta_stop), _i32(cta_start))
     per_head = cta_stop - cta_start
@@ -1939,7 +1966,7 @@ def _dkv_kernel(
 
                 pl.when(wg == 0)(load_ids) if roles else load_ids()
 
-            start, lo, hi, stop = _q_ranges(p, kv_base)
+            start, lo, hi, stop = _q_ranges(p, kv_base, q_blocks)
             # A tile past the length skips its CTA's steps (a CTA of such tiles has none).
             dead_tiles = kv_len is not None and p.dkv_tiles > 1
             if kv_len is not None:
@@ -2148,6 +2175,7 @@ def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
         p,
         window=spec.local_window_size,
         kv_lengths=spec.has_kv_lengths,
+        q_lengths=spec.has_q_lengths,
         segments=spec.has_segment_ids,
         bias=None if bias is None else _bias_kind(bias.shape),
         bias_batch=bias is not None and bias.shape[0] > 1,
@@ -2217,9 +2245,15 @@ def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
     return _pad_seq(ex.q_segment_ids, p.seq_q_pad), _pad_seq(ex.kv_segment_ids, p.seq_kv_pad)
 
 
-def _kv_len_operand(kv_lengths, batch: int, seq_kv: int) -> jax.Array:
-    """The kernels' int32 ``(B,)`` key counts: the user's, or ``seq_kv`` (then not read)."""
-    return jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
+def _lengths_operand(p: Problem, q_lengths, kv_lengths) -> jax.Array:
+    """The kernels' int32 ``(2, B)`` key and query counts: the user's, or ``seq_kv`` and
+    ``seq_q`` (then not read)."""
+
+    def row(lengths, seq):
+        full = jnp.full((p.batch,), seq, jnp.int32)
+        return full if lengths is None else lengths.astype(jnp.int32)
+
+    return jnp.stack([row(kv_lengths, p.seq_kv), row(q_lengths, p.seq_q)])
 
 
 def _positions_below(lengths, seq: int) -> jax.Array:
@@ -2253,9 +2287,9 @@ def flash_fwd(
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
     ``extras``: the spec's mask, bias, query/key lengths and segment ids
-    (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) run through the
-    kernel like the others and are zeroed after it, with ``lse = -inf`` (which zeroes their
-    gradients in :func:`flash_bwd`). Where the kernel splits the keys
+    (:data:`FEATURES`). Padded queries (from ``query_seq_lengths`` on) are zeroed after the
+    kernel, with ``lse = -inf`` (which zeroes their gradients in :func:`flash_bwd`); the
+    kernels skip the blocks holding only such queries. Where the kernel splits the keys
     (:func:`default_split_keys`), the chunks' outputs and lse are combined in f32 in a fixed
     order (:func:`_combine_chunks`).
 
@@ -2305,8 +2339,8 @@ def flash_fwd(
     p = dataclasses.replace(p, fwd_pipelined=pipelined, fwd_pingpong=pingpong)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    operands = (qp, kp, vp, kv_len, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
+    lengths = _lengths_operand(p, ex.q_lengths, ex.kv_lengths)
+    operands = (qp, kp, vp, lengths, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
     out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
     if p.kv_chunks > 1:
         out, lse = _combine_chunks(out[..., : p.seq_q, :, :], lse[..., : p.seq_q])
@@ -2482,8 +2516,8 @@ def flash_bwd(
     lse2 = _pad_last(lse2, p.seq_q_pad, jnp.inf)
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    kv_len = _kv_len_operand(ex.kv_lengths, p.batch, p.seq_kv)
-    operands = (qp, kp, vp, dop, lse2, delta, kv_len, *_segment_operands(p, ex))
+    lengths = _lengths_operand(p, ex.q_lengths, ex.kv_lengths)
+    operands = (qp, kp, vp, dop, lse2, delta, lengths, *_segment_operands(p, ex))
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     if p.dkv_dq:
