@@ -17,7 +17,6 @@ for cuda on a CPU machine (``--lower``), to check the edits before a GPU run.
 import argparse
 import functools
 import sys
-import types
 
 sys.path.insert(0, ".")
 
@@ -25,24 +24,10 @@ import jax
 import jax.numpy as jnp
 
 import tessera_jax.pallas_kernels.attention_mgpu as am0
+from benchmarks.archive.dkv_dq_variants_probe import SRC, edit, module
 from benchmarks.attention import _times, rand
 from tessera_jax.contracts.attention import AttentionSpec
 from tessera_jax.primitives.attention import FlashAttentionConfig
-
-SRC = open(am0.__file__).read()
-
-
-def edit(src: str, old: str, new: str) -> str:
-    assert src.count(old) == 1, old
-    return src.replace(old, new)
-
-
-def module(name: str, src: str):
-    mod = types.ModuleType(f"am_{name}")
-    mod.__file__ = am0.__file__
-    sys.modules[mod.__name__] = mod
-    exec(compile(src, f"am_{name}.py", "exec"), mod.__dict__)
-    return mod
 
 
 def variants() -> dict:

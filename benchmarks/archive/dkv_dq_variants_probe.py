@@ -6,6 +6,9 @@ H16 D128 bf16, non-causal and causal.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/archive/dkv_dq_variants_probe.py
 
+Its text edits match ``attention_mgpu.py`` as of commit d991cfc (check that out to rerun
+it); later sources fail its asserts. ``dkv_dq_stage_probe.py`` reuses its helpers.
+
 Variants, each removing one more piece:
 ``dkv_dq`` (as shipped: semaphore turns, TMA reduce-add), ``signal_now`` (the turn handed
 on right after the partial lands, in the same step, not at the next step), ``nosem`` (no
