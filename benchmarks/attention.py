@@ -35,8 +35,9 @@ reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
-decode cases, shorter than the host's dispatch of a call, per call inside one program
-through several K/V caches (``benchmarks/_common.time_in_graph``, ``"in_graph"``). Prints
+decode cases and shapes under :data:`IN_GRAPH_FLOPS`, shorter than the host's dispatch of
+a call, per call inside one program through several K/V caches
+(``benchmarks/_common.time_in_graph``, ``"in_graph"``). Prints
 a table last and writes JSON records ``{suite: "attention", case, device, jax, impl,
 baseline, ms, baseline_ms, ratio = baseline_ms / ms, tflops, rel_err, bitwise_repeatable,
 temp_bytes, timing}``.
@@ -136,6 +137,9 @@ FEATURE_BASELINE = "xla"
 # Cases of a few tens of microseconds, shorter than the host's dispatch of a jitted call:
 # timed per call inside one program (``timing = "in_graph"``), as a model's layers run.
 IN_GRAPH_FEATURES = ("short", "decode", *(f"decode-{f}" for f in ("gqa", *DECODE_FEATURES)))
+# Shapes of fewer FLOPs (B2 S512 H8 D128) are timed inside one program too: per call from
+# the host, their forward+backward measured shorter than their forward.
+IN_GRAPH_FLOPS = 1e10
 # Query heads per kv head of the ``decode-gqa`` cases.
 GQA_GROUP = 4
 
@@ -313,7 +317,11 @@ def run_case(shape, causal: bool, backward: bool, impls: tuple[str, ...] = ()) -
     with ts.kernel_mode(ref_mode):
         ref = jax.jit(ref_fn)(*(x.astype(F32) for x in args))
     ref = ref if backward else (ref,)
-    return _measure(case, _impls(causal, backward, impls), args, ref, flops, BASELINE, backward)
+    sets = None
+    if flops < IN_GRAPH_FLOPS:  # (a call shorter than the host's dispatch of it)
+        sets = [(args[0], *kv, args[3]) for kv in _kv_sets(args[1], args[2])]
+    fns = _impls(causal, backward, impls)
+    return _measure(case, fns, args, ref, flops, BASELINE, backward, sets)
 
 
 def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: bool) -> dict:
