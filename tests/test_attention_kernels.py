@@ -294,8 +294,8 @@ DECODE_MASKS = [
         id="causal-window-lengths",
     ),
     pytest.param(
-        (1, 4, 600, 1, 1, 64),
-        dict(q_segment_ids=[[1, 1, 2, 2]], kv_segment_ids=[[1] * 250 + [2] * 350]),
+        (1, 4, 400, 1, 1, 64),
+        dict(q_segment_ids=[[1, 1, 2, 2]], kv_segment_ids=[[1] * 250 + [2] * 150]),
         id="segments",
     ),
     # A batch entry with no keys (every chunk empty: zeros, lse = -inf) and one padded query.
