@@ -832,20 +832,25 @@ def _mask(shape, row0, col0, *, rows_are_q: bool, p: Problem, kv_len=None, segs=
     return functools.reduce(lambda a, b: a & b, conds) if conds else None
 
 
+def _clamped(lengths, seq: int):
+    """int32 ``lengths`` clipped to ``[0, seq]``, as the reference's masks clip them."""
+    return lax.clamp(jnp.int32(0), lengths.astype(jnp.int32), jnp.int32(seq))
+
+
 def _kv_len(p: Problem, lengths_ref, b):
     """Batch entry ``b``'s key count: read from the lengths operand (:func:`_lengths_operand`;
-    clipped to ``[0, seq_kv]``, as the reference's masks clip it) or ``seq_kv``."""
+    :func:`_clamped`) or ``seq_kv``."""
     if not p.kv_lengths:
         return jnp.int32(p.seq_kv)
-    return lax.clamp(jnp.int32(0), lengths_ref[0, b], jnp.int32(p.seq_kv))
+    return _clamped(lengths_ref[0, b], p.seq_kv)
 
 
 def _q_len(p: Problem, lengths_ref, b):
-    """Batch entry ``b``'s query count (clipped to ``[0, seq_q]``), or None without query
-    lengths: the kernels skip the blocks of padded queries only (their rows are zeroed)."""
+    """Batch entry ``b``'s query count (:func:`_clamped`), or None without query lengths:
+    the kernels skip the blocks of padded queries only (their rows are zeroed)."""
     if not p.q_lengths:
         return None
-    return lax.clamp(jnp.int32(0), lengths_ref[1, b], jnp.int32(p.seq_q))
+    return _clamped(lengths_ref[1, b], p.seq_q)
 
 
 def _kv_ranges(p: Problem, q_base, kv_len):
@@ -1658,9 +1663,7 @@ def _dq_in_key_order(p: Problem, parts: jax.Array, kv_lengths) -> jax.Array:
     read-add-write of one accumulator (it has neither TMA's reduce-add nor semaphores) is
     a race there, as it would be on the GPU."""
     qi = jnp.arange(p.seq_q_pad // WG_ROWS)[None]  # (1, query blocks of 64 rows)
-    kv_len = None
-    if kv_lengths is not None:
-        kv_len = jnp.clip(kv_lengths.astype(jnp.int32), 0, p.seq_kv)[:, None]  # (_kv_len's)
+    kv_len = None if kv_lengths is None else _clamped(kv_lengths, p.seq_kv)[:, None]
     live = _live_tiles(p, kv_len)
     acc = jnp.zeros(parts.shape[1:], jnp.float32)
     for t in range(p.kv_tiles):
@@ -2245,7 +2248,7 @@ def _segment_operands(p: Problem, ex) -> tuple[jax.Array, jax.Array]:
     return _pad_seq(ex.q_segment_ids, p.seq_q_pad), _pad_seq(ex.kv_segment_ids, p.seq_kv_pad)
 
 
-def _lengths_operand(p: Problem, q_lengths, kv_lengths) -> jax.Array:
+def _lengths_operand(p: Problem, kv_lengths, q_lengths) -> jax.Array:
     """The kernels' int32 ``(2, B)`` key and query counts: the user's, or ``seq_kv`` and
     ``seq_q`` (then not read)."""
 
@@ -2339,7 +2342,7 @@ def flash_fwd(
     p = dataclasses.replace(p, fwd_pipelined=pipelined, fwd_pingpong=pingpong)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    lengths = _lengths_operand(p, ex.q_lengths, ex.kv_lengths)
+    lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
     operands = (qp, kp, vp, lengths, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
     out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
     if p.kv_chunks > 1:
@@ -2516,7 +2519,7 @@ def flash_bwd(
     lse2 = _pad_last(lse2, p.seq_q_pad, jnp.inf)
     qp, dop = _pad_seq(q, p.seq_q_pad), _pad_seq(dout, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
-    lengths = _lengths_operand(p, ex.q_lengths, ex.kv_lengths)
+    lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
     operands = (qp, kp, vp, dop, lse2, delta, lengths, *_segment_operands(p, ex))
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
