@@ -85,6 +85,26 @@ def _check(case, dtype, *, repeat: int = 1, factor: float = 2.0):
         assert_close(got, ref, factor=factor)
 
 
+def _check_x64(case, *, backward: bool, kernels: list[str]):
+    """With 64-bit types on (``jax_enable_x64``) the operators still choose ``kernels``
+    and give the bits they give without: the kernels trace their int32 index arithmetic
+    with 64-bit types off (``device.int32_tracing``)."""
+    b, sq, skv, hq, hkv, d, causal = case
+    q, do = rand((b, sq, hq, d), jnp.bfloat16), rand((b, sq, hq, d), jnp.bfloat16)
+    k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
+    f = jax.jit(functools.partial(ts.flash_attention, causal=causal))
+    if backward:
+        f, args = functools.partial(_fwd_bwd, causal=causal), (q, k, v, do)
+    else:
+        args = (q, k, v)
+    want = jax.tree.leaves(f(*args))
+    with _compat.enable_x64(True):
+        assert _chosen(f, *args) == kernels
+        got = jax.tree.leaves(f(*args))
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def np_with_lse_cotangent(q, k, v, do, dl, opts):
     """float64 ``out``, ``lse`` and the ``(dq, dk, dv)`` of the cotangents ``(do, dl)`` of
     ``(out, lse)``: ``d lse / dS = P`` adds ``P·dl`` to ``dS``."""
@@ -526,6 +546,9 @@ class TestAttentionKernelsInterpret:
         assert _compat.races_detected() is False
         _fwd_bwd.clear_cache()  # later tests: not the race-detecting program
 
+    def test_same_bits_with_x64(self):
+        _check_x64((1, 100, 100, 2, 1, 64, True), backward=False, kernels=["mosaic_gpu"])
+
     # A head dim the kernels do not have runs zero-padded to the next one, with what the
     # kernels take there (here a key-padding mask and a bias per query).
     def test_padded_head_dim(self):
@@ -958,6 +981,16 @@ class TestAttentionKernelsGPU:
         _check_mask_bias(
             dims, mask_shape, bias_shape, opts, jnp.bfloat16, repeat=3, empty_rows=empty_rows
         )
+
+    @pytest.mark.parametrize(
+        "case, kernels",
+        [
+            ((2, 1000, 1000, 4, 2, 128, True), ["mosaic_gpu", "mosaic_gpu"]),
+            ((2, 8, 4096, 8, 2, 128, False), ["triton_decode", "mosaic_gpu"]),
+        ],
+    )
+    def test_same_bits_with_x64(self, case, kernels):
+        _check_x64(case, backward=True, kernels=kernels)
 
     @pytest.mark.parametrize("bias_shape", [(1, 8, 1, 1024), (2, 8, 1024, 1024)])
     def test_bias_gradient(self, bias_shape):

@@ -187,6 +187,23 @@ class _NormKernelCases:
         np.testing.assert_array_equal(np.asarray(got)[..., : shape[1]], plain)
         np.testing.assert_array_equal(np.asarray(got)[..., shape[1] :], 0.0)
 
+    @pytest.mark.parametrize("op", OPS)
+    def test_same_bits_with_x64(self, op):
+        """With 64-bit types on the kernels still run (traced with them off:
+        ``device.int32_tracing``) and give the bits they give without."""
+        args, ct = _operands(op, (8, 128), jnp.bfloat16), rand((8, 128), jnp.bfloat16)
+
+        def vjp(*args):
+            y, pull = jax.vjp(functools.partial(_ts, op), *args)
+            return y, pull(ct)
+
+        want = jax.tree.leaves(jax.jit(vjp)(*args))
+        with _compat.enable_x64(True):
+            assert _chosen(vjp, *args) == {op: "pallas_rows", f"{op}_bwd": "pallas_rows"}
+            got = jax.tree.leaves(jax.jit(vjp)(*args))
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
 
 @pytest.mark.gpu
 class TestNormKernelsGPU(_NormKernelCases):

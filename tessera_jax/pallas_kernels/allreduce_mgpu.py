@@ -297,15 +297,18 @@ def all_reduce(x: jax.Array, axis_name: Any, n: int, num_sms: int | None = None)
         )
         handshake(sems.at[1])
 
-    out, _ = plgpu.kernel(
-        body,
-        out_type=(
-            jax.ShapeDtypeStruct((p.rows, LANES), dtype),
-            jax.ShapeDtypeStruct((n, crows, LANES), dtype),  # the receive buffer
-        ),
-        scratch_types=[plgpu.SemaphoreType.REGULAR((2,))],
-        grid=(nb,),
-        grid_names=("blocks",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(x2)
+    with device.int32_tracing():
+        out, _ = plgpu.kernel(
+            body,
+            out_type=(
+                jax.ShapeDtypeStruct((p.rows, LANES), dtype),
+                jax.ShapeDtypeStruct((n, crows, LANES), dtype),  # the receive buffer
+            ),
+            scratch_types=[plgpu.SemaphoreType.REGULAR((2,))],
+            grid=(nb,),
+            grid_names=("blocks",),
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+        )(x2)
     return out.reshape(-1)[:size].reshape(x.shape)

@@ -354,30 +354,31 @@ def decode_fwd(
         c=scale * _mgpu.LOG2E,
     )
     # One chunk writes the output itself; several write f32 partials for the combination.
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, chunks),
-        out_shape=(
-            jax.ShapeDtypeStruct((chunks, *q.shape), q.dtype if chunks == 1 else jnp.float32),
-            jax.ShapeDtypeStruct((chunks, b, hq, sq), jnp.float32),
-        ),
-        compiler_params=params,
-        interpret=interpret,
-        name="ts_attention_decode_fwd",
-    )(lengths, *(x for _, xs in operands for x in xs), q, k, v)
-    if chunks == 1:
-        return out[0], lse[0]
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, dims=dims),
-        grid=(b, hkv),
-        out_shape=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-        ),
-        compiler_params=params,
-        interpret=interpret,
-        name="ts_attention_decode_combine",
-    )(out, lse)
+    with device.int32_tracing():
+        out, lse = pl.pallas_call(
+            kernel,
+            grid=(b, hkv, chunks),
+            out_shape=(
+                jax.ShapeDtypeStruct((chunks, *q.shape), q.dtype if chunks == 1 else jnp.float32),
+                jax.ShapeDtypeStruct((chunks, b, hq, sq), jnp.float32),
+            ),
+            compiler_params=params,
+            interpret=interpret,
+            name="ts_attention_decode_fwd",
+        )(lengths, *(x for _, xs in operands for x in xs), q, k, v)
+        if chunks == 1:
+            return out[0], lse[0]
+        return pl.pallas_call(
+            functools.partial(_combine_kernel, dims=dims),
+            grid=(b, hkv),
+            out_shape=(
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+            ),
+            compiler_params=params,
+            interpret=interpret,
+            name="ts_attention_decode_combine",
+        )(out, lse)
 
 
 # --- the kernel vocabulary (primitives/_core.Kernel) ----------------------------------------

@@ -81,7 +81,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,7 +91,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig, first_seen_key
 from tessera_jax.pallas_kernels import device, norms_gpu
 from tessera_jax.primitives.reductions import rounded
@@ -2131,25 +2129,6 @@ def _build_dkv(p: Problem, interpret: bool) -> Any:
 
 # --- the wrappers (Kernel calling convention of primitives/_core.py) ------------------------
 
-_INTERPRET_LOCK = threading.Lock()
-
-
-def _run(call, operands, *, interpret: bool):
-    """``call(*operands)``; in interpret mode in the Mosaic GPU interpreter behind an opaque
-    host callback (as ``matmul_mgpu._run_interpret``: the interpreter's ordered effects have
-    no tokens inside a primitive's lowering, and its simulated device is process-global)."""
-    if not interpret:
-        return call(*operands)
-    params = _compat.gpu_interpret_current_params()
-    out_aval = jax.eval_shape(call, *operands)
-    jitted = jax.jit(call)
-
-    def host(*xs):
-        with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params):
-            return jax.tree.map(np.asarray, jitted(*xs))
-
-    return jax.pure_callback(host, out_aval, *operands)
-
 
 def _pad_seq(x: jax.Array, n: int, value: float = 0.0) -> jax.Array:
     """``x`` zero-padded (or ``value``-padded) along its sequence axis 1 to ``n``."""
@@ -2344,7 +2323,7 @@ def flash_fwd(
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
     operands = (qp, kp, vp, lengths, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
-    out, lse = _run(_build_fwd(p, interpret), operands, interpret=interpret)
+    out, lse = device.run_mosaic(_build_fwd(p, interpret), operands, interpret=interpret)
     if p.kv_chunks > 1:
         out, lse = _combine_chunks(out[..., : p.seq_q, :, :], lse[..., : p.seq_q])
     else:
@@ -2524,7 +2503,7 @@ def flash_bwd(
     # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
     operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
     if p.dkv_dq:
-        dk, dv, dq = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+        dk, dv, dq = device.run_mosaic(_build_dkv(p, interpret), operands, interpret=interpret)
         if interpret:
             dq = _dq_in_key_order(p, dq, ex.kv_lengths)
         # Query blocks that no key tile sees are never written: their rows saw no key.
@@ -2532,10 +2511,10 @@ def flash_bwd(
         dq = jnp.where(seen, dq[:, : p.seq_q] * p.scale, 0.0).astype(p.dtype)
     else:
         if p.dq_dkv:
-            dq, dk, dv = _run(_build_dq(p, interpret), operands, interpret=interpret)
+            dq, dk, dv = device.run_mosaic(_build_dq(p, interpret), operands, interpret=interpret)
         else:
-            dq = _run(_build_dq(p, interpret), operands, interpret=interpret)
-            dk, dv = _run(_build_dkv(p, interpret), operands, interpret=interpret)
+            dq = device.run_mosaic(_build_dq(p, interpret), operands, interpret=interpret)
+            dk, dv = device.run_mosaic(_build_dkv(p, interpret), operands, interpret=interpret)
         dq = _sum_chunks(dq[..., : p.seq_q, :, :]) if p.kv_chunks > 1 else dq[:, : p.seq_q]
     dk, dv = dk[:, : p.seq_kv], dv[:, : p.seq_kv]
     # Keys no query sees get zero gradients: past the lengths (the dK/dV kernel ran past

@@ -1,12 +1,18 @@
-"""What the kernels ask of this process's GPU: its SM count and whether it is a Hopper; and
-the one rule for how many SMs a persistent kernel's grid spans."""
+"""What the kernels ask of this process's GPU: its SM count and whether it is a Hopper; the
+one rule for how many SMs a persistent kernel's grid spans; and how a kernel is traced and
+run (:func:`int32_tracing`, :func:`run_mosaic`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+
+from tessera_jax import _compat
 
 H100_SMS = 132  # H100 / H200 SXM: the GPUs the kernels are tuned and measured on
 
@@ -66,3 +72,41 @@ def hopper_only(platform: str, kernel: str) -> str | None:
     if not is_sm90():
         return "not a Hopper (sm_90) GPU"
     return None
+
+
+def int32_tracing():
+    """The context a kernel is traced in: 64-bit types off. Kernel index arithmetic (grid
+    and thread indices, offsets, barrier slots) is int32; with ``jax_enable_x64`` on, the
+    Python ints beside it would become int64 and the kernels would not trace (a type
+    error). The operands keep their types."""
+    return _compat.enable_x64(False)
+
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+def run_mosaic(call: Callable[..., Any], operands: Sequence[Any], *, interpret: bool) -> Any:
+    """``call(*operands)`` of a Mosaic GPU kernel (``plgpu.kernel``), traced in
+    :func:`int32_tracing`.
+
+    In interpret mode the kernel runs in the Mosaic GPU interpreter behind an opaque host
+    callback. The interpreter threads its simulated memory operations through *ordered* io
+    callbacks; a primitive's lowering (``Operator._lower``) has no effect tokens to give
+    them. So the interpreted kernel runs as its own computation inside a ``pure_callback``
+    (same values, no effects outside), one at a time: the interpreter's simulated device
+    state is process-global. The interpreter parameters (race detection) in force when this
+    is traced are the ones used.
+    """
+    if not interpret:
+        with int32_tracing():
+            return call(*operands)
+    params = _compat.gpu_interpret_current_params()
+    with int32_tracing():
+        out_aval = jax.eval_shape(call, *operands)
+    jitted = jax.jit(call)
+
+    def host(*xs):
+        with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params), int32_tracing():
+            return jax.tree.map(np.asarray, jitted(*xs))
+
+    return jax.pure_callback(host, out_aval, *operands)

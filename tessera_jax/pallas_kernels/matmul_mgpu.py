@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -496,29 +495,6 @@ def _build(p: Problem) -> Any:
 
 # --- the wrapper (Kernel calling convention of primitives/_core.py) ----------------------------
 
-_INTERPRET_LOCK = threading.Lock()
-
-
-def _run_interpret(call, operands):
-    """Runs ``call`` in the Mosaic GPU interpreter behind an opaque host callback.
-
-    The interpreter threads its simulated memory operations through *ordered* io
-    callbacks; a primitive's lowering (``Operator._lower``) has no effect tokens to
-    give them. So the interpreted kernel runs as its own computation inside a
-    ``pure_callback`` (same values, no effects outside), one at a time: the
-    interpreter's simulated device state is process-global. The interpreter
-    parameters (race detection) in force when this is traced are the ones used.
-    """
-    params = _compat.gpu_interpret_current_params()
-    out_aval = jax.eval_shape(call, *operands)
-    jitted = jax.jit(call)
-
-    def host(*xs):
-        with _INTERPRET_LOCK, _compat.gpu_interpret_mode_with(params):
-            return jax.tree.map(np.asarray, jitted(*xs))
-
-    return jax.pure_callback(host, out_aval, *operands)
-
 
 def _to3d(x: jax.Array) -> jax.Array:
     lead = x.shape[:-2]
@@ -737,7 +713,7 @@ def matmul(
         operands.append(mc.pad_to(rows, 0, cfg.cluster_tile[0]))
 
     call = _build(p)
-    outs = _run_interpret(call, operands) if interpret else call(*operands)
+    outs = device.run_mosaic(call, operands, interpret=interpret)
 
     def result(out):
         if (mp, np_) != (mm, n):

@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tessera_jax.contracts.matmul import MatmulSpec, epilogue, epilogue_with_derivative
+from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
 
 __all__ = ["PortableConfig", "hardware", "matmul", "prefer", "supports"]
@@ -137,14 +138,15 @@ def matmul(
         _kernel, k_steps=kp // bk, bk=bk, spec=spec, has_vec=has_vec, precision=precision
     )
     n_out = 2 if with_derivative else 1
-    outs = pl.pallas_call(
-        kern,
-        grid=(batch, mp // bm, np_ // bn),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j))] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((batch, mp, np_), spec.out_dtype)] * n_out,
-        interpret=interpret,
-    )(*operands)
+    with device.int32_tracing():
+        outs = pl.pallas_call(
+            kern,
+            grid=(batch, mp // bm, np_ // bn),
+            in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, bm, bn), lambda bi, i, j: (bi, i, j))] * n_out,
+            out_shape=[jax.ShapeDtypeStruct((batch, mp, np_), spec.out_dtype)] * n_out,
+            interpret=interpret,
+        )(*operands)
     outs = [o[:, :m, :n] for o in outs]
     outs = [o.reshape((*lead, m, n)) if lead else o[0] for o in outs]
     return tuple(outs) if with_derivative else outs[0]

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tessera_jax import _compat
+from tessera_jax.pallas_kernels import device
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 __all__ = [
@@ -404,14 +405,15 @@ def _problem(
 
 
 def _call(kernel, p: Problem, out_shape, operands, interpret: bool, name: str):
-    return pl.pallas_call(
-        kernel,
-        grid=(p.programs,),
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps, num_stages=1),
-        interpret=interpret,
-        name=name,
-    )(*operands)
+    with device.int32_tracing():
+        return pl.pallas_call(
+            kernel,
+            grid=(p.programs,),
+            out_shape=out_shape,
+            compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps, num_stages=1),
+            interpret=interpret,
+            name=name,
+        )(*operands)
 
 
 def _rows(x: jax.Array) -> jax.Array:
