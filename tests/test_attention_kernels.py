@@ -92,11 +92,10 @@ def _check_x64(case, *, backward: bool, kernels: list[str]):
     b, sq, skv, hq, hkv, d, causal = case
     q, do = rand((b, sq, hq, d), jnp.bfloat16), rand((b, sq, hq, d), jnp.bfloat16)
     k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
-    f = jax.jit(functools.partial(ts.flash_attention, causal=causal))
     if backward:
         f, args = functools.partial(_fwd_bwd, causal=causal), (q, k, v, do)
     else:
-        args = (q, k, v)
+        f, args = jax.jit(functools.partial(ts.flash_attention, causal=causal)), (q, k, v)
     want = jax.tree.leaves(f(*args))
     with _compat.enable_x64(True):
         assert _chosen(f, *args) == kernels
