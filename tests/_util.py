@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import scipy.special
 
+from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives._core import OPERATORS
 
@@ -222,6 +223,18 @@ def chosen_kernels(f, *args, ops=None) -> list[tuple[str, str]]:
 
     walk(jax.make_jaxpr(f)(*args).jaxpr)
     return found
+
+
+def assert_same_bits_with_x64(f, args, chosen, want_chosen) -> None:
+    """``f(*args)`` with 64-bit types on (``jax_enable_x64``) gives the bits it gives
+    without, and ``chosen(f, *args)`` (the kernels the operators pick) is ``want_chosen``
+    there: the kernels trace with 64-bit types off (``device.int32_tracing``)."""
+    want = jax.tree.leaves(f(*args))
+    with _compat.enable_x64(True):
+        assert chosen(f, *args) == want_chosen
+        got = jax.tree.leaves(f(*args))
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def skip_unsampled_twin(request, k: int) -> None:

@@ -37,6 +37,7 @@ from tessera_jax.primitives.attention import (
 from tests._util import (
     assert_close,
     assert_no_serialised_wgmma,
+    assert_same_bits_with_x64,
     chosen_kernels,
     cuda_lowering,
     cuda_lowering_xla_row_dot,
@@ -86,9 +87,7 @@ def _check(case, dtype, *, repeat: int = 1, factor: float = 2.0):
 
 
 def _check_x64(case, *, backward: bool, kernels: list[str]):
-    """With 64-bit types on (``jax_enable_x64``) the operators still choose ``kernels``
-    and give the bits they give without: the kernels trace their int32 index arithmetic
-    with 64-bit types off (``device.int32_tracing``)."""
+    """:func:`assert_same_bits_with_x64` of the forward (and gradients) at ``case``."""
     b, sq, skv, hq, hkv, d, causal = case
     q, do = rand((b, sq, hq, d), jnp.bfloat16), rand((b, sq, hq, d), jnp.bfloat16)
     k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
@@ -96,12 +95,7 @@ def _check_x64(case, *, backward: bool, kernels: list[str]):
         f, args = functools.partial(_fwd_bwd, causal=causal), (q, k, v, do)
     else:
         f, args = jax.jit(functools.partial(ts.flash_attention, causal=causal)), (q, k, v)
-    want = jax.tree.leaves(f(*args))
-    with _compat.enable_x64(True):
-        assert _chosen(f, *args) == kernels
-        got = jax.tree.leaves(f(*args))
-    for x, y in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_bits_with_x64(f, args, _chosen, kernels)
 
 
 def np_with_lse_cotangent(q, k, v, do, dl, opts):

@@ -24,6 +24,7 @@ from tessera_jax.primitives import norms as _norms
 from tessera_jax.primitives import softmax as _softmax
 from tests._util import (
     assert_close,
+    assert_same_bits_with_x64,
     chosen_kernels,
     cuda_lowering,
     f64,
@@ -189,20 +190,15 @@ class _NormKernelCases:
 
     @pytest.mark.parametrize("op", OPS)
     def test_same_bits_with_x64(self, op):
-        """With 64-bit types on the kernels still run (traced with them off:
-        ``device.int32_tracing``) and give the bits they give without."""
+        """:func:`assert_same_bits_with_x64` of the forward and backward kernels."""
         args, ct = _operands(op, (8, 128), jnp.bfloat16), rand((8, 128), jnp.bfloat16)
 
         def vjp(*args):
             y, pull = jax.vjp(functools.partial(_ts, op), *args)
             return y, pull(ct)
 
-        want = jax.tree.leaves(jax.jit(vjp)(*args))
-        with _compat.enable_x64(True):
-            assert _chosen(vjp, *args) == {op: "pallas_rows", f"{op}_bwd": "pallas_rows"}
-            got = jax.tree.leaves(jax.jit(vjp)(*args))
-        for x, y in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        kernels = {op: "pallas_rows", f"{op}_bwd": "pallas_rows"}
+        assert_same_bits_with_x64(jax.jit(vjp), args, _chosen, kernels)
 
 
 @pytest.mark.gpu
