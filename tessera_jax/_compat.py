@@ -8,7 +8,9 @@ touches one file.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -17,6 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
+    "INTERPRETER_BODIES",
     "JAX_VERSION",
     "MGPU_INTERPRET_TMA_OOB",
     "MGPU_MIXED_FP8",
@@ -100,9 +103,100 @@ def gpu_interpret_mode(detect_races: bool = False):
     """Runs every Mosaic GPU kernel traced inside in the CPU interpreter."""
     from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
 
-    _patch_gpu_interpreter_wgmma()
+    _patch_gpu_interpreter()
     with force_gpu_interpret_mode(gpu_interpret_params(detect_races)):
         yield
+
+
+def _patch_gpu_interpreter() -> bool:
+    """Applies this module's patches to the Mosaic GPU interpreter; whether the one that
+    compiles each kernel body once is in force."""
+    _patch_gpu_interpreter_wgmma()
+    return _patch_gpu_interpreter_thread_compiles()
+
+
+@dataclasses.dataclass
+class InterpretedBody:
+    """A kernel body the Mosaic GPU interpreter compiled, and how many threads ran it."""
+
+    exe: Any
+    runs: int = 0
+
+
+# The Mosaic GPU interpreter's compiled kernel bodies, most recently used last
+# (_patch_gpu_interpreter_thread_compiles).
+INTERPRETER_BODIES: collections.OrderedDict[Any, InterpretedBody] = collections.OrderedDict()
+_INTERPRETER_BODIES_KEPT = 64
+
+
+def _patch_gpu_interpreter_thread_compiles() -> bool:
+    """Compiles each interpreted kernel body once, not once per thread and grid point.
+
+    The Mosaic GPU interpreter runs a kernel's warpgroups as host threads, each evaluating
+    the kernel's jaxpr in a computation it traces, lowers and compiles on every call
+    (``thread_map._run_jaxpr``: a fresh ``jax.jit`` of a fresh closure, so no cache hits):
+    a kernel of 4 CTAs of 3 warpgroups compiles the same body 12 times, and compiling is
+    most of the interpreter's time. This keeps each compiled body, keyed by the jaxpr (the
+    one object every thread and grid point of a traced kernel shares) and the argument
+    types, in a bounded cache. The compile runs under a lock and the call outside it: the
+    threads of one CTA wait on each other's barriers, so none may hold a lock another
+    needs while it runs (a plain ``jax.jit`` dispatch, which serialises a cache miss's
+    first call, deadlocks here). Patched only where the runner's body is one this knows;
+    elsewhere the interpreter runs as it ships.
+    """
+    import inspect
+    import threading
+
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - interpreter layout changed
+        return False
+    orig = thread_map._run_jaxpr
+    if getattr(orig, "_tessera_patched", False):
+        return True
+    try:
+        source = inspect.getsource(orig)
+    except (OSError, TypeError):  # pragma: no cover
+        return False
+    eval_jaxpr = thread_map.jax_core.eval_jaxpr
+
+    def run_with_consts(jaxpr, consts, *args):  # jax 0.10
+        eval_jaxpr(jaxpr, consts, *args)
+
+    def run_separating_consts(jaxpr, consts, *args):  # jax 0.11
+        eval_jaxpr(jaxpr.separate_consts()[0], *consts, *args)
+
+    # The runner bodies of the releases whose runner compiles on every call, each with
+    # the evaluation it does.
+    runners = {
+        "jax_core.eval_jaxpr(jaxpr, consts, *args)": run_with_consts,
+        "jax_core.eval_jaxpr(jaxpr_no_consts, *consts, *args)": run_separating_consts,
+    }
+    matches = [run for body, run in runners.items() if body in source]
+    if len(matches) != 1 or ".compile()(consts, *args)" not in source:
+        return False
+    run = matches[0]
+    compiled = INTERPRETER_BODIES
+    lock = threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        key = (jaxpr, *(jax.typeof(x) for x in jax.tree.leaves((consts, args))))
+        key += (jax.tree.structure((consts, args)),)
+        with lock:
+            body = compiled.get(key)
+            if body is None:
+                exe = jax.jit(run, static_argnums=0).trace(jaxpr, consts, *args).lower().compile()
+                body = compiled[key] = InterpretedBody(exe)
+                if len(compiled) > _INTERPRETER_BODIES_KEPT:
+                    compiled.popitem(last=False)
+            else:
+                compiled.move_to_end(key)
+            body.runs += 1
+        body.exe(consts, *args)
+
+    run_jaxpr._tessera_patched = True
+    thread_map._run_jaxpr = run_jaxpr
+    return True
 
 
 def _patch_gpu_interpreter_wgmma() -> None:
@@ -199,7 +293,7 @@ def gpu_interpret_mode_with(params: Any):
     """``gpu_interpret_mode`` with given ``InterpretGPUParams`` (see gpu_interpret_params)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
 
-    _patch_gpu_interpreter_wgmma()
+    _patch_gpu_interpreter()
     with force_gpu_interpret_mode(params):
         yield
 

@@ -103,6 +103,20 @@ def test_mgpu_256x256x128_no_races():
     check(out, reference(spec, a, b), BF16)
 
 
+def test_interpreter_compiles_a_kernel_body_once():
+    """The interpreter's threads and CTAs share one compiled kernel body (the compile was
+    most of the interpreter's time: ``_compat._patch_gpu_interpreter_thread_compiles``)."""
+    assert _compat._patch_gpu_interpreter(), (
+        f"jax {jax.__version__}'s interpreter runner is not one _compat knows: update it"
+    )
+    _compat.INTERPRETER_BODIES.clear()
+    a, b = rand((256, 128), BF16), rand((128, 256), BF16)
+    spec = spec_of()
+    check(run_mgpu(spec, a, b), reference(spec, a, b), BF16)
+    (body,) = _compat.INTERPRETER_BODIES.values()
+    assert body.runs >= 4  # threads × CTAs
+
+
 @pytest.mark.parametrize(
     "shape,out,pads",
     sample(
