@@ -41,32 +41,37 @@ _counter = itertools.count()
 _SEED = int(os.environ.get("TESSERA_TEST_SEED", "0"))
 
 
+def _seed() -> int:
+    """A fresh seed for every call: tests never reuse an input."""
+    return 1000 + 7919 * _SEED + next(_counter)
+
+
 def key() -> jax.Array:
     """A fresh PRNG key for every call: tests never reuse an input."""
-    return jax.random.key(1000 + 7919 * _SEED + next(_counter))
+    return jax.random.key(_seed())
 
 
 def start_test(nodeid: str) -> None:
-    """Starts the key sequence at a point given by the test's id (conftest calls it before
+    """Starts the seed sequence at a point given by the test's id (conftest calls it before
     each test): a test's inputs are then the same whichever worker runs it and whatever ran
     before, so a failure reproduces with the test alone."""
     global _counter
     _counter = itertools.count(zlib.crc32(nodeid.encode()) << 12)
 
 
-def rand(shape, dtype=jnp.float32, *, scale=1.0, k=None) -> jax.Array:
-    """Standard-normal random values (never zeros), rounded to ``dtype``."""
-    k = key() if k is None else k
-    x = jax.random.normal(k, shape, jnp.float32) * scale
-    return x.astype(dtype)
+def rand(shape, dtype=jnp.float32, *, scale=1.0) -> jax.Array:
+    """Standard-normal random values (never zeros), rounded to ``dtype``, from a fresh
+    seed. Drawn in NumPy: a draw compiles no XLA program, where jax.random and an eager
+    ``astype`` compile one for every new shape, and the suite draws thousands of shapes."""
+    x = np.random.default_rng(_seed()).standard_normal(shape, dtype=np.float32)
+    return jnp.asarray((x * np.float32(scale)).astype(np.dtype(dtype)))
 
 
 def f64(x) -> np.ndarray:
-    """A jax array as a float64 (or complex128) numpy array for references."""
-    a = jnp.asarray(x)
-    if jnp.issubdtype(a.dtype, jnp.complexfloating):
-        return np.asarray(a).astype(np.complex128)
-    return np.asarray(a.astype(jnp.float32) if a.dtype.itemsize < 4 else a).astype(np.float64)
+    """An array as a float64 (or complex128) numpy array for references (widened in NumPy,
+    which compiles nothing)."""
+    a = np.asarray(x)
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
 
 
 def rel_err(out, ref) -> float:
