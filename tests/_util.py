@@ -205,6 +205,19 @@ def sample_grid(k: int, **axes) -> tuple[str, list]:
     return ",".join(axes), sample(itertools.product(*axes.values()), k)
 
 
+def sampled_tests(names: list[str], k: int):
+    """A decorator for the test functions ``names``: each runs if it is among ``k`` of them
+    sampled for this run (all under TESSERA_TEST_FULL=1), else skips saying so."""
+    chosen = set(sample(names, k))
+
+    def mark(test):
+        assert test.__name__ in names, test.__name__
+        reason = f"not in this run's sample of {k} of {len(names)} tests (TESSERA_TEST_FULL=1)"
+        return pytest.mark.skipif(test.__name__ not in chosen, reason=reason)(test)
+
+    return mark
+
+
 def chosen_kernels(f, *args, ops=None) -> list[tuple[str, str]]:
     """``(operator, implementation)`` for each ts primitive (of ``ops``, names; default
     every operator) in ``f``'s program, gradients and inner jaxprs included, in the kernel

@@ -20,6 +20,7 @@ from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import _check_index_masks, _chosen, _mask_bias_operands
 
 # Small chunks and key blocks, so that the interpreter's short caches make several chunks.
+BF16, F16 = jnp.bfloat16, jnp.float16
 SMALL = ad.DecodeConfig(block_kv=64, split_keys=64)
 TWO = ad.DecodeConfig(split_keys=128)  # 128-key blocks, chunks of one block
 
@@ -134,14 +135,15 @@ OPTION_CASES = {
 
 
 class TestDecodeInterpret:
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    # Each shape in one input dtype, both dtypes covered (the kernel's arithmetic is f32
+    # whatever the input's 16-bit type).
     @pytest.mark.parametrize(
-        "b, sq, skv, hq, hkv, d, causal, config, lengths",
+        "b, sq, skv, hq, hkv, d, causal, config, lengths, dtype",
         [
-            (2, 1, 200, 2, 2, 64, False, SMALL, None),  # 4 chunks, the last ragged
-            (1, 3, 130, 4, 1, 64, True, None, None),  # MQA group folded, one chunk, causal
-            (2, 2, 256, 4, 2, 128, False, TWO, (256, 97)),  # key lengths end mid-chunk
-            (2, 1, 192, 2, 2, 64, True, SMALL, (0, 150)),  # an entry with no keys
+            (2, 1, 200, 2, 2, 64, False, SMALL, None, BF16),  # 4 chunks, the last ragged
+            (1, 3, 130, 4, 1, 64, True, None, None, F16),  # MQA group folded, one chunk, causal
+            (2, 2, 256, 4, 2, 128, False, TWO, (256, 97), BF16),  # key lengths end mid-chunk
+            (2, 1, 192, 2, 2, 64, True, SMALL, (0, 150), F16),  # an entry with no keys
         ],
     )
     def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths, dtype):

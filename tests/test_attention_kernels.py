@@ -45,6 +45,7 @@ from tests._util import (
     mosaic_gpu_calls,
     rand,
     sample,
+    sampled_tests,
     xla_ordered_sums,
 )
 from tests.test_attention import np_attention, np_attention_grads, np_dense, np_visible
@@ -518,6 +519,21 @@ def pallas_mode():
         yield
 
 
+# Interpreted checks of one feature each, whose GPU twins run every case: 3 per run.
+_feature_check = sampled_tests(
+    [
+        "test_padded_head_dim",
+        "test_bias_in_input_dtype_is_exact",
+        "test_index_masks_and_lse_cotangent",
+        "test_query_lengths_skip_padded_blocks",
+        "test_decode_splits_the_keys",
+        "test_dq_kernel_computes_dk_dv_after_a_window_start",
+        "test_decode_folds_the_gqa_group",
+    ],
+    3,
+)
+
+
 @pytest.mark.usefixtures("interpret_mode")
 class TestAttentionKernelsInterpret:
     # The interpreter is slowest on these two: one of them per run (TESSERA_TEST_FULL=1: both).
@@ -544,6 +560,7 @@ class TestAttentionKernelsInterpret:
 
     # A head dim the kernels do not have runs zero-padded to the next one, with what the
     # kernels take there (here a key-padding mask and a bias per query).
+    @_feature_check
     def test_padded_head_dim(self):
         dims = (1, 128, 128, 1, 1, 40)
         _check_mask_bias(dims, (1, 1, 1, 128), (1, 1, 128, 128), dict(causal=True), jnp.bfloat16)
@@ -553,23 +570,27 @@ class TestAttentionKernelsInterpret:
     @pytest.mark.parametrize(
         "bias_shape", [(1, 2, 128, 128), (1, 2, 1, 128)], ids=["tiles", "rows"]
     )
+    @_feature_check
     def test_bias_in_input_dtype_is_exact(self, bias_shape):
         _check_exact_bias((1, 128, 2, 64), bias_shape, jnp.float16)
 
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
+    @_feature_check
     def test_index_masks_and_lse_cotangent(self, dims, opts):
         _check_index_masks(dims, opts, jnp.bfloat16)
 
     # Query lengths: the kernels skip blocks of padded queries only: here a warpgroup's
     # rows and a whole CTA of the forward (its pipelined loop) and of the dQ kernel, and
     # the dK/dV kernel's loop past the first query block.
+    @_feature_check
     def test_query_lengths_skip_padded_blocks(self):
         opts = dict(query_seq_lengths=[10], key_value_seq_lengths=[100])
         _check_index_masks((1, 130, 100, 1, 1, 128), opts, jnp.bfloat16)
 
     # One case per run.
     @pytest.mark.parametrize("dims, opts", sample(DECODE_MASKS, 1))
+    @_feature_check
     def test_decode_splits_the_keys(self, dims, opts, monkeypatch):
         monkeypatch.setattr(am, "default_split_keys", lambda seq_kv: 256)
         _check_decode(dims, opts, jnp.bfloat16)
@@ -643,6 +664,7 @@ class TestAttentionKernelsInterpret:
             _check_dkv_dq(dims, causal, lengths, interpret=True, window=window)
         assert _compat.races_detected() is False
 
+    @_feature_check
     def test_dq_kernel_computes_dk_dv_after_a_window_start(self):
         """Before the window's first key the kernel skips whole key blocks (3 of 4 here)
         and writes no dK/dV there: the wrapper zeroes them (the interpreter's unwritten
@@ -663,6 +685,7 @@ class TestAttentionKernelsInterpret:
             1,
         ),
     )
+    @_feature_check
     def test_decode_folds_the_gqa_group(self, dims, opts):
         _check_folded_group(dims, opts, interpret=True)
 
