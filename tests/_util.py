@@ -74,6 +74,17 @@ def f64(x) -> np.ndarray:
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
 
 
+def by_row_blocks(f, parts: int, *args):
+    """``f(*args)`` on one device, block by block: ``f`` of each of ``parts`` equal row
+    blocks of ``args``, its outputs concatenated along the rows. The reference for a
+    product sharded over rows: XLA's CPU dot may round a row differently with the row
+    count (its blocking follows it, as on AVX2 machines), so a sharded product matches one
+    device's product of the same blocks, not of the whole array, bit for bit."""
+    n = args[0].shape[0] // parts
+    outs = [f(*(a[i * n : (i + 1) * n] for a in args)) for i in range(parts)]
+    return jax.tree.map(lambda *blocks: jnp.concatenate(blocks), *outs)
+
+
 def rel_err(out, ref) -> float:
     out, ref = f64(out), np.asarray(ref)
     denom = np.linalg.norm(ref.ravel())

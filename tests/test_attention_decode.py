@@ -19,8 +19,8 @@ from tests._util import assert_close, cuda_lowering, f64, rand, sample
 from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import _check_index_masks, _chosen, _mask_bias_operands
 
-# Small chunks and key blocks, so that the interpreter's short caches make several chunks.
 BF16, F16 = jnp.bfloat16, jnp.float16
+# Small chunks and key blocks, so that the interpreter's short caches make several chunks.
 SMALL = ad.DecodeConfig(block_kv=64, split_keys=64)
 TWO = ad.DecodeConfig(split_keys=128)  # 128-key blocks, chunks of one block
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax import dist, op
-from tests._util import rand
+from tests._util import by_row_blocks, rand
 
 # Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
 pytestmark = pytest.mark.xla_optimized
@@ -133,10 +133,8 @@ def test_seed002_nvl72_train_step_scaled():
         return loss
 
     loss = train_step(W, batch)
-    # On one device: each device's block of the product (4 batch rows × 4 columns: XLA's
-    # CPU dot may round a row differently in a product of another shape), then the loss.
-    out = jnp.block(
-        [[model(w[:, j : j + 4], (x[i : i + 4],)) for j in (0, 4)] for i in range(0, 16, 4)]
-    )
-    single = jax.jit(loss_fn)(out, (x, y))
+    # On one device: each device's block of the product (4 batch rows × 4 columns), then
+    # the loss.
+    per_device = lambda xi: jnp.concatenate([model(w[:, j : j + 4], (xi,)) for j in (0, 4)], 1)
+    single = jax.jit(loss_fn)(by_row_blocks(per_device, 4, x), (x, y))
     assert np.asarray(loss).tobytes() == np.asarray(single).tobytes()

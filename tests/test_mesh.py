@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
-from tests._util import f64, rand
+from tests._util import by_row_blocks, f64, rand
 
 # Bitwise across meshes and runs: checked on the code XLA optimises (tests/conftest.py).
 pytestmark = pytest.mark.xla_optimized
@@ -158,10 +158,8 @@ def test_tensor_in_jnp_and_ts_ops_jit_grad(mesh24):
     np.testing.assert_allclose(jnp.sum(t), xd.sum(), rtol=0, atol=1e-6 * np.abs(xd).sum())
     np.testing.assert_array_equal(ts.op.relu(t), ts.op.relu(x))
     np.testing.assert_array_equal(np.asarray(t * 2 + 1), np.asarray(x * 2 + 1))
-    # XLA's CPU dot may round a row differently with the row count (its blocking follows
-    # it), so each device's 4 rows are compared with one device's product of those rows.
-    rows = np.concatenate([np.asarray(jax.jit(jnp.matmul)(x[i : i + 4], x.T)) for i in (0, 4)])
-    np.testing.assert_array_equal(np.asarray(t @ x.T), rows)
+    rows = by_row_blocks(lambda xi: jax.jit(jnp.matmul)(xi, x.T), 2, x)  # dp=2
+    np.testing.assert_array_equal(np.asarray(t @ x.T), np.asarray(rows))
     f = jax.jit(lambda t: ts.op.sum(ts.op.tanh(t) * t))
     np.testing.assert_array_equal(f(t), f(x))
     g = jax.grad(lambda t: ts.op.sum(ts.op.tanh(t) ** 2))(t)

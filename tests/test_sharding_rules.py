@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
 from tests._util import (
+    by_row_blocks,
     np_activation,
     np_activation_derivative,
     np_tree,
@@ -400,10 +401,7 @@ def test_normalised_axis_sharded_keeps_its_bits(name, axis_type):
         "rmsnorm_matmul": lambda x: ts.op.rmsnorm_matmul(x, w, wk),
     }[name]
     run = jax.jit(lambda x, g: (op(x), jax.vjp(op, x)[1](g)[0]))
-    # Each device's 32 rows against one device's run of those rows: XLA's CPU dot (in
-    # rmsnorm_matmul's reference) may round a row differently with the row count.
-    halves = [run(x[i : i + 32], g[i : i + 32]) for i in (0, 32)]
-    want = [jnp.concatenate(parts) for parts in zip(*halves)]
+    want = by_row_blocks(run, 2, x, g)  # dp=2 (rmsnorm_matmul's reference has a dot)
     with jax.set_mesh(mesh):
         got = run(
             put(mesh, x, "dp", "tp"), put(mesh, g, "dp", "tp" if g.shape == x.shape else None)
