@@ -11,13 +11,15 @@ Which backend a run uses:
   twin in the CPU run. Compiling is most of their time: ``-n 4`` runs four workers on one
   GPU, each allocating device memory as it needs it rather than most of it up front.
 
-The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``):
-its thousands of small programs check what is computed, and LLVM's passes were most of the
-suite's time. Tests marked ``xla_optimized`` compile with them: bitwise (or nearly bitwise)
-comparisons of differently built programs (mesh invariance, run to run, an operator against
-its formula, jit against eager): claims about the optimised code users run (fused
-multiply-adds, vectorised loops), which unoptimised code would not test. Setting
-``JAX_DISABLE_MOST_OPTIMIZATIONS`` (``=0``: every test optimised) leaves the choice to jax.
+The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``)
+and, where the jaxlib still has them, with XLA's older CPU fusion emitters (which compile a
+small program in half the time): its thousands of small programs check what is computed,
+and compiling them was most of the suite's time. Tests marked ``xla_optimized`` compile as
+users' programs do: bitwise (or nearly bitwise) comparisons of differently built programs
+(mesh invariance, run to run, an operator against its formula, jit against eager): claims
+about the optimised code users run (fused multiply-adds, vectorised loops), which
+unoptimised code would not test. Setting ``JAX_DISABLE_MOST_OPTIMIZATIONS`` (``=0``: every
+test optimised) leaves the choice to jax.
 """
 
 import os
@@ -66,6 +68,7 @@ def pytest_configure(config):
         # Before any backend starts: every other test runs on the 8 virtual CPU devices.
         jax.config.update("jax_platforms", "cpu")
     if config._tessera_switch_opt:
+        _compile_unoptimized_programs_quickly()
         _set_optimized(False)
 
 
@@ -102,6 +105,36 @@ def _set_optimized(on: bool) -> None:
         _OPTIMIZED["unoptimized_since_on"] = False
     jax.config.update("jax_disable_most_optimizations", not on)
     _OPTIMIZED["now"] = on
+
+
+# XLA's CPU option that keeps the older fusion emitters; newer jaxlibs (0.11) only have the
+# fusion emitters and refuse the option.
+_OLD_EMITTERS = "xla_cpu_use_fusion_emitters"
+
+
+def _compile_unoptimized_programs_quickly():
+    """Compiles every program built without optimisations with the older CPU fusion
+    emitters, where this jaxlib has them: jax's switch is global, the emitters' option is
+    per compile, so it joins the options jax builds for each program."""
+    from jax._src import compiler
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={_OLD_EMITTERS: False}).lower(1.0).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" in str(e):
+            return
+        raise
+    get = compiler.get_compile_options
+
+    def get_compile_options(*args, **kwargs):
+        options = get(*args, **kwargs)
+        if compiler._DISABLE_MOST_OPTIMIZATIONS.value:
+            overrides = dict(options.env_option_overrides)
+            overrides.setdefault(_OLD_EMITTERS, False)
+            options.env_option_overrides = list(overrides.items())
+        return options
+
+    compiler.get_compile_options = get_compile_options
 
 
 @pytest.hookimpl(tryfirst=True)
