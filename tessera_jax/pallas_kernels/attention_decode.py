@@ -329,9 +329,7 @@ def decode_fwd(
     rows_pad = max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(hq // hkv * sq, 1)))))
     causal, scale = _mgpu._decode(spec)
     lengths = (
-        jnp.full((b,), skv, jnp.int32)
-        if kv_lengths is None
-        else jnp.clip(kv_lengths.astype(jnp.int32), 0, skv)
+        jnp.full((b,), skv, jnp.int32) if kv_lengths is None else _mgpu._clamped(kv_lengths, skv)
     )
     operands = []
     if q_lengths is not None:
