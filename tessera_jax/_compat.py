@@ -11,10 +11,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -112,7 +114,50 @@ def _patch_gpu_interpreter() -> bool:
     """Applies this module's patches to the Mosaic GPU interpreter; whether the one that
     compiles each kernel body once is in force."""
     _patch_gpu_interpreter_wgmma()
+    _patch_gpu_interpreter_callback_args()
     return _patch_gpu_interpreter_thread_compiles()
+
+
+_INTERPRETER_CALLBACKS = "jax._src.pallas.mosaic_gpu.interpret."
+
+
+def _patch_gpu_interpreter_callback_args() -> None:
+    """Hands the Mosaic GPU interpreter's host callbacks the NumPy arrays XLA passes.
+
+    The interpreter calls back into Python for every shared-memory access, barrier and
+    wgmma of every thread, and ``io_callback`` first copies each call's arguments onto a
+    CPU device (a ``device_put`` per call, about a quarter of an interpreted kernel's
+    time); the interpreter's callbacks read them with ``int()`` and NumPy indexing, so the
+    copies buy nothing. Every other callback keeps jax's behaviour. Patched on jax 0.10
+    only: 0.11's interpreter builds its thread locations from jax Arrays and refuses NumPy
+    arrays. Idempotent."""
+    if JAX_VERSION >= (0, 11):
+        return
+    from jax._src import callback as _callback
+    from jax._src import config as _config
+    from jax._src import xla_bridge
+
+    orig = _callback.io_callback_impl
+    if getattr(orig, "_tessera_patched", False):
+        return
+
+    def interpreter_function(callback) -> bool:
+        f = getattr(callback, "callback_func", None)
+        while isinstance(f, functools.partial):
+            f = f.func
+        return getattr(f, "_tessera_interpreter_callback", False) or getattr(
+            f, "__module__", ""
+        ).startswith(_INTERPRETER_CALLBACKS)
+
+    def io_callback_impl(*args, callback, **params):
+        if not interpreter_function(callback):
+            return orig(*args, callback=callback, **params)
+        cpu_device, *_ = xla_bridge.local_devices(backend="cpu")
+        with _config.default_device(cpu_device):
+            return jax.tree.map(np.asarray, callback(*args))
+
+    io_callback_impl._tessera_patched = True
+    _callback.io_callback_impl = io_callback_impl
 
 
 @dataclasses.dataclass
@@ -259,13 +304,12 @@ def _patch_gpu_interpreter_wgmma() -> None:
             jax.tree.map(int, gc._remove_noop_transforms(tuple(kw["acc_transforms"])))
         )
         acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, gtid, logging_info=info)
-        import numpy as np
-
         res = acc + np.matmul(a, b, dtype=kw["acc_dtype"])
         shared_memory.store_buffer_content(acc_key, acc_range, res, gtid, logging_info=info)
         return kw["token"]
 
     wgmma._tessera_patched = True
+    wgmma._tessera_interpreter_callback = True
     gc.wgmma = wgmma
 
 

@@ -118,6 +118,36 @@ def test_interpreter_compiles_a_kernel_body_once():
     assert body.runs >= 4  # threads × CTAs
 
 
+def test_interpreter_callbacks_take_numpy_arrays_others_jax_arrays():
+    """The Mosaic GPU interpreter's host callbacks get XLA's NumPy arrays as they are
+    (``_compat._patch_gpu_interpreter_callback_args``); a user's ``io_callback`` still gets
+    jax Arrays on a CPU device, as jax documents."""
+    from jax.experimental import io_callback
+
+    if _compat.JAX_VERSION >= (0, 11):
+        pytest.skip("jax 0.11's interpreter callbacks take jax Arrays only: not patched")
+
+    _compat._patch_gpu_interpreter()
+    seen = {}
+
+    def interpreter(x):
+        seen["interpreter"] = x
+        return x
+
+    def user(x):
+        seen["user"] = x
+        return x
+
+    interpreter.__module__ = _compat._INTERPRETER_CALLBACKS + "gpu_callbacks"
+    out = jax.ShapeDtypeStruct((2,), jnp.int32)
+    f = lambda x: (io_callback(interpreter, out, x), io_callback(user, out, x + 1))
+    got = jax.jit(f)(jnp.arange(2, dtype=jnp.int32))
+    assert [x.tolist() for x in got] == [[0, 1], [1, 2]]
+    assert type(seen["interpreter"]) is np.ndarray
+    assert isinstance(seen["user"], jax.Array)
+    assert seen["user"].devices() == {jax.devices("cpu")[0]}
+
+
 @pytest.mark.parametrize(
     "shape,out,pads",
     sample(
