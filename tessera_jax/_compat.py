@@ -126,9 +126,9 @@ def _patch_gpu_interpreter_callback_args() -> None:
 
     The interpreter calls back into Python for every shared-memory access, barrier and
     wgmma of every thread, and ``io_callback`` first copies each call's arguments onto a
-    CPU device (a ``device_put`` per call, about a quarter of an interpreted kernel's
-    time); the interpreter's callbacks read them with ``int()`` and NumPy indexing, so the
-    copies buy nothing. Every other callback keeps jax's behaviour. Patched on jax 0.10
+    CPU device (a ``device_put`` per call, a large share of an interpreted kernel's time);
+    the interpreter's callbacks read them with ``int()`` and NumPy indexing, so the copies
+    buy nothing. Every other callback keeps jax's behaviour. Patched on jax 0.10
     only: 0.11's interpreter builds its thread locations from jax Arrays and refuses NumPy
     arrays. Idempotent."""
     if JAX_VERSION >= (0, 11):

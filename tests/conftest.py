@@ -13,7 +13,7 @@ Which backend a run uses:
 
 The CPU run compiles without XLA's backend optimisations (``jax_disable_most_optimizations``)
 and, where the jaxlib still has them, with XLA's older CPU fusion emitters (which compile a
-small program in half the time): its thousands of small programs check what is computed,
+small program much faster): its thousands of small programs check what is computed,
 and compiling them was most of the suite's time. Tests marked ``xla_optimized`` compile as
 users' programs do: bitwise (or nearly bitwise) comparisons of differently built programs
 (mesh invariance, run to run, an operator against its formula, jit against eager): claims
