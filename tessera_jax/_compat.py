@@ -379,6 +379,42 @@ def cpu_device_count_flag(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
 
 
+# XLA's CPU option that keeps the older fusion emitters; jaxlib 0.11 has only the fusion
+# emitters and refuses the option.
+_OLD_CPU_EMITTERS = "xla_cpu_use_fusion_emitters"
+
+
+def compile_unoptimized_cpu_programs_quickly() -> bool:
+    """Compiles every program built under ``jax_disable_most_optimizations`` with XLA's
+    older CPU fusion emitters, which compile a small program much faster (the CPU
+    test-suite's setting: tests/conftest.py); whether this jaxlib has them. jax's switch
+    is global and the emitters' option per compile, so it joins the options jax builds
+    for each program."""
+    from jax._src import compiler
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={_OLD_CPU_EMITTERS: False}).lower(1.0).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" in str(e):
+            return False
+        raise
+    get = compiler.get_compile_options
+    if getattr(get, "_tessera_patched", False):
+        return True
+
+    def get_compile_options(*args, **kwargs):
+        options = get(*args, **kwargs)
+        if compiler._DISABLE_MOST_OPTIMIZATIONS.value:
+            overrides = dict(options.env_option_overrides)
+            overrides.setdefault(_OLD_CPU_EMITTERS, False)
+            options.env_option_overrides = list(overrides.items())
+        return options
+
+    get_compile_options._tessera_patched = True
+    compiler.get_compile_options = get_compile_options
+    return True
+
+
 def enable_x64(enabled: bool = True):
     """Context manager turning 64-bit types on (``jax.enable_x64`` in jax >= 0.9)."""
     fn = getattr(jax, "enable_x64", None)

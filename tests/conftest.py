@@ -68,7 +68,7 @@ def pytest_configure(config):
         # Before any backend starts: every other test runs on the 8 virtual CPU devices.
         jax.config.update("jax_platforms", "cpu")
     if config._tessera_switch_opt:
-        _compile_unoptimized_programs_quickly()
+        _compat.compile_unoptimized_cpu_programs_quickly()
         _set_optimized(False)
 
 
@@ -105,36 +105,6 @@ def _set_optimized(on: bool) -> None:
         _OPTIMIZED["unoptimized_since_on"] = False
     jax.config.update("jax_disable_most_optimizations", not on)
     _OPTIMIZED["now"] = on
-
-
-# XLA's CPU option that keeps the older fusion emitters; newer jaxlibs (0.11) only have the
-# fusion emitters and refuse the option.
-_OLD_EMITTERS = "xla_cpu_use_fusion_emitters"
-
-
-def _compile_unoptimized_programs_quickly():
-    """Compiles every program built without optimisations with the older CPU fusion
-    emitters, where this jaxlib has them: jax's switch is global, the emitters' option is
-    per compile, so it joins the options jax builds for each program."""
-    from jax._src import compiler
-
-    try:
-        jax.jit(lambda x: x + 1, compiler_options={_OLD_EMITTERS: False}).lower(1.0).compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "No such compile option" in str(e):
-            return
-        raise
-    get = compiler.get_compile_options
-
-    def get_compile_options(*args, **kwargs):
-        options = get(*args, **kwargs)
-        if compiler._DISABLE_MOST_OPTIMIZATIONS.value:
-            overrides = dict(options.env_option_overrides)
-            overrides.setdefault(_OLD_EMITTERS, False)
-            options.env_option_overrides = list(overrides.items())
-        return options
-
-    compiler.get_compile_options = get_compile_options
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -324,6 +324,27 @@ def test_deterministic_compile_options_exist_in_this_jaxlib():
     assert float(f(jnp.float32(1.5))) == 3.0
 
 
+def test_unoptimized_cpu_programs_ask_for_the_older_emitters():
+    """The CPU suite's compile setting (tests/conftest.py): where this jaxlib has XLA's
+    older CPU fusion emitters, a program compiled without optimisations asks for them and
+    an optimised one does not; jaxlib 0.11 has none."""
+    from jax._src import compiler
+
+    if not _compat.compile_unoptimized_cpu_programs_quickly():
+        assert _compat.JAX_VERSION >= (0, 11)
+        pytest.skip("this jaxlib has only the fusion emitters")
+    before = compiler._DISABLE_MOST_OPTIMIZATIONS.value
+    try:
+        got = {}
+        for disabled in (True, False):
+            jax.config.update("jax_disable_most_optimizations", disabled)
+            got[disabled] = dict(compiler.get_compile_options(1, 1).env_option_overrides)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+    assert got[True].get(_compat._OLD_CPU_EMITTERS) is False
+    assert _compat._OLD_CPU_EMITTERS not in got[False]
+
+
 def test_deterministic_options_round_low_precision_as_written():
     """A bf16 product is rounded before the f32 add that follows it, as the program says,
     not kept in f32 by the fusion (which XLA allows by default, and does here)."""
