@@ -427,6 +427,29 @@ def test_kept_keys_need_no_padded_copy(d, dq_dkv):
     assert p.seq_kv_pad == skv
 
 
+@pytest.mark.parametrize(
+    "d, dq_dkv, features, slots",
+    [
+        (64, True, {}, (4, 4)),
+        (128, True, {}, (4, 4)),  # (the ring fills what the tiles leave)
+        (128, True, dict(has_segment_ids=True), (4, 3)),
+        (128, False, {}, (2, 2)),
+        (256, False, {}, (2, 1)),
+    ],
+)
+def test_dq_kernel_ring_slots(d, dq_dkv, features, slots):
+    """Decoding, the dQ kernel computing dK and dV takes up to ``DQ_DKV_STAGES`` K and V
+    slots, as many as fit its shared memory; the dQ kernel of the two-kernel backward two."""
+    q, k = (jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16) for s in (16, 4096))
+    extra = am.SEGMENT_SMEM_BYTES if features else 0
+    p = am._bwd_problem(q, k, False, 1.0, extra=extra, dq_dkv=dq_dkv)
+    assert (p.stages, p.v_stages) == slots
+    if dq_dkv:
+        ring = (p.stages + p.v_stages) * p.block_kv * d * 2
+        tiles = 2 * 2 * am.WG_ROWS * d * 2 + am.PDS_SLOTS * 2 * am.WG_ROWS * p.block_kv * 2
+        assert ring + tiles + extra <= am.SMEM_BYTES
+
+
 def _check_dkv_dq(dims, causal, lengths, *, interpret, repeat=1, window=None):
     """dQ from the dK/dV kernel (``flash_bwd(dkv_dq=True)``, head_dim 128) with key
     lengths, an lse cotangent and a ``window`` vs float64; ``repeat`` runs agree bit for

@@ -438,17 +438,20 @@ SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SEGMENT_SMEM_BYTES = 3072
 
 
-def _dq_stages(d: int, block_kv: int, extra: int = 0, bias: str | None = None) -> tuple[int, int]:
+def _dq_stages(
+    d: int, block_kv: int, extra: int = 0, bias: str | None = None, most: int = 2
+) -> tuple[int, int]:
     """``(K slots, V slots)`` of the dQ kernel's rings that fit beside its Q and dO tiles
-    (and ``extra`` bytes), at most two each; K gets the second slot first (it is held to
-    the end of a step). With a ``bias``, each K slot also holds the CTA's part of it."""
+    (and ``extra`` bytes), at most ``most`` each; K gets a slot before V does (it is held
+    to the end of a step). With a ``bias``, each K slot also holds the CTA's part of it."""
     fixed = 2 * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + 2 * NUM_COMPUTE_WGS * WG_ROWS * 4 + 1024
     room = SMEM_BYTES - fixed - extra - _bias_ring_bytes(bias)
     kv = block_kv * d * 2
     k_slot = kv + _bias_slot_bytes(bias, TILE, block_kv)
-    for k_slots, v_slots in ((2, 2), (2, 1), (1, 1)):
-        if k_slots * k_slot + v_slots * kv <= room:
-            return k_slots, v_slots
+    for k_slots in range(most, 0, -1):
+        for v_slots in (k_slots, k_slots - 1):
+            if v_slots > 0 and k_slots * k_slot + v_slots * kv <= room:
+                return k_slots, v_slots
     return 0, 0
 
 
@@ -551,7 +554,7 @@ def _bwd_problem(
         dq_block_kv = WG_ROWS if dq_block_kv is None else dq_block_kv
         extra += PDS_SLOTS * 2 * WG_ROWS * dq_block_kv * 2
     bkv = _dq_block_kv(d, extra, bias) if dq_block_kv is None else dq_block_kv
-    stages, v_stages = _dq_stages(d, bkv, extra, bias)
+    stages, v_stages = _dq_stages(d, bkv, extra, bias, DQ_DKV_STAGES if dq_dkv else 2)
     dkv_stages = DKV_STAGES[d] if dkv_stages is None else dkv_stages
     paired = DKV_PAIRED.get(d, False) if dkv_paired is None else dkv_paired
     _check_split_keys("flash_bwd", "dq_split_keys", dq_split_keys, bkv)
@@ -646,6 +649,10 @@ def _unfold_rows(x: jax.Array, g: int) -> jax.Array:
 # The dQ kernel's hand-over ring of P and dS when it computes dK and dV too: warpgroup 0
 # runs this many key blocks ahead of warpgroup 1.
 PDS_SLOTS = 2
+# Its K and V ring slots, where they fit (at most this many each). Decoding, a CTA walks
+# its keys one short step after another, and a step's loads are issued only once a slot
+# frees: with two slots a step waited on its load's latency.
+DQ_DKV_STAGES = 4
 
 
 def _dq_dkv_reason(spec, q, k) -> str | None:
