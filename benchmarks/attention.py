@@ -8,7 +8,7 @@ reference before it is timed::
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-fwd --only bf16  # forward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-bwd --only d64   # backward only
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-decode  # key chunks, decoding
-    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-dq-dkv  # decode backward
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --sweep-dq-dkv  # decode backwards
     PYTHONUNBUFFERED=1 python3 benchmarks/attention.py --power   # watts and clocks, D=128
 
 Implementations: ``ts.flash_attention`` with ``TESSERA_KERNELS=pallas`` (the kernels of
@@ -687,14 +687,17 @@ def _sweep_decode(only: list[str] = ()) -> list[dict]:
 DQ_DKV_SHAPES = [
     *((b, h, h, sq, skv) for b, h in ((1, 8), (4, 16)) for sq in (1, 16) for skv in (4096, 32768)),
     *((b, 32, 8, sq, skv) for b, sq, skv in ((1, 1, 32768), (4, 1, 32768), (1, 16, 4096))),
+    (1, 32, 8, 1, 4096),
 ]
 
 
 def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
     """The backward at decode shapes (:data:`DQ_DKV_SHAPES`, GQA groups folded into the
-    rows) with the dQ kernel computing dK and dV (``dq_dkv``, the default there) against
-    the dQ and dK/dV kernels (baseline), timed inside one program as :func:`_sweep_decode`
-    does; ``rel_err`` against the two kernels, whose bits differ from more than one row."""
+    rows) with the dQ kernel computing dK and dV (``dq_dkv``, the default there) and with
+    the Triton decode backward (``triton_decode``: ``attention_decode.flash_bwd``, 16-row
+    products, 64 or 128 keys a step) against the dQ and dK/dV kernels (baseline), timed
+    inside one program as :func:`_sweep_decode` does; ``rel_err`` against the two
+    kernels, whose bits differ from more than one row."""
     recs = []
     d = 128
     for b, h, hkv, sq, skv in DQ_DKV_SHAPES:
@@ -707,6 +710,11 @@ def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
             name: jax.jit(functools.partial(am.flash_bwd, spec, dq_dkv=on))
             for name, on in variants.items()
         }
+        for bkv in (64, 128):
+            config = ad.DecodeConfig(block_kv=bkv)
+            fns[f"triton_decode[block_kv={bkv}]"] = jax.jit(
+                functools.partial(ad.flash_bwd, spec, config=config)
+            )
         recs += _time_variants(case, fns, args, "mosaic_gpu[two kernels]", None, sets, _next_do)
     return recs
 
@@ -757,7 +765,7 @@ def main():
     p.add_argument("--sweep-bwd", action="store_true", help="only the backward's sweep")
     p.add_argument("--sweep-decode", action="store_true", help="only the key chunks of decoding")
     p.add_argument(
-        "--sweep-dq-dkv", action="store_true", help="only the decode backward's one or two kernels"
+        "--sweep-dq-dkv", action="store_true", help="only the decode backwards (Mosaic, Triton)"
     )
     p.add_argument("--power", action="store_true", help="only power and clocks at D=128")
     args = p.parse_args()

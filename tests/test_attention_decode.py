@@ -1,8 +1,10 @@
-"""The decode forward in Pallas' Triton backend (``pallas_kernels/attention_decode.py``)
-against the float64 reference, in the interpreter: GQA groups folded into the rows, ragged
-caches split into chunks, key lengths and a causal mask, bitwise repeatability, and the
-lse the backward kernels read; then through ``ts.flash_attention``, whose forward it runs
-at decode shapes ahead of the Mosaic GPU kernel, with the Mosaic GPU backward after it."""
+"""The decode forward and backward in Pallas' Triton backend
+(``pallas_kernels/attention_decode.py``) against the float64 reference, in the
+interpreter: GQA groups folded into the rows, ragged caches split into chunks, key lengths
+and a causal mask, the operator's other options, bitwise repeatability, and the lse the
+backward kernels read; a shard of batch or heads keeping its bits in the backward; then
+through ``ts.flash_attention``, whose forward it runs at decode shapes ahead of the Mosaic
+GPU kernel, with the Mosaic GPU backward after it."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from tessera_jax.contracts.attention import AttentionExtras, AttentionSpec, Flas
 from tessera_jax.pallas_kernels import attention_decode as ad
 from tests._util import assert_close, cuda_lowering, f64, rand, sample
 from tests.test_attention import np_attention, np_dense
-from tests.test_attention_kernels import _check_index_masks, _chosen, _mask_bias_operands
+from tests.test_attention_kernels import (
+    _check_index_masks,
+    _chosen,
+    _mask_bias_operands,
+    np_with_lse_cotangent,
+)
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 # Small chunks and key blocks, so that the interpreter's short caches make several chunks.
@@ -29,10 +36,9 @@ def _spec(causal, d, **features):
     return AttentionSpec(causal=causal, scale=d**-0.5, config=FlashAttentionConfig(), **features)
 
 
-def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret, opts=None):
-    """The kernel's output and lse against float64, and a second run's bits. ``opts``: the
-    operator's other options (``mask``, ``bias``, ``local_window_size``,
-    ``query_seq_lengths``, segment ids), bound as the primitive binds them."""
+def _case(b, sq, skv, hq, hkv, d, causal, lengths, dtype, opts):
+    """Random q, k, v of the shape, the spec and the extras of the operator's options
+    ``opts`` as the primitive binds them, and ``opts`` for the float64 reference."""
     q, k, v = (
         rand((b, sq, hq, d), dtype),
         rand((b, skv, hkv, d), dtype),
@@ -49,16 +55,23 @@ def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret,
         kv_segment_ids=ints("kv_segment_ids"),
     )
     spec = _spec(causal, d, local_window_size=opts.get("local_window_size")).with_extras(extras)
+    np_opts = {n: x if n == "local_window_size" else np.asarray(x) for n, x in opts.items()}
+    np_opts.update(causal=causal, key_value_seq_lengths=lengths)
+    return (q, k, v), spec, AttentionSpec.operands(extras), np_opts
+
+
+def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret, opts=None):
+    """The kernel's output and lse against float64, and a second run's bits. ``opts``: the
+    operator's other options (``mask``, ``bias``, ``local_window_size``,
+    ``query_seq_lengths``, segment ids), bound as the primitive binds them."""
+    (q, k, v), spec, operands, np_opts = _case(b, sq, skv, hq, hkv, d, causal, lengths, dtype, opts)
     run = jax.jit(
         lambda q, k, v, ops: ad.flash_fwd(spec, q, k, v, *ops, config=config, interpret=interpret)
     )
-    operands = AttentionSpec.operands(extras)
     out, lse = run(q, k, v, operands)
     out2, lse2 = run(q, k, v, operands)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
-    np_opts = {n: x if n == "local_window_size" else np.asarray(x) for n, x in opts.items()}
-    np_opts.update(causal=causal, key_value_seq_lengths=lengths)
     want, want_lse = np_dense(f64(q), f64(k), f64(v), np_opts)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, sq)
     empty = np.isneginf(want_lse)
@@ -68,6 +81,39 @@ def _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret,
     if lengths is None and not causal and not opts:
         assert_close(out, np_attention(f64(q), f64(k), f64(v)), dtype, factor=2.0)
     assert_close(out, want, dtype, factor=2.0)
+
+
+def _check_bwd(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, *, interpret, opts=None):
+    """The backward kernel's dQ, dK and dV of the cotangents of ``out`` and (without a
+    mask or bias) of ``lse``, from the forward kernel's ``out`` and ``lse``, against
+    float64, and a second run's bits."""
+    (q, k, v), spec, operands, np_opts = _case(b, sq, skv, hq, hkv, d, causal, lengths, dtype, opts)
+    do = rand(q.shape, dtype)
+    fwd = jax.jit(
+        lambda q, k, v, ops: ad.flash_fwd(spec, q, k, v, *ops, config=config, interpret=interpret)
+    )
+    out, lse = fwd(q, k, v, operands)
+    dl = None
+    if not (spec.has_mask or spec.has_bias):  # (the float64 reference of dlse: index masks)
+        dl = rand(lse.shape, jnp.float32)
+        spec = spec.replace(has_dlse=True)
+    run = jax.jit(
+        lambda q, k, v, out, lse, do, ops: ad.flash_bwd(
+            spec, q, k, v, out, lse, do, *ops, config=config, interpret=interpret
+        )
+    )
+    args = (q, k, v, out, lse, do, (*operands, *([] if dl is None else [dl])))
+    grads = [np.asarray(x) for x in run(*args)]
+    for x, y in zip(grads, run(*args)):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    for got, like in zip(grads, (q, k, v)):
+        assert got.shape == like.shape and got.dtype == like.dtype
+    if dl is None:
+        want = np_dense(f64(q), f64(k), f64(v), np_opts, do=f64(do))[1][:3]
+    else:
+        want = np_with_lse_cotangent(f64(q), f64(k), f64(v), f64(do), f64(dl), np_opts)[2]
+    for got, ref in zip(grads, want):
+        assert_close(got, ref, dtype, factor=2.0)
 
 
 def _segments(b, n, bounds):
@@ -134,25 +180,57 @@ OPTION_CASES = {
 }
 
 
+# The interpreter's shapes (b, sq, skv, hq, hkv, d, causal, config, lengths, dtype), each in
+# one input dtype, both dtypes covered (the kernels' arithmetic is f32 whatever the input's
+# 16-bit type).
+SHAPE_CASES = [
+    (2, 1, 200, 2, 2, 64, False, SMALL, None, BF16),  # 4 chunks, the last ragged
+    (1, 3, 130, 4, 1, 64, True, None, None, F16),  # MQA group folded, one chunk, causal
+    (2, 2, 256, 4, 2, 128, False, TWO, (256, 97), BF16),  # key lengths end mid-chunk
+    (2, 1, 192, 2, 2, 64, True, SMALL, (0, 150), F16),  # an entry with no keys
+]
+
+
+@pytest.mark.parametrize("check", [_check, _check_bwd], ids=["forward", "backward"])
 class TestDecodeInterpret:
-    # Each shape in one input dtype, both dtypes covered (the kernel's arithmetic is f32
-    # whatever the input's 16-bit type).
-    @pytest.mark.parametrize(
-        "b, sq, skv, hq, hkv, d, causal, config, lengths, dtype",
-        [
-            (2, 1, 200, 2, 2, 64, False, SMALL, None, BF16),  # 4 chunks, the last ragged
-            (1, 3, 130, 4, 1, 64, True, None, None, F16),  # MQA group folded, one chunk, causal
-            (2, 2, 256, 4, 2, 128, False, TWO, (256, 97), BF16),  # key lengths end mid-chunk
-            (2, 1, 192, 2, 2, 64, True, SMALL, (0, 150), F16),  # an entry with no keys
-        ],
-    )
-    def test_matches_float64(self, b, sq, skv, hq, hkv, d, causal, config, lengths, dtype):
-        _check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, interpret=True)
+    """The forward kernel, and the backward kernel from its output and lse: a program's dK
+    and dV are its keys' whole gradients (the group's queries folded into its rows, the
+    padding rows adding nothing), dQ sums the chunks."""
+
+    @pytest.mark.parametrize("b, sq, skv, hq, hkv, d, causal, config, lengths, dtype", SHAPE_CASES)
+    def test_matches_float64(self, check, b, sq, skv, hq, hkv, d, causal, config, lengths, dtype):
+        check(b, sq, skv, hq, hkv, d, causal, config, lengths, dtype, interpret=True)
 
     @pytest.mark.parametrize("name", OPTION_CASES)
-    def test_options(self, name):
+    def test_options(self, check, name):
         dims, causal, config, lengths, opts = OPTION_CASES[name]
-        _check(*dims, causal, config, lengths, jnp.bfloat16, interpret=True, opts=opts())
+        check(*dims, causal, config, lengths, jnp.bfloat16, interpret=True, opts=opts())
+
+
+def test_backward_shards_get_the_same_bits():
+    """What a data- or head-sharded run computes: the last batch entry alone, and the
+    last kv head's group alone, get the bits they get in the whole call."""
+    _check_shards((2, 2, 200, 4, 2, 64), SMALL, interpret=True)
+
+
+def _check_shards(dims, config, *, interpret):
+    b, sq, skv, hq, hkv, d = dims
+    q, do = rand((b, sq, hq, d), BF16), rand((b, sq, hq, d), BF16)
+    k, v = rand((b, skv, hkv, d), BF16), rand((b, skv, hkv, d), BF16)
+    spec = _spec(True, d)
+
+    @jax.jit
+    def grads(q, k, v, do):
+        out, lse = ad.decode_fwd(spec, q, k, v, config=config, interpret=interpret)
+        return ad.decode_bwd(spec, q, k, v, out, lse, do, config=config, interpret=interpret)
+
+    whole = [np.asarray(x) for x in grads(q, k, v, do)]
+    entry = grads(q[-1:], k[-1:], v[-1:], do[-1:])
+    g = hq // hkv
+    heads = grads(q[:, :, -g:], k[:, :, -1:], v[:, :, -1:], do[:, :, -g:])
+    for x, e, h in zip(whole, entry, heads):
+        np.testing.assert_array_equal(x[-1:], np.asarray(e))
+        np.testing.assert_array_equal(x[:, :, -h.shape[2] :], np.asarray(h))
 
 
 @pytest.mark.gpu
@@ -225,6 +303,26 @@ class TestDecodeGPU:
     )
     def test_operator(self, dims, opts):
         _check_operator(dims, opts, repeat=3)
+
+    # The backward kernel compiled: GQA and MHA, chunks, lengths, the options.
+    @pytest.mark.parametrize(
+        "b, sq, skv, hq, hkv, d, causal, lengths",
+        [
+            (1, 1, 4096, 32, 8, 128, False, None),
+            (2, 16, 4096, 8, 8, 128, True, (4096, 3000)),
+            (4, 8, 32768, 16, 16, 64, False, (32768, 20000, 1, 0)),
+        ],
+    )
+    def test_backward_matches_float64(self, b, sq, skv, hq, hkv, d, causal, lengths):
+        _check_bwd(b, sq, skv, hq, hkv, d, causal, None, lengths, BF16, interpret=False)
+
+    @pytest.mark.parametrize("name", ["mask-causal-gqa", "bias-keypad", "window", "segments"])
+    def test_backward_options(self, name):
+        dims, causal, config, lengths, opts = OPTION_CASES[name]
+        _check_bwd(*dims, causal, config, lengths, BF16, interpret=False, opts=opts())
+
+    def test_backward_shards_get_the_same_bits(self):
+        _check_shards((3, 4, 8192, 32, 8, 128), None, interpret=False)
 
     def test_cache_past_int32_offsets(self):
         """K and V of more than 2**32 bytes each (64-bit offsets): the last batch entry,
@@ -311,6 +409,56 @@ def test_decode_lowers_for_cuda(d, config):
     bias = jnp.zeros((2, 8, 2, 4096), jnp.float32)
     text = cuda_lowering(run, q, k, k, lengths, bias)
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.skipif(
+    not _compat.TRITON_LOWERS_WITHOUT_GPU,
+    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
+    "compile them there)",
+)
+@pytest.mark.parametrize("d, config", [(64, SMALL), (128, None)])
+def test_decode_bwd_lowers_for_cuda(d, config):
+    """The backward kernel goes through Pallas' Triton lowering, with and without every
+    option; one launch, then XLA's sum of the chunks' dQ."""
+    q, k = rand((2, 2, 8, d), jnp.bfloat16), rand((2, 4096, 2, d), jnp.bfloat16)
+    lse = jnp.zeros((2, 8, 2), jnp.float32)
+    lengths = jnp.asarray([4096, 1000], jnp.int32)
+    spec = _spec(True, d, has_kv_lengths=True)
+
+    def plain(q, k, lse, lengths):
+        return ad.decode_bwd(spec, q, k, k, q, lse, q, lengths, config=config)
+
+    text = cuda_lowering(plain, q, k, lse, lengths)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+    spec = spec.replace(
+        local_window_size=(300, 0),
+        has_q_lengths=True,
+        has_mask=True,
+        has_segment_ids=True,
+        has_dlse=True,
+    )
+    segs = (jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 4096), jnp.int32))
+
+    def every(q, k, lse, lengths, bias):
+        return ad.decode_bwd(
+            spec,
+            q,
+            k,
+            k,
+            q,
+            lse,
+            q,
+            lengths,
+            q_lengths=lengths,
+            bias=bias,
+            segment_ids=segs,
+            dlse=lse,
+            config=config,
+        )
+
+    bias = jnp.zeros((2, 8, 2, 4096), jnp.float32)
+    text = cuda_lowering(every, q, k, lse, lengths, bias)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
 def _check_operator(dims, opts, repeat):

@@ -26,6 +26,15 @@ Registered on ``flash_attention_fwd`` ahead of the Mosaic GPU forward, for decod
 only (:func:`supports`); the backward stays the Mosaic GPU kernels'. The chunks depend on
 the key count only (:func:`default_split_keys`), never on batch or heads, so a sharded
 batch or head axis computes the same sums.
+
+:func:`decode_bwd` is the backward in the same form: a program owns one chunk of one kv
+head's keys for the whole group, so it writes those keys' complete dK and dV (no sum
+across programs), computes Δ = rowsum(dO∘O) from O itself (no row kernel before it), and
+adds its f32 part of each row's dQ, which XLA sums chunk by chunk. Its products take 16
+rows where the Mosaic GPU backward's take 64 (``attention_mgpu``'s dQ kernel computing dK
+and dV, whose time at B1 follows its padded products: five of 64×64×128 a 64-key step,
+``benchmarks/archive/dq-dkv-profile-h200.txt``). It is not registered with the operator
+yet: ``benchmarks/attention.py --sweep-dq-dkv`` times it against the Mosaic GPU backward.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from tessera_jax.pallas_kernels import device
 __all__ = [
     "MIN_KV",
     "DecodeConfig",
+    "decode_bwd",
     "decode_fwd",
     "decode_reason",
     "flash_fwd",
@@ -151,32 +161,38 @@ def _rows(h, sq: int, g: int, rows_pad: int):
 # any cache size, and which kernel runs does not depend on the batch or head count.
 
 
-def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c):
-    """One chunk of one kv head's keys for one batch entry: the rows' output (divided by
-    their sum, in ``out_ref``'s dtype) and lse, at ``out_ref[chunk, b]``/``lse_ref[chunk,
-    b]``. ``refs``: the key lengths, then the optional ``operands`` in their order
-    (``"q_lengths"``, ``"bias"``: the folded mask and bias, whose batch, head and query dims
-    ``bias_dims`` are each 1 or full, ``"segment_ids"``: two refs), then q, k, v and the
-    two outputs."""
-    sq, hq, hkv, skv, d, rows_pad, _ = dims
-    len_ref, *refs = refs
+def _operands(refs, operands):
+    """``({name: refs}, rest)``: the optional operands' refs, named, and the refs after."""
     opt = {}
     for name in operands:
         n = 2 if name == "segment_ids" else 1
         opt[name], refs = refs[:n], refs[n:]
-    q_ref, k_ref, v_ref, out_ref, lse_ref = refs
-    b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    s_of, head = _rows(h, sq, hq // hkv, rows_pad)
-    cols = jnp.arange(d)
-    q = plgpu.load(q_ref.at[b, s_of[:, None], head[:, None], cols[None, :]])
+    return opt, refs
+
+
+def _chunk_keys(len_ref, b, chunk, *, dims, chunk_keys, block_kv, window):
+    """The keys of chunk ``chunk`` of batch entry ``b``: ``(start, end, limit, first,
+    steps)``: the chunk is keys ``[start, end)``, its keys below ``limit`` are below the
+    entry's length, and its blocks ``[first, steps)`` hold every key a row can see (a
+    window's rows see no key of the blocks before ``first``)."""
+    sq, skv = dims[0], dims[3]
     kv_len = jnp.minimum(len_ref[b], skv)
     start = chunk * chunk_keys
-    limit = jnp.minimum(kv_len, start + chunk_keys)
+    end = jnp.minimum(start + chunk_keys, skv)
+    limit = jnp.minimum(kv_len, end)
     steps = jnp.maximum(0, (limit - start + block_kv - 1) // block_kv)
     first = 0
-    diag = s_of + (skv - sq)  # each row's position among the keys (bottom-right aligned)
     if window is not None:  # no row sees a key before the first row's window
         first = jnp.clip((skv - sq - window[0] - start) // block_kv, 0, steps)
+    return start, end, limit, first, steps
+
+
+def _scores_fn(opt, b, s_of, head, *, dims, causal, window, bias_dims):
+    """``scores(s, key, kmask)``: a key block's scores ``s`` (rows × keys, the exp2
+    domain) with the bias added, ``-inf`` where a row does not see a key (``kmask``: the
+    keys below the length)."""
+    sq, skv = dims[0], dims[3]
+    diag = s_of + (skv - sq)  # each row's position among the keys (bottom-right aligned)
     row_vis = None  # (rows,) bool: rows that see keys at all
     if "q_lengths" in opt:
         row_vis = s_of < opt["q_lengths"][0][b]
@@ -191,13 +207,7 @@ def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_di
         q_seg_ref, kv_seg_ref = opt["segment_ids"]
         q_seg = plgpu.load(q_seg_ref.at[b, s_of])
 
-    def body(j, carry):
-        acc, m, l_ = carry
-        key = start + j * block_kv + jnp.arange(block_kv)
-        kmask = key < limit
-        at = (b, key[:, None], h, cols[None, :])
-        k = plgpu.load(k_ref.at[at], mask=kmask[:, None], other=0.0)
-        s = plgpu.dot(q, k, trans_b=True) * c  # the exp2 domain
+    def scores(s, key, kmask):
         if "bias" in opt:
             bias = plgpu.load(
                 opt["bias"][0].at[(*bias_at, key[None, :])], mask=kmask[None, :], other=0.0
@@ -215,7 +225,39 @@ def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_di
         if "segment_ids" in opt:
             kv_seg = plgpu.load(kv_seg_ref.at[b, key], mask=kmask, other=0)
             vis = vis & (q_seg[:, None] == kv_seg[None, :])
-        s = jnp.where(vis, s, -jnp.inf)
+        return jnp.where(vis, s, -jnp.inf)
+
+    return scores
+
+
+def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c):
+    """One chunk of one kv head's keys for one batch entry: the rows' output (divided by
+    their sum, in ``out_ref``'s dtype) and lse, at ``out_ref[chunk, b]``/``lse_ref[chunk,
+    b]``. ``refs``: the key lengths, then the optional ``operands`` in their order
+    (``"q_lengths"``, ``"bias"``: the folded mask and bias, whose batch, head and query dims
+    ``bias_dims`` are each 1 or full, ``"segment_ids"``: two refs), then q, k, v and the
+    two outputs."""
+    sq, hq, hkv, _, d, rows_pad, _ = dims
+    len_ref, *refs = refs
+    opt, (q_ref, k_ref, v_ref, out_ref, lse_ref) = _operands(refs, operands)
+    b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s_of, head = _rows(h, sq, hq // hkv, rows_pad)
+    cols = jnp.arange(d)
+    q = plgpu.load(q_ref.at[b, s_of[:, None], head[:, None], cols[None, :]])
+    start, _, limit, first, steps = _chunk_keys(
+        len_ref, b, chunk, dims=dims, chunk_keys=chunk_keys, block_kv=block_kv, window=window
+    )
+    scores = _scores_fn(
+        opt, b, s_of, head, dims=dims, causal=causal, window=window, bias_dims=bias_dims
+    )
+
+    def body(j, carry):
+        acc, m, l_ = carry
+        key = start + j * block_kv + jnp.arange(block_kv)
+        kmask = key < limit
+        at = (b, key[:, None], h, cols[None, :])
+        k = plgpu.load(k_ref.at[at], mask=kmask[:, None], other=0.0)
+        s = scores(plgpu.dot(q, k, trans_b=True) * c, key, kmask)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_use)
@@ -264,6 +306,76 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
+def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, fn, dlse=None):
+    """What the forward's and the backward's calls share (``fn``, the caller, names it in
+    errors): ``(kernel keyword arguments, dims, optional operands in their order, key
+    lengths, compiler params)``."""
+    cfg = DecodeConfig() if config is None else config
+    if not isinstance(cfg, DecodeConfig):
+        raise TypeError(f"attention_decode.{fn}: config={cfg!r} must be a DecodeConfig")
+    b, sq, hq, d = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(
+            f"attention_decode.{fn}: q {q.shape}, k {k.shape} and v {v.shape} must "
+            "share batch and head_dim, k and v one shape"
+        )
+    given = {
+        "q_lengths": (q_lengths, spec.has_q_lengths),
+        "bias": (bias, spec.has_mask or spec.has_bias),
+        "segment_ids": (segment_ids, spec.has_segment_ids),
+    }
+    for name, (x, wanted) in given.items():
+        if (x is not None) != wanted:
+            raise ValueError(
+                f"attention_decode.{fn}: {name} is {'missing' if wanted else 'given'}, "
+                f"but the spec says {wanted=}"
+            )
+    bias_dims = (1, 1, 1)
+    if bias is not None:
+        bias_dims = tuple(bias.shape[:3])
+        full = (b, hq, sq, skv)
+        if (
+            bias.ndim != 4
+            or any(n not in (1, f) for n, f in zip(bias_dims, full))
+            or (bias.shape[3] != skv)
+        ):
+            raise ValueError(
+                f"attention_decode.{fn}: bias.shape={bias.shape} must be (1 or {b}, "
+                f"1 or {hq}, 1 or {sq}, {skv})"
+            )
+    keys = default_split_keys(skv, cfg.block_kv) if cfg.split_keys is None else cfg.split_keys
+    chunks = math.ceil(skv / keys) if keys < skv else 1
+    keys = keys if chunks > 1 else skv
+    rows_pad = max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(hq // hkv * sq, 1)))))
+    causal, scale = _mgpu._decode(spec)
+    lengths = (
+        jnp.full((b,), skv, jnp.int32) if kv_lengths is None else _mgpu._clamped(kv_lengths, skv)
+    )
+    operands = []
+    if q_lengths is not None:
+        operands.append(("q_lengths", [q_lengths.astype(jnp.int32)]))
+    if bias is not None:
+        operands.append(("bias", [bias.astype(jnp.float32)]))
+    if segment_ids is not None:
+        operands.append(("segment_ids", [x.astype(jnp.int32) for x in segment_ids]))
+    if dlse is not None:
+        operands.append(("dlse", [dlse.astype(jnp.float32)]))
+    dims = (sq, hq, hkv, skv, d, rows_pad, chunks)
+    kernel = dict(
+        dims=dims,
+        chunk_keys=keys,
+        block_kv=cfg.block_kv,
+        causal=causal,
+        window=spec.local_window_size,
+        operands=tuple(name for name, _ in operands),
+        bias_dims=bias_dims,
+        c=scale * _mgpu.LOG2E,
+    )
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return kernel, dims, [x for _, xs in operands for x in xs], lengths, params
+
+
 def decode_fwd(
     spec,
     q,
@@ -289,68 +401,10 @@ def decode_fwd(
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")
-    cfg = DecodeConfig() if config is None else config
-    if not isinstance(cfg, DecodeConfig):
-        raise TypeError(f"attention_decode.decode_fwd: config={cfg!r} must be a DecodeConfig")
-    b, sq, hq, d = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(
-            f"attention_decode.decode_fwd: q {q.shape}, k {k.shape} and v {v.shape} must "
-            "share batch and head_dim, k and v one shape"
-        )
-    given = {
-        "q_lengths": (q_lengths, spec.has_q_lengths),
-        "bias": (bias, spec.has_mask or spec.has_bias),
-        "segment_ids": (segment_ids, spec.has_segment_ids),
-    }
-    for name, (x, wanted) in given.items():
-        if (x is not None) != wanted:
-            raise ValueError(
-                f"attention_decode.decode_fwd: {name} is {'missing' if wanted else 'given'}, "
-                f"but the spec says {wanted=}"
-            )
-    bias_dims = (1, 1, 1)
-    if bias is not None:
-        bias_dims = tuple(bias.shape[:3])
-        full = (b, hq, sq, skv)
-        if (
-            bias.ndim != 4
-            or any(n not in (1, f) for n, f in zip(bias_dims, full))
-            or (bias.shape[3] != skv)
-        ):
-            raise ValueError(
-                f"attention_decode.decode_fwd: bias.shape={bias.shape} must be (1 or {b}, "
-                f"1 or {hq}, 1 or {sq}, {skv})"
-            )
-    keys = default_split_keys(skv, cfg.block_kv) if cfg.split_keys is None else cfg.split_keys
-    chunks = math.ceil(skv / keys) if keys < skv else 1
-    keys = keys if chunks > 1 else skv
-    rows_pad = max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(hq // hkv * sq, 1)))))
-    causal, scale = _mgpu._decode(spec)
-    lengths = (
-        jnp.full((b,), skv, jnp.int32) if kv_lengths is None else _mgpu._clamped(kv_lengths, skv)
-    )
-    operands = []
-    if q_lengths is not None:
-        operands.append(("q_lengths", [q_lengths.astype(jnp.int32)]))
-    if bias is not None:
-        operands.append(("bias", [bias.astype(jnp.float32)]))
-    if segment_ids is not None:
-        operands.append(("segment_ids", [x.astype(jnp.int32) for x in segment_ids]))
-    dims = (sq, hq, hkv, skv, d, rows_pad, chunks)
-    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    kernel = functools.partial(
-        _kernel,
-        dims=dims,
-        chunk_keys=keys,
-        block_kv=cfg.block_kv,
-        causal=causal,
-        window=spec.local_window_size,
-        operands=tuple(name for name, _ in operands),
-        bias_dims=bias_dims,
-        c=scale * _mgpu.LOG2E,
-    )
+    call = _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, "decode_fwd")
+    kernel, dims, operands, lengths, params = call
+    (b, sq, hq), hkv, chunks = q.shape[:3], k.shape[2], dims[-1]
+    kernel = functools.partial(_kernel, **kernel)
     # One chunk writes the output itself; several write f32 partials for the combination.
     with device.int32_tracing():
         out, lse = pl.pallas_call(
@@ -363,7 +417,7 @@ def decode_fwd(
             compiler_params=params,
             interpret=interpret,
             name="ts_attention_decode_fwd",
-        )(lengths, *(x for _, xs in operands for x in xs), q, k, v)
+        )(lengths, *operands, q, k, v)
         if chunks == 1:
             return out[0], lse[0]
         return pl.pallas_call(
@@ -377,6 +431,141 @@ def decode_fwd(
             interpret=interpret,
             name="ts_attention_decode_combine",
         )(out, lse)
+
+
+# --- backward --------------------------------------------------------------------------------
+
+
+def _bwd_kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c, scale):
+    """One chunk of one kv head's keys for one batch entry, every row of the group: the
+    chunk's dK and dV (complete: no other program sees these keys; zeros where no row sees
+    a key) and the rows' dQ over the chunk (f32, unscaled, at ``dq_ref[chunk, b]``; the
+    wrapper sums the chunks). Δ = rowsum(dO∘O) is computed here from O. ``refs``: as
+    :func:`_kernel`'s, with ``"dlse"`` among the optional operands (the lse cotangent,
+    which enters as −Δ does), then q, k, v, out, lse, dout and the three outputs."""
+    sq, hq, hkv, _, d, rows_pad, _ = dims
+    g = hq // hkv
+    len_ref, *refs = refs
+    opt, refs = _operands(refs, operands)
+    q_ref, k_ref, v_ref, o_ref, lse_ref, do_ref, dq_ref, dk_ref, dv_ref = refs
+    b, h, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s_of, head = _rows(h, sq, g, rows_pad)
+    # The padding rows repeat real ones: their dQ is the real row's (stored to the same
+    # address with the same value, as the forward's rows), and they add nothing to dK, dV.
+    real = (jnp.arange(rows_pad) < g * sq)[:, None]
+    cols = jnp.arange(d)
+    rows_at = (b, s_of[:, None], head[:, None], cols[None, :])
+    q, do = plgpu.load(q_ref.at[rows_at]), plgpu.load(do_ref.at[rows_at])
+    o = plgpu.load(o_ref.at[rows_at]).astype(jnp.float32)
+    delta = jnp.sum(o * do.astype(jnp.float32), axis=1)
+    if "dlse" in opt:
+        delta = delta - plgpu.load(opt["dlse"][0].at[b, head, s_of])
+    lse = plgpu.load(lse_ref.at[b, head, s_of])
+    # exp2(s − lse2) is exactly 0 where lse2 = +inf: rows that saw no key.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _mgpu.LOG2E)
+    start, end, limit, first, steps = _chunk_keys(
+        len_ref, b, chunk, dims=dims, chunk_keys=chunk_keys, block_kv=block_kv, window=window
+    )
+    scores = _scores_fn(
+        opt, b, s_of, head, dims=dims, causal=causal, window=window, bias_dims=bias_dims
+    )
+
+    def keys(j):
+        key = start + j * block_kv + jnp.arange(block_kv)
+        inside = jnp.broadcast_to((key < end)[:, None], (block_kv, d))
+        return key, (b, key[:, None], h, cols[None, :]), inside
+
+    def body(j, dq):
+        key, at, inside = keys(j)
+        kmask = key < limit
+        k = plgpu.load(k_ref.at[at], mask=kmask[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[at], mask=kmask[:, None], other=0.0)
+        s = scores(plgpu.dot(q, k, trans_b=True) * c, key, kmask)
+        p = jnp.exp2(s - lse2[:, None])
+        dp = plgpu.dot(do, v, trans_b=True)
+        ds = (p * (dp - delta[:, None])).astype(q.dtype)
+        p = jnp.where(real, p, 0.0).astype(q.dtype)
+        dv = plgpu.dot(p, do, trans_a=True)
+        plgpu.store(dv_ref.at[at], dv.astype(dv_ref.dtype), mask=inside)
+        dk = plgpu.dot(jnp.where(real, ds, jnp.zeros((), ds.dtype)), q, trans_a=True) * scale
+        plgpu.store(dk_ref.at[at], dk.astype(dk_ref.dtype), mask=inside)
+        return dq + plgpu.dot(ds, k)
+
+    def zeros(j, carry):  # blocks no row sees: a window's before ``first``, past the length
+        _, at, inside = keys(j)
+        for ref in (dk_ref, dv_ref):
+            plgpu.store(ref.at[at], jnp.zeros((block_kv, d), ref.dtype), mask=inside)
+        return carry
+
+    dq = jax.lax.fori_loop(first, steps, body, jnp.zeros((rows_pad, d), jnp.float32))
+    jax.lax.fori_loop(0, first, zeros, 0)
+    jax.lax.fori_loop(steps, (end - start + block_kv - 1) // block_kv, zeros, 0)
+    plgpu.store(dq_ref.at[(chunk, *rows_at)], dq)
+
+
+def decode_bwd(
+    spec,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    kv_lengths=None,
+    *,
+    q_lengths=None,
+    bias=None,
+    segment_ids=None,
+    dlse=None,
+    config=None,
+    interpret=False,
+):
+    """``(dq, dk, dv)`` of :func:`decode_fwd`'s attention (``out`` and ``lse`` its outputs,
+    ``dout`` the output's cotangent), bitwise reproducible: a program owns one kv head's
+    keys of one chunk for every query of the group, so each key's dK and dV are one
+    program's sums, and dQ is the sum of the chunks' f32 partials, chunk by chunk from the
+    first key on, times the scale, rounded once. The chunks are :func:`decode_fwd`'s (key
+    count only). Keys no query sees get zero dK and dV. The operands are
+    :func:`decode_fwd`'s, plus ``dlse``: f32 ``(B, H, Sq)``, the lse's cotangent, or None.
+    The bias is not differentiated."""
+    reason = decode_reason(spec, q, k)
+    if reason is not None:
+        raise ValueError(f"attention_decode.decode_bwd: this kernel cannot run the case: {reason}")
+    b, sq, hq = q.shape[:3]
+    for name, x, want in (
+        ("out", out, q.shape),
+        ("dout", dout, q.shape),
+        ("lse", lse, (b, hq, sq)),
+        ("dlse", dlse, (b, hq, sq)),
+    ):
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"attention_decode.decode_bwd: {name}.shape={x.shape} must be {want}")
+    if (dlse is not None) != spec.has_dlse:
+        raise ValueError(
+            f"attention_decode.decode_bwd: dlse is {'given' if dlse is not None else 'missing'}"
+            f", but the spec says has_dlse={spec.has_dlse}"
+        )
+    call = _call(
+        spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, "decode_bwd", dlse=dlse
+    )
+    kernel, dims, operands, lengths, params = call
+    chunks = dims[-1]
+    scale = _mgpu._decode(spec)[1]
+    with device.int32_tracing():
+        dq, dk, dv = pl.pallas_call(
+            functools.partial(_bwd_kernel, **kernel, scale=scale),
+            grid=(b, k.shape[2], chunks),
+            out_shape=(
+                jax.ShapeDtypeStruct((chunks, *q.shape), jnp.float32),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+                jax.ShapeDtypeStruct(k.shape, k.dtype),
+            ),
+            compiler_params=params,
+            interpret=interpret,
+            name="ts_attention_decode_bwd",
+        )(lengths, *operands, q, k, v, out, lse, dout)
+    dq = _mgpu._in_key_order(chunks, lambda i: dq[i])
+    return (dq * scale).astype(q.dtype), dk, dv
 
 
 # --- the kernel vocabulary (primitives/_core.Kernel) ----------------------------------------
@@ -422,6 +611,31 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, config=None):
         q_lengths=ex.q_lengths,
         bias=_mgpu._bias_operand(spec, ex, q, k),
         segment_ids=segments,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret: bool = False, config=None):
+    """``ts_flash_attention_bwd``'s kernel at decode shapes: ``(dq, dk, dv)`` with the spec's
+    options, the extras as the primitive binds them (the lse cotangent last where the spec
+    has one). Not registered with the operator yet: ``auto`` decodes the backward in
+    ``attention_mgpu``'s kernels until this one is timed against them."""
+    ex = spec.split(extras[: spec.num_extras])
+    segments = None if ex.q_segment_ids is None else (ex.q_segment_ids, ex.kv_segment_ids)
+    return decode_bwd(
+        spec,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        ex.kv_lengths,
+        q_lengths=ex.q_lengths,
+        bias=_mgpu._bias_operand(spec, ex, q, k),
+        segment_ids=segments,
+        dlse=extras[spec.num_extras] if spec.has_dlse else None,
         config=config,
         interpret=interpret,
     )
