@@ -201,6 +201,13 @@ def mosaic_gpu_calls(hlo_text: str) -> list[str]:
 _FULL = os.environ.get("TESSERA_TEST_FULL") == "1"
 
 
+def always_and_sample(always, cases, k: int) -> list:
+    """``always`` (cases every run takes), then ``k`` more of the other ``cases`` (all of
+    them under TESSERA_TEST_FULL=1), in their order."""
+    always = list(always)
+    return always + sample([c for c in cases if c not in always], k)
+
+
 def sample(cases, k: int) -> list:
     """``k`` of ``cases`` (all of them under TESSERA_TEST_FULL=1), in their order; the
     same on every xdist worker."""

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, SHARDING_RULES, Kernel
 from tests._util import (
+    always_and_sample,
     by_row_blocks,
     np_activation,
     np_activation_derivative,
@@ -419,7 +420,7 @@ _HEAD_ALWAYS = [(1, "Auto"), (2, "Auto")]
 @pytest.mark.xla_optimized
 @pytest.mark.parametrize(
     "heads_kv, axis_type",
-    [*_HEAD_ALWAYS, *sample([c for c in _HEAD_CASES if c not in _HEAD_ALWAYS], 2)],
+    always_and_sample(_HEAD_ALWAYS, _HEAD_CASES, 2),
 )
 def test_attention_with_sharded_heads_keeps_its_bits(heads_kv, axis_type):
     """Batch and query heads sharded, the kv heads too where they divide (MHA, GQA with a
