@@ -1,5 +1,5 @@
-"""The attention forward for decoding (a few queries against a long K/V cache) in Pallas'
-Triton backend.
+"""The attention forward, and its backward, for decoding (a few queries against a long K/V
+cache) in Pallas' Triton backend.
 
 Why a second forward beside ``attention_mgpu``'s: a Hopper warpgroup's product tile is 64
 query rows however few the queries, so at 1 to 16 queries the Mosaic GPU forward spends its
