@@ -389,6 +389,36 @@ def test_decode_operands_follow_the_spec(given, what):
         ad.decode_fwd(spec, q, k, k, bias=jnp.zeros((1, 3, 1, 256)), interpret=True)
 
 
+@pytest.mark.parametrize(
+    "given, what",
+    [
+        (
+            dict(out=jnp.zeros((1, 2, 2, 64), BF16)),
+            r"out.shape=\(1, 2, 2, 64\) must be \(1, 1, 2, 64\)",
+        ),
+        (dict(lse=jnp.zeros((1, 1, 2), jnp.float32)), r"lse.shape=\(1, 1, 2\) must be \(1, 2, 1\)"),
+        (dict(dlse=jnp.zeros((1, 2, 1), jnp.float32)), "dlse is given, but the spec says"),
+        (dict(bias=jnp.zeros((1, 1, 1, 256))), "bias is given"),
+    ],
+)
+def test_decode_bwd_operands_follow_the_spec(given, what):
+    q, k = rand((1, 1, 2, 64), BF16), rand((1, 256, 2, 64), BF16)
+    args = dict(out=q, lse=jnp.zeros((1, 2, 1), jnp.float32), dout=q) | given
+    extra = {n: x for n, x in given.items() if n in ("dlse", "bias")}
+    with pytest.raises(ValueError, match=what):
+        ad.decode_bwd(
+            _spec(False, 64),
+            q,
+            k,
+            k,
+            args["out"],
+            args["lse"],
+            args["dout"],
+            interpret=True,
+            **extra,
+        )
+
+
 @pytest.mark.skipif(
     not _compat.TRITON_LOWERS_WITHOUT_GPU,
     reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "

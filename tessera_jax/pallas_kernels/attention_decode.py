@@ -324,6 +324,7 @@ def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, fn, d
         "q_lengths": (q_lengths, spec.has_q_lengths),
         "bias": (bias, spec.has_mask or spec.has_bias),
         "segment_ids": (segment_ids, spec.has_segment_ids),
+        "dlse": (dlse, spec.has_dlse),
     }
     for name, (x, wanted) in given.items():
         if (x is not None) != wanted:
@@ -540,11 +541,6 @@ def decode_bwd(
     ):
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"attention_decode.decode_bwd: {name}.shape={x.shape} must be {want}")
-    if (dlse is not None) != spec.has_dlse:
-        raise ValueError(
-            f"attention_decode.decode_bwd: dlse is {'given' if dlse is not None else 'missing'}"
-            f", but the spec says has_dlse={spec.has_dlse}"
-        )
     call = _call(
         spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, "decode_bwd", dlse=dlse
     )

@@ -650,8 +650,9 @@ def _unfold_rows(x: jax.Array, g: int) -> jax.Array:
 # runs this many key blocks ahead of warpgroup 1.
 PDS_SLOTS = 2
 # Its K and V ring slots, where they fit (at most this many each). Decoding, a CTA walks
-# its keys one short step after another, and a step's loads are issued only once a slot
-# frees: with two slots a step waited on its load's latency.
+# its keys in short steps, and with two slots a step still waited on V's load; its time
+# is mostly its 64-row products (benchmarks/archive/dq-dkv-profile-h200.txt, and
+# dq-dkv-stages-h200.txt for 2 against 4 slots).
 DQ_DKV_STAGES = 4
 
 
