@@ -46,6 +46,7 @@ temp_bytes, timing}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import sys
@@ -695,9 +696,10 @@ def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
     """The backward at decode shapes (:data:`DQ_DKV_SHAPES`, GQA groups folded into the
     rows) with the dQ kernel computing dK and dV (``dq_dkv``, the default there) and with
     the Triton decode backward (``triton_decode``: ``attention_decode.flash_bwd``, 16-row
-    products, 64 or 128 keys a step) against the dQ and dK/dV kernels (baseline), timed
-    inside one program as :func:`_sweep_decode` does; ``rel_err`` against the two
-    kernels, whose bits differ from more than one row."""
+    products, 64 keys a step as ``BWD_CONFIG`` or 128 where that fits shared memory)
+    against the dQ and dK/dV kernels (baseline), timed inside one program as
+    :func:`_sweep_decode` does; ``rel_err`` against the two kernels, whose bits differ
+    from more than one row."""
     recs = []
     d = 128
     for b, h, hkv, sq, skv in DQ_DKV_SHAPES:
@@ -710,11 +712,13 @@ def _sweep_dq_dkv(only: list[str] = ()) -> list[dict]:
             name: jax.jit(functools.partial(am.flash_bwd, spec, dq_dkv=on))
             for name, on in variants.items()
         }
+        rows = ad.padded_rows(h // hkv * sq)
         for bkv in (64, 128):
-            config = ad.DecodeConfig(block_kv=bkv)
-            fns[f"triton_decode[block_kv={bkv}]"] = jax.jit(
-                functools.partial(ad.flash_bwd, spec, config=config)
-            )
+            config = dataclasses.replace(ad.BWD_CONFIG, block_kv=bkv)
+            if ad.smem_bytes(config, rows, d, backward=True) <= am.SMEM_BYTES:
+                fns[f"triton_decode[block_kv={bkv}]"] = jax.jit(
+                    functools.partial(ad.flash_bwd, spec, config=config)
+                )
         recs += _time_variants(case, fns, args, "mosaic_gpu[two kernels]", None, sets, _next_do)
     return recs
 

@@ -3,8 +3,8 @@
 interpreter: GQA groups folded into the rows, ragged caches split into chunks, key lengths
 and a causal mask, the operator's other options, bitwise repeatability, and the lse the
 backward kernels read; a shard of batch or heads keeping its bits in the backward; then
-through ``ts.flash_attention``, whose forward it runs at decode shapes ahead of the Mosaic
-GPU kernel, with the Mosaic GPU backward after it."""
+through ``ts.flash_attention``, whose forward and backward it runs at decode shapes ahead
+of the Mosaic GPU kernels."""
 
 from __future__ import annotations
 
@@ -500,9 +500,9 @@ def test_decode_bwd_lowers_for_cuda(d, config):
 
 
 def _check_operator(dims, opts, repeat):
-    """``ts.flash_attention``'s forward and gradients with this forward (against float64,
+    """``ts.flash_attention``'s forward and gradients with these kernels (against float64,
     ``repeat`` runs bit for bit), and the last batch entry alone gets the same bits."""
-    _check_index_masks(dims, opts, jnp.bfloat16, repeat=repeat, fwd_kernel="triton_decode")
+    _check_index_masks(dims, opts, jnp.bfloat16, repeat=repeat, kernel="triton_decode")
     b, sq, skv, hq, hkv, d = dims
     q, k, v = rand((b, sq, hq, d)), rand((b, skv, hkv, d)), rand((b, skv, hkv, d))
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -518,64 +518,111 @@ def _check_operator(dims, opts, repeat):
     np.testing.assert_array_equal(np.asarray(whole[-1:]), np.asarray(alone))
 
 
-# One case per run (the Mosaic backward in its interpreter is slow).
 @pytest.mark.parametrize(
     "dims, opts",
-    sample(
-        [
-            ((2, 3, 700, 2, 1, 64), dict(key_value_seq_lengths=[700, 260])),  # 2 chunks
-            ((2, 1, 600, 8, 1, 128), dict(causal=True)),
-            (
-                (2, 2, 300, 2, 1, 64),
-                dict(
-                    local_window_size=(100, 0),
-                    query_seq_lengths=[2, 1],
-                    key_value_seq_lengths=[300, 180],
-                ),
+    [
+        ((2, 3, 700, 2, 1, 64), dict(key_value_seq_lengths=[700, 260])),  # 2 chunks
+        ((2, 1, 600, 8, 1, 128), dict(causal=True)),
+        (
+            (2, 2, 300, 2, 1, 64),
+            dict(
+                local_window_size=(100, 0),
+                query_seq_lengths=[2, 1],
+                key_value_seq_lengths=[300, 180],
             ),
-        ],
-        1,
-    ),
+        ),
+    ],
 )
 def test_operator_runs_it(dims, opts):
-    with ts.kernel_mode("interpret"):  # (two runs: each is the interpreter's whole cost)
+    with ts.kernel_mode("interpret"):
         _check_operator(dims, opts, repeat=2)
 
 
-def test_operator_dispatch():
-    """Decode shapes take this forward in every kernel mode that runs kernels, ``auto``
-    from ``MIN_KV`` keys, with any option; more queries or an explicit config do not."""
+def _avals(sq, skv, backward=False, hq=8):
+    """The operands' avals of a forward (``(q, k, v)``) or a backward bind."""
+    q = jax.ShapeDtypeStruct((1, sq, hq, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, hq, sq), jnp.float32)
+    return (q, k, k, q, lse, q) if backward else (q, k, k)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_prefer_and_supports(backward):
+    """Decode shapes, any GQA group up to MAX_ROWS rows, from ``MIN_KV`` keys
+    (``BWD_MIN_KV`` for the backward: the key count only); more queries, more rows, an
+    explicit config or the bias's gradient are declined."""
     spec = _spec(False, 128)
-    avals = lambda sq, skv: (
-        jax.ShapeDtypeStruct((1, sq, 8, 128), jnp.bfloat16),
-        *[jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)] * 2,
-    )
+    avals = functools.partial(_avals, backward=backward)
+    least = ad.BWD_MIN_KV if backward else ad.MIN_KV
     assert ad.supports(spec, avals(16, 4096)) is None and ad.prefer(spec, avals(16, 4096))
-    assert ad.MIN_KV == 256 and ad.prefer(spec, avals(1, 256))
-    assert not ad.prefer(spec, avals(16, 255))
+    assert ad.prefer(spec, avals(1, least)) and not ad.prefer(spec, avals(16, least - 1))
+    assert ad.supports(spec, avals(2, 4096, hq=256)) is None  # a group of 32, 64 rows
+    assert "rows" in ad.supports(spec, avals(4, 4096, hq=256))
     assert "seq_q 17" in ad.supports(spec, avals(17, 4096))
-    assert "backward" in ad.supports(spec, (*avals(1, 4096), *avals(1, 4096)))
     assert "config" in ad.supports(
         spec.replace(config=FlashAttentionConfig(block_kv=64)), avals(1, 4096)
     )
+    assert "operands" in ad.supports(spec, avals(1, 4096)[:2])
+    if backward:
+        bias = jax.ShapeDtypeStruct((1, 8, 1, 4096), jnp.float32)
+        spec = spec.replace(has_bias=True, bias_grad=True)
+        assert "bias_grad" in ad.supports(spec, (*avals(1, 4096), bias))
+
+
+def test_operator_dispatch():
+    """Decode shapes take this forward and backward in every kernel mode that runs kernels,
+    with any option, and the bias's gradient the reference's backward."""
     q = rand((1, 2, 4, 64), jnp.bfloat16)
     k = rand((1, 300, 2, 64), jnp.bfloat16)
+    grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)))
     with ts.kernel_mode("interpret"):
-        assert _chosen(ts.flash_attention, q, k, k) == ["triton_decode"]
+        assert _chosen(grad(ts.flash_attention), q, k, k) == ["triton_decode"] * 2
         mask = jnp.ones((1, 1, 2, 300), bool)
         with_mask = lambda q, k, v: ts.flash_attention(q, k, v, mask=mask, local_window_size=9)
-        assert _chosen(with_mask, q, k, k) == ["triton_decode"]
-        assert _chosen(ts.flash_attention, rand((1, 17, 4, 64), jnp.bfloat16), k, k) == [
-            "mosaic_gpu"
-        ]
+        assert _chosen(grad(with_mask), q, k, k) == ["triton_decode"] * 2
+        bias = rand((1, 4, 2, 300), jnp.float32)
+        with_bias = lambda q, k, v, b: ts.flash_attention(q, k, v, bias=b)
+        dbias = jax.grad(lambda *a: jnp.sum(with_bias(*a).astype(jnp.float32)), argnums=3)
+        assert _chosen(dbias, q, k, k, bias) == ["triton_decode", "reference"]
+        assert (
+            _chosen(grad(ts.flash_attention), rand((1, 17, 4, 64), BF16), k, k)
+            == ["mosaic_gpu"] * 2
+        )
 
 
 @pytest.mark.parametrize(
-    "seq_kv, block_kv, keys",
-    [(4096, 128, 512), (32768, 128, 4096), (700, 128, 512), (5000, 128, 640)],
+    "seq_kv, block_kv, chunks, keys",
+    [
+        (4096, 128, ad.SPLIT_CHUNKS, 512),
+        (32768, 128, ad.SPLIT_CHUNKS, 4096),
+        (700, 128, ad.SPLIT_CHUNKS, 512),
+        (5000, 128, ad.SPLIT_CHUNKS, 640),
+        (4096, 64, ad.SPLIT_CHUNKS_BWD, 512),  # at least SPLIT_KEYS_MIN
+        (32768, 64, ad.SPLIT_CHUNKS_BWD, 2048),
+        (5000, 64, ad.SPLIT_CHUNKS_BWD, 512),
+    ],
 )
-def test_default_split_keys(seq_kv, block_kv, keys):
-    assert ad.default_split_keys(seq_kv, block_kv) == keys
+def test_default_split_keys(seq_kv, block_kv, chunks, keys):
+    assert ad.default_split_keys(seq_kv, block_kv, chunks) == keys
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_configs_that_overflow_shared_memory_are_refused(backward):
+    """Every default fits at every row count and head_dim; a ring too deep for 64 rows is
+    refused when the call is traced, naming the config, before Triton would fail to
+    launch it."""
+    default = ad.BWD_CONFIG if backward else ad.DecodeConfig()
+    for rows in (ad.MIN_ROWS, ad.MAX_ROWS):
+        for d in (64, 128):
+            assert ad.smem_bytes(default, rows, d, backward) <= ad._mgpu.SMEM_BYTES
+    deep = ad.DecodeConfig(block_kv=128, num_stages=4 if not backward else 3)
+    q, k = rand((1, 16, 8, 128), BF16), rand((1, 1024, 2, 128), BF16)  # 64 rows
+    lse = jnp.zeros((1, 8, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"decode_(fwd|bwd): config=.* shared memory"):
+        if backward:
+            ad.decode_bwd(_spec(False, 128), q, k, k, q, lse, q, config=deep, interpret=True)
+        else:
+            ad.decode_fwd(_spec(False, 128), q, k, k, config=deep, interpret=True)
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,10 @@ the bias stays f32 here.
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
 
-Registered on ``flash_attention_fwd`` ahead of the Mosaic GPU forward, for decode shapes
-only (:func:`supports`); the backward stays the Mosaic GPU kernels'. The chunks depend on
-the key count only (:func:`default_split_keys`), never on batch or heads, so a sharded
-batch or head axis computes the same sums.
+Registered on ``flash_attention_fwd`` and ``flash_attention_bwd`` ahead of the Mosaic GPU
+kernels, for decode shapes only (:func:`supports`). The chunks depend on the key count
+only (:func:`default_split_keys`), never on batch or heads, so a sharded batch or head axis
+computes the same sums.
 
 :func:`decode_bwd` is the backward in the same form: a program owns one chunk of one kv
 head's keys for the whole group, so it writes those keys' complete dK and dV (no sum
@@ -33,8 +33,8 @@ across programs), computes Δ = rowsum(dO∘O) from O itself (no row kernel befo
 adds its f32 part of each row's dQ, which XLA sums chunk by chunk. Its products take 16
 rows where the Mosaic GPU backward's take 64 (``attention_mgpu``'s dQ kernel computing dK
 and dV, whose time at B1 follows its padded products: five of 64×64×128 a 64-key step,
-``benchmarks/archive/dq-dkv-profile-h200.txt``). It is not registered with the operator
-yet: ``benchmarks/attention.py --sweep-dq-dkv`` times it against the Mosaic GPU backward.
+``benchmarks/archive/dq-dkv-profile-h200.txt``); ``benchmarks/attention.py --sweep-dq-dkv``
+times the two.
 """
 
 from __future__ import annotations
@@ -55,13 +55,19 @@ from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.pallas_kernels import device
 
 __all__ = [
+    "BWD_CONFIG",
+    "BWD_MIN_KV",
     "MIN_KV",
     "DecodeConfig",
     "decode_bwd",
     "decode_fwd",
     "decode_reason",
+    "default_split_keys",
+    "flash_bwd",
     "flash_fwd",
+    "padded_rows",
     "prefer",
+    "smem_bytes",
     "supports",
 ]
 
@@ -74,6 +80,11 @@ MAX_ROWS = 64
 # reading the key count only (the same bits on any mesh) cannot choose.
 SPLIT_CHUNKS = 8
 SPLIT_KEYS_MIN = 512
+# The backward's chunks: about SPLIT_CHUNKS_BWD. Against 32768 keys at B1 (one query, GQA
+# or not) 16 chunks of 2048 keys ran 0.075 ms where 8 of 4096 ran 0.112 and 32 of 1024 ran
+# 0.081; at B4 the three were level; against 4096 keys the SPLIT_KEYS_MIN bound keeps 8
+# chunks, which beat 4 there (kernel time, ``benchmarks/archive/decode-bwd-tuning-h200.txt``).
+SPLIT_CHUNKS_BWD = 16
 # ``auto`` mode runs this forward from MIN_KV keys, below ``attention_mgpu.DECODE_MIN_KV``
 # (where the Mosaic GPU forward starts). Against 1024 and 2048 keys (B1 and B4, 1 and 16
 # queries, GQA or not; the ``fwd-noncausal-decode-…-skv1024/2048`` rows of
@@ -84,11 +95,19 @@ SPLIT_KEYS_MIN = 512
 # operator keeps 384 now, contracts.attention.dropped_keys: the ``ts_pallas`` and
 # ``ts_reference`` rows) it beat the reference too, at B1 and B4.
 MIN_KV = 256
+# ``auto`` mode runs this backward from BWD_MIN_KV keys (where ``attention_mgpu``'s backward
+# kernels start decoding), ahead of them. With its defaults it ran faster than they did at
+# every measured decode shape, kernel calls chained in one program on an H200
+# (``benchmarks/archive/decode-bwd-tuning-h200.txt``): against 256 to 2048 keys (B1 H8 and
+# B4 H16, 1 and 16 queries) in 1.28-1.60x less time, and against 4096 and 32768 keys (B1
+# and B4, GQA or not) 1.04-1.05x at B4 and 1.34-1.73x at B1. Head dim 64 is unmeasured.
+BWD_MIN_KV = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning of :func:`decode_fwd`.
+    """Tuning of :func:`decode_fwd` (its defaults) and :func:`decode_bwd`
+    (:data:`BWD_CONFIG`).
 
     Attributes:
       block_kv: keys per step of a program's loop (a power of two, at least 16).
@@ -121,10 +140,35 @@ class DecodeConfig:
             )
 
 
-def default_split_keys(seq_kv: int, block_kv: int) -> int:
-    """Keys per chunk for ``seq_kv`` keys: about :data:`SPLIT_CHUNKS` chunks of at least
+# The backward's tuning: 64 keys a step with three stages ran fastest at every measured
+# decode shape (B1 and B4, 1 and 16 queries, GQA or not, 4096 and 32768 keys;
+# ``benchmarks/archive/decode-bwd-tuning-h200.txt``); at 64 rows, 128 keys a step with
+# three stages does not fit shared memory (:func:`smem_bytes`).
+BWD_CONFIG = DecodeConfig(block_kv=64)
+
+
+def padded_rows(rows: int) -> int:
+    """A program's rows for ``rows`` real ones (a GQA group's query heads × queries): the
+    next power of two, at least :data:`MIN_ROWS`."""
+    return max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(rows, 1)))))
+
+
+def smem_bytes(config: DecodeConfig, rows: int, head_dim: int, backward: bool) -> int:
+    """Shared memory a program takes, as modelled: Triton's ring of ``num_stages`` K and V
+    blocks, the rows' Q tile (and the backward's dO tile), and one rows × keys tile of the
+    probabilities (16-bit elements throughout). It gives the 245760 bytes the compiled
+    backward requested at 64 rows, 128 keys a step, three stages and head_dim 128, and no
+    more than :data:`attention_mgpu.SMEM_BYTES` for every configuration that compiled
+    (``benchmarks/archive/decode-bwd-tuning-h200.txt``)."""
+    kv_ring = config.num_stages * 2 * config.block_kv * head_dim * 2
+    return kv_ring + (2 if backward else 1) * rows * head_dim * 2 + rows * config.block_kv * 2
+
+
+def default_split_keys(seq_kv: int, block_kv: int, chunks: int = SPLIT_CHUNKS) -> int:
+    """Keys per chunk for ``seq_kv`` keys: about ``chunks`` chunks (:data:`SPLIT_CHUNKS`
+    for the forward, :data:`SPLIT_CHUNKS_BWD` for the backward) of at least
     :data:`SPLIT_KEYS_MIN` keys, a multiple of ``block_kv``."""
-    keys = max(SPLIT_KEYS_MIN, -(-seq_kv // SPLIT_CHUNKS))
+    keys = max(SPLIT_KEYS_MIN, -(-seq_kv // chunks))
     return -(-keys // block_kv) * block_kv
 
 
@@ -306,11 +350,11 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
     plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
-def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, fn, dlse=None):
-    """What the forward's and the backward's calls share (``fn``, the caller, names it in
-    errors): ``(kernel keyword arguments, dims, optional operands in their order, key
-    lengths, compiler params)``."""
-    cfg = DecodeConfig() if config is None else config
+def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, dlse=None, *, backward):
+    """What the forward's and the backward's calls share: ``(kernel keyword arguments,
+    dims, optional operands in their order, key lengths, compiler params)``."""
+    fn = "decode_bwd" if backward else "decode_fwd"
+    cfg = (BWD_CONFIG if backward else DecodeConfig()) if config is None else config
     if not isinstance(cfg, DecodeConfig):
         raise TypeError(f"attention_decode.{fn}: config={cfg!r} must be a DecodeConfig")
     b, sq, hq, d = q.shape
@@ -345,10 +389,19 @@ def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, fn, d
                 f"attention_decode.{fn}: bias.shape={bias.shape} must be (1 or {b}, "
                 f"1 or {hq}, 1 or {sq}, {skv})"
             )
-    keys = default_split_keys(skv, cfg.block_kv) if cfg.split_keys is None else cfg.split_keys
+    keys = cfg.split_keys
+    if keys is None:
+        keys = default_split_keys(skv, cfg.block_kv, SPLIT_CHUNKS_BWD if backward else SPLIT_CHUNKS)
     chunks = math.ceil(skv / keys) if keys < skv else 1
     keys = keys if chunks > 1 else skv
-    rows_pad = max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(hq // hkv * sq, 1)))))
+    rows_pad = padded_rows(hq // hkv * sq)
+    need = smem_bytes(cfg, rows_pad, d, backward)
+    if need > _mgpu.SMEM_BYTES:
+        raise ValueError(
+            f"attention_decode.{fn}: config={cfg} takes about {need} bytes of shared memory "
+            f"at {rows_pad} rows and head_dim {d}, over {_mgpu.SMEM_BYTES}: take a smaller "
+            "block_kv or fewer num_stages"
+        )
     causal, scale = _mgpu._decode(spec)
     lengths = (
         jnp.full((b,), skv, jnp.int32) if kv_lengths is None else _mgpu._clamped(kv_lengths, skv)
@@ -402,7 +455,7 @@ def decode_fwd(
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")
-    call = _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, "decode_fwd")
+    call = _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, backward=False)
     kernel, dims, operands, lengths, params = call
     (b, sq, hq), hkv, chunks = q.shape[:3], k.shape[2], dims[-1]
     kernel = functools.partial(_kernel, **kernel)
@@ -525,10 +578,11 @@ def decode_bwd(
     ``dout`` the output's cotangent), bitwise reproducible: a program owns one kv head's
     keys of one chunk for every query of the group, so each key's dK and dV are one
     program's sums, and dQ is the sum of the chunks' f32 partials, chunk by chunk from the
-    first key on, times the scale, rounded once. The chunks are :func:`decode_fwd`'s (key
-    count only). Keys no query sees get zero dK and dV. The operands are
-    :func:`decode_fwd`'s, plus ``dlse``: f32 ``(B, H, Sq)``, the lse's cotangent, or None.
-    The bias is not differentiated."""
+    first key on, times the scale, rounded once. The chunks are :data:`SPLIT_CHUNKS_BWD`
+    (key count only). Keys no query sees get zero dK and dV. The operands are
+    :func:`decode_fwd`'s, plus ``dlse``: f32 ``(B, H, Sq)``, the lse's cotangent, or None;
+    ``config``: a :class:`DecodeConfig` (None: :data:`BWD_CONFIG`). The bias is not
+    differentiated."""
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_bwd: this kernel cannot run the case: {reason}")
@@ -542,7 +596,7 @@ def decode_bwd(
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"attention_decode.decode_bwd: {name}.shape={x.shape} must be {want}")
     call = _call(
-        spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, "decode_bwd", dlse=dlse
+        spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, dlse, backward=True
     )
     kernel, dims, operands, lengths, params = call
     chunks = dims[-1]
@@ -568,12 +622,17 @@ def decode_bwd(
 
 
 def supports(spec, avals: Sequence[Any]) -> str | None:
-    """None for a forward at a decode shape (at most ``attention_mgpu.DECODE_MAX_Q``
-    queries) that :func:`decode_reason` accepts, with the default ``FlashAttentionConfig``;
-    else why not (never raises). Longer query blocks are the Mosaic GPU forward's."""
+    """None for a forward or a backward at a decode shape (at most
+    ``attention_mgpu.DECODE_MAX_Q`` queries) that :func:`decode_reason` accepts, with the
+    default ``FlashAttentionConfig``; else why not (never raises). ``avals``: as
+    ``attention_mgpu.supports`` takes them. Longer query blocks are the Mosaic GPU
+    kernels'."""
     q, k = avals[0], avals[1]
-    if _mgpu._fixed_operands(spec, avals) != 3:
-        return "a backward (this kernel is a forward)"
+    if _mgpu._fixed_operands(spec, avals) not in (3, 6):
+        return f"{len(avals)} operands for a spec with {spec.num_extras} extras"
+    declined = [f for f in spec.features if f not in _mgpu.FEATURES]
+    if declined:  # the bias's gradient: the reference's backward computes it
+        return f"{', '.join(declined)} (the kernels take {', '.join(_mgpu.FEATURES)})"
     if q.shape[1] > _mgpu.DECODE_MAX_Q:
         return f"seq_q {q.shape[1]} > {_mgpu.DECODE_MAX_Q} (a decode kernel)"
     if not _mgpu._default_config(spec):
@@ -582,10 +641,10 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 
 
 def prefer(spec, avals: Sequence[Any]) -> bool:
-    """``auto`` mode runs it from :data:`MIN_KV` keys; it reads the key count only, as the
-    chunks do."""
-    del spec
-    return avals[1].shape[1] >= MIN_KV
+    """``auto`` mode runs the forward from :data:`MIN_KV` keys and the backward from
+    :data:`BWD_MIN_KV`; it reads the key count only, as the chunks do."""
+    backward = _mgpu._fixed_operands(spec, avals) == 6
+    return avals[1].shape[1] >= (BWD_MIN_KV if backward else MIN_KV)
 
 
 def hardware(platform: str) -> str | None:
@@ -615,8 +674,7 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, config=None):
 def flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret: bool = False, config=None):
     """``ts_flash_attention_bwd``'s kernel at decode shapes: ``(dq, dk, dv)`` with the spec's
     options, the extras as the primitive binds them (the lse cotangent last where the spec
-    has one). Not registered with the operator yet: ``auto`` decodes the backward in
-    ``attention_mgpu``'s kernels until this one is timed against them."""
+    has one; ``config``: :func:`decode_bwd`'s)."""
     ex = spec.split(extras[: spec.num_extras])
     segments = None if ex.q_segment_ids is None else (ex.q_segment_ids, ex.kv_segment_ids)
     return decode_bwd(

@@ -2716,12 +2716,15 @@ def supports(spec, avals: Sequence[Any]) -> str | None:
 # same bits on any device count.
 # At decode shapes the forward these kernels would run is mostly taken first by
 # ``attention_decode`` (Pallas' Triton backend), registered ahead of them, from fewer keys
-# (its ``MIN_KV``). The backward decodes from DECODE_BWD_MIN_KV keys, that forward's
-# threshold: against 1024 and 2048 keys (the ``fwdbwd-noncausal-decode-…-skv1024/2048``
-# rows of benchmarks/results/attention-h100.json, in-graph, B1 and B4, 1 and 16 queries,
-# GQA or not) the Triton forward with these backward kernels ran 0.93-2.03x XLA at B4,
-# where the reference's backward beside it ran 0.95-1.08x, and beat that pairing in 6 of
-# the 8 B1 cases; four B1 cases trail XLA on either path (0.84-0.92x with the kernels).
+# (its ``MIN_KV``), and so is the backward (its ``BWD_MIN_KV``); these kernels decode the
+# cases it declines (a GQA group of more than 64 rows, other head dims). The backward
+# decodes from DECODE_BWD_MIN_KV keys, that forward's threshold. When that was chosen,
+# before the Triton backward took the cases it now does: against 1024 and 2048 keys (the
+# ``fwdbwd-noncausal-decode-…-skv1024/2048`` rows of benchmarks/results/attention-h100.json,
+# in-graph, B1 and B4, 1 and 16 queries, GQA or not) the Triton forward with these
+# backward kernels ran 0.93-2.03x XLA at B4, where the reference's backward beside it ran
+# 0.95-1.08x, and beat that pairing in 6 of the 8 B1 cases; four B1 cases trail XLA on
+# either path (0.84-0.92x with the kernels).
 # Against 256 and 512 keys (B1 H8 and B4 H16, 1 and 16 queries; both backwards compiled
 # in one process on an H200, benchmarks/archive/decode-bwd-threshold-probe-h200.txt) the
 # kernels led at B4 with 16 queries and were level within a few microseconds elsewhere,

@@ -105,9 +105,9 @@ interpret) -> (out, lse)`` and ``flash_attention_bwd_op`` with ``fn(spec, q, k, 
 lse, dout, *extras, interpret) -> (dq, dk, dv)``; ``lse`` is ``(B, Hq, Sq)`` in the
 statistics dtype (f32; f64 for f64 inputs). A kernel's ``supports(spec, avals)`` declines
 what it cannot run (by ``spec.features``, dtype, head_dim); the reference then runs the
-case. Registered today: ``pallas_kernels/attention_decode.py`` (Hopper; the forward at
-decode shapes, 1 to 16 queries, with every option; first, so it takes the cases it
-supports) and ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
+case. Registered today: ``pallas_kernels/attention_decode.py`` (Hopper; the forward and
+the backward at decode shapes, 1 to 16 queries, with every option; first, so it takes the
+cases it supports) and ``pallas_kernels/attention_mgpu.py`` (Hopper; causal or not, with
 query/key lengths, a local window, an ``lse`` cotangent and, at head dims up to 128,
 segment ids, a ``mask`` and a ``bias``; bf16 and f16, head_dim 64, 128 and 256 — other
 head dims up to 256 zero-padded to the next — forward and backward; in ``auto`` mode from
@@ -1140,9 +1140,10 @@ def _sharded_like_queries(out, lse, q_spec):
 
 # --- kernels ------------------------------------------------------------------------------
 
-# Decoding's forward (1 to 16 queries; key lengths, causal) in Pallas' Triton backend, whose
-# products waste fewer padded rows; first, so that it takes the shapes it supports.
+# Decoding's forward and backward (1 to 16 queries, every option) in Pallas' Triton backend,
+# whose products waste fewer padded rows; first, so that they take the shapes they support.
 flash_attention_fwd_op.add_kernel(Kernel.from_module("triton_decode", _decode, _decode.flash_fwd))
+flash_attention_bwd_op.add_kernel(Kernel.from_module("triton_decode", _decode, _decode.flash_bwd))
 # Hopper (Mosaic GPU) forward and deterministic backward, causal or not, with lengths, a
 # window, segment ids, a mask and a bias; the bias's gradient runs the reference backward.
 flash_attention_fwd_op.add_kernel(Kernel.from_module("mosaic_gpu", _mgpu, _mgpu.flash_fwd))
