@@ -173,6 +173,14 @@ def cuda_lowering(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+# Tests that lower a Pallas Triton kernel for cuda on this CPU machine.
+triton_lowers_here = pytest.mark.skipif(
+    not _compat.TRITON_LOWERS_WITHOUT_GPU,
+    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
+    "compile them there)",
+)
+
+
 def _xla_row_dot(a, b, *, interpret=False, seq_pad=None):
     del interpret
     out = jnp.einsum("...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32))

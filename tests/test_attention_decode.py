@@ -16,10 +16,17 @@ import numpy as np
 import pytest
 
 import tessera_jax as ts
-from tessera_jax import _compat
 from tessera_jax.contracts.attention import AttentionExtras, AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
-from tests._util import always_and_sample, assert_close, cuda_lowering, f64, rand, sample
+from tests._util import (
+    always_and_sample,
+    assert_close,
+    cuda_lowering,
+    f64,
+    rand,
+    sample,
+    triton_lowers_here,
+)
 from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import (
     _check_index_masks,
@@ -419,11 +426,7 @@ def test_decode_bwd_operands_follow_the_spec(given, what):
         )
 
 
-@pytest.mark.skipif(
-    not _compat.TRITON_LOWERS_WITHOUT_GPU,
-    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
-    "compile them there)",
-)
+@triton_lowers_here
 @pytest.mark.parametrize("d, config", sample([(64, SMALL), (128, None)], 1))
 def test_decode_lowers_for_cuda(d, config):
     """The kernel goes through Pallas' Triton lowering (built on this CPU machine), with
@@ -449,11 +452,7 @@ def test_decode_lowers_for_cuda(d, config):
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
 
 
-@pytest.mark.skipif(
-    not _compat.TRITON_LOWERS_WITHOUT_GPU,
-    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
-    "compile them there)",
-)
+@triton_lowers_here
 @pytest.mark.parametrize("d, config", sample([(64, SMALL), (128, None)], 1))
 def test_decode_bwd_lowers_for_cuda(d, config):
     """The backward kernel goes through Pallas' Triton lowering, with and without every

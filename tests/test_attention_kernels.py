@@ -47,6 +47,7 @@ from tests._util import (
     rand,
     sample,
     sampled_tests,
+    triton_lowers_here,
     xla_ordered_sums,
 )
 from tests.test_attention import np_attention, np_attention_grads, np_dense, np_visible
@@ -1733,10 +1734,7 @@ def test_dq_dkv_by_default_where_it_fits(q_shape, k_shape, calls):
     assert len(mosaic_gpu_calls(lowered)) == calls
 
 
-@pytest.mark.skipif(
-    not _compat.TRITON_LOWERS_WITHOUT_GPU,
-    reason="this jax lowers Pallas' Triton kernels only with a local GPU",
-)
+@triton_lowers_here
 @pytest.mark.parametrize("sq", [1, 300, 512])
 def test_delta_reaches_the_kernels_without_a_transpose_or_pad(sq):
     """The row kernel writes Δ head-major and padded, as the backward kernels read it:

@@ -30,6 +30,7 @@ from tests._util import (
     f64,
     rand,
     skip_unsampled_twin,
+    triton_lowers_here,
     xla_ordered_sums,
 )
 
@@ -309,11 +310,7 @@ def test_forward_walks_several_blocks_per_program(op, prefetch):
     assert_close(got, want, factor=2)
 
 
-@pytest.mark.skipif(
-    not _compat.TRITON_LOWERS_WITHOUT_GPU,
-    reason="this jax lowers Pallas' Triton kernels only with a local GPU (the -m gpu twins "
-    "compile them there)",
-)
+@triton_lowers_here
 def test_kernels_lower_to_triton_for_cuda():
     """Every kernel goes through Pallas' Triton lowering (on this CPU, for cuda)."""
     x, w = jnp.zeros((16, 200), jnp.bfloat16), jnp.zeros((200,), jnp.float32)
