@@ -99,7 +99,7 @@ MIN_KV = 256
 # kernels start decoding), ahead of them. With its defaults it ran faster than they did at
 # every measured decode shape, kernel calls chained in one program on an H200
 # (``benchmarks/archive/decode-bwd-tuning-h200.txt``): against 256 to 2048 keys (B1 H8 and
-# B4 H16, 1 and 16 queries) in 1.28-1.60x less time, and against 4096 and 32768 keys (B1
+# B4 H16, 1 and 16 queries) 1.28-1.60x faster, and against 4096 and 32768 keys (B1
 # and B4, GQA or not) 1.04-1.05x at B4 and 1.34-1.73x at B1. Head dim 64 is unmeasured.
 BWD_MIN_KV = 256
 
@@ -140,10 +140,11 @@ class DecodeConfig:
             )
 
 
-# The backward's tuning: 64 keys a step with three stages ran fastest at every measured
-# decode shape (B1 and B4, 1 and 16 queries, GQA or not, 4096 and 32768 keys;
-# ``benchmarks/archive/decode-bwd-tuning-h200.txt``); at 64 rows, 128 keys a step with
-# three stages does not fit shared memory (:func:`smem_bytes`).
+# The backward's tuning: 64 keys a step with three stages ran fastest at B1 and within 3%
+# of the fastest (two stages) at B4, at every measured decode shape (1 and 16 queries, GQA
+# or not, 4096 and 32768 keys; ``benchmarks/archive/decode-bwd-tuning-h200.txt``), where
+# two stages ran up to 1.5x slower at B1; at 64 rows, 128 keys a step with three stages
+# does not fit shared memory (:func:`smem_bytes`).
 BWD_CONFIG = DecodeConfig(block_kv=64)
 
 
