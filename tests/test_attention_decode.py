@@ -19,7 +19,6 @@ import tessera_jax as ts
 from tessera_jax.contracts.attention import AttentionExtras, AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_decode as ad
 from tests._util import (
-    always_and_sample,
     assert_close,
     cuda_lowering,
     f64,
@@ -197,29 +196,19 @@ SHAPE_CASES = [
 ]
 
 
-# The backward runs after the forward on the cases that reach its distinct paths (chunks
-# with a ragged last one; an entry with no keys, zeros past the length; a mask through the
-# bias operand with GQA; zeros before a window's first key; segment ids) and a sample of
-# the others (all under TESSERA_TEST_FULL=1): the suite has 10 minutes on 2 cores.
-BACKWARD_SHAPES = always_and_sample([0, 3], range(len(SHAPE_CASES)), 0)
-BACKWARD_OPTIONS = always_and_sample(["mask-causal-gqa", "window", "segments"], OPTION_CASES, 1)
-
-
 class TestDecodeInterpret:
-    """The forward kernel, then (on a sample) the backward kernel from its output and lse: a
-    program's dK and dV are its keys' whole gradients (the group's queries folded into its
-    rows, the padding rows adding nothing), dQ sums the chunks."""
+    """The forward kernel, then the backward kernel from its output and lse: a program's dK
+    and dV are its keys' whole gradients (the group's queries folded into its rows, the
+    padding rows adding nothing), dQ sums the chunks."""
 
-    @pytest.mark.parametrize("case", range(len(SHAPE_CASES)))
+    @pytest.mark.parametrize("case", SHAPE_CASES)
     def test_matches_float64(self, case):
-        backward = case in BACKWARD_SHAPES
-        _check(*SHAPE_CASES[case], interpret=True, backward=backward)
+        _check(*case, interpret=True, backward=True)
 
     @pytest.mark.parametrize("name", OPTION_CASES)
     def test_options(self, name):
         dims, causal, config, lengths, opts = OPTION_CASES[name]
-        backward = name in BACKWARD_OPTIONS
-        _check(*dims, causal, config, lengths, BF16, interpret=True, opts=opts(), backward=backward)
+        _check(*dims, causal, config, lengths, BF16, interpret=True, opts=opts(), backward=True)
 
 
 def test_backward_shards_get_the_same_bits():
