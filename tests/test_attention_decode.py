@@ -28,6 +28,7 @@ from tests._util import (
 )
 from tests.test_attention import np_attention, np_dense
 from tests.test_attention_kernels import (
+    _avals,
     _check_index_masks,
     _chosen,
     _mask_bias_operands,
@@ -526,21 +527,13 @@ def test_operator_runs_it(dims, opts):
         _check_operator(dims, opts, repeat=2)
 
 
-def _avals(sq, skv, backward=False, hq=8):
-    """The operands' avals of a forward (``(q, k, v)``) or a backward bind."""
-    q = jax.ShapeDtypeStruct((1, sq, hq, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((1, skv, 8, 128), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((1, hq, sq), jnp.float32)
-    return (q, k, k, q, lse, q) if backward else (q, k, k)
-
-
 @pytest.mark.parametrize("backward", [False, True])
 def test_prefer_and_supports(backward):
     """Decode shapes, any GQA group up to MAX_ROWS rows, from ``MIN_KV`` keys
     (``BWD_MIN_KV`` for the backward: the key count only); more queries, more rows, an
     explicit config or the bias's gradient are declined."""
     spec = _spec(False, 128)
-    avals = functools.partial(_avals, backward=backward)
+    avals = lambda sq, skv, hq=8: _avals(1, sq, skv, hq, 8, 128, BF16, backward)
     least = ad.BWD_MIN_KV if backward else ad.MIN_KV
     assert ad.supports(spec, avals(16, 4096)) is None and ad.prefer(spec, avals(16, 4096))
     assert ad.prefer(spec, avals(1, least)) and not ad.prefer(spec, avals(16, least - 1))
