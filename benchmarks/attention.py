@@ -133,6 +133,12 @@ FEATURE_CASES = [
         for skv in (2048, 32768)
     ),
     *((4, 4096, 4096, 16, d, "headdim") for d in (96, 80)),
+    # Head dim 64 decoding: the Triton decode kernels' other head dim.
+    *(
+        (b, sq, skv, h, 64, "decode")
+        for b, sq, h in ((1, 16, 8), (4, 1, 16))
+        for skv in (4096, 32768)
+    ),
 ]
 FEATURE_BASELINE = "xla"
 # Cases of a few tens of microseconds, shorter than the host's dispatch of a jitted call:
