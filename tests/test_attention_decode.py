@@ -212,6 +212,27 @@ class TestDecodeInterpret:
         _check(*dims, causal, config, lengths, BF16, interpret=True, opts=opts(), backward=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_combine_columns_keep_the_bits(d, monkeypatch):
+    """The forward's chunks combined by one program per kv head, or by several programs of
+    a few output columns each (``COMBINE_COLS``): the same output and lse, bit for bit; a
+    row no key reaches (key length 0) gets zeros and ``-inf``."""
+    q, k, v = rand((2, 3, 4, d), BF16), rand((2, 300, 2, d), BF16), rand((2, 300, 2, d), BF16)
+    spec = _spec(False, d)
+    lengths = jnp.asarray([300, 0], jnp.int32)
+    call = lambda: ad.decode_fwd(spec, q, k, v, lengths, config=TWO, interpret=True)
+    outs = {}
+    for cols in (d, 32, 16):
+        monkeypatch.setattr(ad, "COMBINE_COLS", cols)
+        outs[cols] = jax.block_until_ready(call())
+    for cols in (32, 16):
+        for x, y in zip(outs[cols], outs[d]):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    out, lse = outs[16]
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.asarray(lse[1]) == -np.inf)
+    assert np.all(np.isfinite(np.asarray(lse[0])))
+
+
 def test_backward_shards_get_the_same_bits():
     """What a data- or head-sharded run computes: the last batch entry alone, and the
     last kv head's group alone, get the bits they get in the whole call."""

@@ -85,6 +85,11 @@ SPLIT_KEYS_MIN = 512
 # 0.081; at B4 the three were level; against 4096 keys the SPLIT_KEYS_MIN bound keeps 8
 # chunks, which beat 4 there (kernel time, ``benchmarks/archive/decode-bwd-tuning-h200.txt``).
 SPLIT_CHUNKS_BWD = 16
+# Columns of the output per program of the forward's combination of its chunks. With one
+# program per kv head (8 at B1 H8) the combination ran as long as half the split kernel at
+# B1; 16 columns a program ran it fastest there and level at B4, with the same bits
+# (kernel time, ``benchmarks/archive/decode-combine-probe-h200.txt``).
+COMBINE_COLS = 16
 # ``auto`` mode runs this forward from MIN_KV keys, below ``attention_mgpu.DECODE_MIN_KV``
 # (where the Mosaic GPU forward starts). Against 1024 and 2048 keys (B1 and B4, 1 and 16
 # queries, GQA or not; the ``fwd-noncausal-decode-…-skv1024/2048`` rows of
@@ -328,21 +333,23 @@ def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_di
     plgpu.store(lse_ref.at[chunk, b, head, s_of], lse)
 
 
-def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
-    """The chunks' partials of the program's rows: ``lse = m + log Σ_c e_c`` with
-    ``e_c = exp(lse_c − m)`` (``m`` their max) and ``out = Σ_c (e_c / Σ e)·part_c``, every
-    sum over the chunks in key order; a row no chunk saw gets zeros and ``lse = -inf``."""
-    sq, hq, hkv, _, d, rows_pad, chunks = dims
-    b, h = pl.program_id(0), pl.program_id(1)
+def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims, cols_per_program):
+    """The chunks' partials of the program's rows, ``cols_per_program`` columns of them:
+    ``lse = m + log Σ_c e_c`` with ``e_c = exp(lse_c − m)`` (``m`` their max) and
+    ``out = Σ_c (e_c / Σ e)·part_c``, every sum over the chunks in key order; a row no chunk
+    saw gets zeros and ``lse = -inf``. Every program of a head computes its rows' weights
+    alike; the first writes the lse."""
+    sq, hq, hkv, _, _, rows_pad, chunks = dims
+    b, h, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s_of, head = _rows(h, sq, hq // hkv, rows_pad)
-    cols = jnp.arange(d)
+    cols = col_block * cols_per_program + jnp.arange(cols_per_program)
     lses = [plgpu.load(lse_ref.at[c, b, head, s_of]) for c in range(chunks)]
     m = functools.reduce(jnp.maximum, lses)
     e = [jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)) for x in lses]
     total = functools.reduce(jnp.add, e)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
-    acc = jnp.zeros((rows_pad, d), jnp.float32)
+    acc = jnp.zeros((rows_pad, cols_per_program), jnp.float32)
     for c in range(chunks):
         part = plgpu.load(part_ref.at[c, b, s_of[:, None], head[:, None], cols[None, :]])
         acc = acc + (e[c] / safe)[:, None] * part
@@ -350,7 +357,10 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims):
         out_ref.at[b, s_of[:, None], head[:, None], cols[None, :]], acc.astype(out_ref.dtype)
     )
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
-    plgpu.store(lse_out_ref.at[b, head, s_of], lse)
+
+    @pl.when(col_block == 0)
+    def _():
+        plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
 def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, dlse=None, *, backward):
@@ -477,9 +487,10 @@ def decode_fwd(
         )(lengths, *operands, q, k, v)
         if chunks == 1:
             return out[0], lse[0]
+        cols = min(COMBINE_COLS, q.shape[-1])
         return pl.pallas_call(
-            functools.partial(_combine_kernel, dims=dims),
-            grid=(b, hkv),
+            functools.partial(_combine_kernel, dims=dims, cols_per_program=cols),
+            grid=(b, hkv, q.shape[-1] // cols),
             out_shape=(
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
