@@ -22,16 +22,17 @@ Each case is forward (``fwd-…``) or forward+backward
 (``fwdbwd-…``: the value and the three gradients of ``sum(out · dout)``), causal or not.
 FLOPs: ``4·B·S²·H·D`` forward, halved when causal; forward+backward 3.5× that.
 The feature cases (``fwd-noncausal-kvlen-…``, ``…-window-…``, ``…-decode-…``, short
-sequences, head dims 96/80: :data:`FEATURE_CASES`) run ``ts.flash_attention`` in ``auto``
-mode (``impl = "ts_auto"``) against ``jax.nn.dot_product_attention``'s default
-(``baseline = "xla"``), cuDNN where it takes the case, on short shapes the kernels forced
-(``mosaic_gpu``), and on decode shapes, whose forward ``auto`` mode runs in the Triton
-decode kernel (``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel
-called directly (``mosaic_gpu``, forward only); on decode shapes shorter than the Mosaic
-forward's ``DECODE_MIN_KV`` the kernels forced (``ts_pallas``: beside ``ts_auto`` it shows
-whether ``auto``'s key-count thresholds hold) and the blocked reference (``ts_reference``,
-forward only: the path the decode forward's thresholds weigh it against); ``--ref-blocks`` adds the
-reference per block size.
+sequences, head dims 96/80, decoding at head dim 64: :data:`FEATURE_CASES`) run
+``ts.flash_attention`` in ``auto`` mode (``impl = "ts_auto"``) against
+``jax.nn.dot_product_attention``'s default (``baseline = "xla"``), cuDNN where it takes
+the case, on short shapes the kernels forced (``mosaic_gpu``), and on decode shapes,
+whose forward ``auto`` mode runs in the Triton decode kernel
+(``pallas_kernels/attention_decode.py``), the Mosaic GPU forward kernel called directly
+(``mosaic_gpu``, forward only); on decode shapes shorter than the Mosaic forward's
+``DECODE_MIN_KV`` the kernels forced (``ts_pallas``: beside ``ts_auto`` it shows whether
+``auto``'s key-count thresholds hold) and the blocked reference (``ts_reference``,
+forward only: the path the decode forward's thresholds weigh it against);
+``--ref-blocks`` adds the reference per block size.
 Besides the time, each record says whether three calls gave bitwise identical results
 (``bitwise_repeatable``) and the compiled program's temporary memory (``temp_bytes``).
 Timing: ``benchmarks/_common.time_interleaved`` (``timing = "per_call"``); the short and
