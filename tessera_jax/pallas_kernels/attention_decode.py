@@ -158,7 +158,7 @@ BWD_CONFIG = DecodeConfig(block_kv=64)
 def padded_rows(rows: int) -> int:
     """A program's rows for ``rows`` real ones (a GQA group's query heads × queries): the
     next power of two, at least :data:`MIN_ROWS`."""
-    return max(MIN_ROWS, 1 << max(0, math.ceil(math.log2(max(rows, 1)))))
+    return max(MIN_ROWS, pl.next_power_of_2(rows))
 
 
 def smem_bytes(config: DecodeConfig, rows: int, head_dim: int, backward: bool) -> int:
