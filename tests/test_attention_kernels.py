@@ -203,6 +203,27 @@ def _check_exact_bias(dims, bias_shape, dtype):
     assert_close(out, want_out, dtype, factor=2.0)
 
 
+def _check_bias_dtype_bits(dims, bias_shape, dtype, bias_dtype):
+    """A bias alone in ``bias_dtype`` (16-bit), which the kernels read as it is where it is
+    their dtype and convert where not, gives the bits of the same values passed in f32:
+    output, lse and the three gradients through the kernels."""
+    b, sq, skv, hq, hkv, d = dims
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    bias = rand(bias_shape, bias_dtype, scale=2.0)
+
+    @jax.jit
+    def f(q, k, v, do, bias):
+        attend = lambda q, k, v: flash_attention_fwd(q, k, v, bias=bias, causal=True)
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+    assert _chosen(f, q, k, v, do, bias) == ["mosaic_gpu", "mosaic_gpu"]
+    got, want = f(q, k, v, do, bias), f(q, k, v, do, bias.astype(jnp.float32))
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _check_mask_bias(
     dims, mask_shape, bias_shape, opts, dtype, *, repeat=1, empty_rows=(), dbias=False
 ):
@@ -601,6 +622,14 @@ class TestAttentionKernelsInterpret:
     @_feature_check
     def test_bias_in_input_dtype_is_exact(self, bias_shape):
         _check_exact_bias((1, 128, 2, 64), bias_shape, jnp.float16)
+
+    # The bias in the inputs' dtype (tiles, read as given) and in the other 16-bit dtype
+    # (converted and clipped), against its f32 copy.
+    @pytest.mark.parametrize(
+        "dtype, bias_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.bfloat16)]
+    )
+    def test_16bit_bias_gives_the_bits_of_f32(self, dtype, bias_dtype):
+        _check_bias_dtype_bits((1, 128, 128, 2, 1, 64), (1, 2, 128, 128), dtype, bias_dtype)
 
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
@@ -1046,6 +1075,13 @@ class TestAttentionKernelsGPU:
     def test_bias_in_input_dtype_is_exact(self, bias_shape, dtype):
         _check_exact_bias((2, 1024, 8, 128), bias_shape, dtype)
 
+    @pytest.mark.parametrize("bias_shape", [(1, 8, 1024, 1024), (2, 8, 1, 1024)])
+    @pytest.mark.parametrize(
+        "dtype, bias_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.bfloat16)]
+    )
+    def test_16bit_bias_gives_the_bits_of_f32(self, bias_shape, dtype, bias_dtype):
+        _check_bias_dtype_bits((2, 1024, 1024, 8, 2, 128), bias_shape, dtype, bias_dtype)
+
     @pytest.mark.parametrize("causal", [False, True])
     def test_forward_head_dim_256(self, causal):
         q, k, v = (rand((1, 512, 4, 256), jnp.bfloat16) for _ in range(3))
@@ -1222,6 +1258,22 @@ def test_index_masks_lower_for_cuda(head_dim):
         *(q, k, k, q, lse, q, *extras, lse),
     )
     assert (len(mosaic_gpu_calls(fwd)), len(mosaic_gpu_calls(bwd))) == (1, 2)
+
+
+def test_bias_in_the_kernel_dtype_is_not_copied():
+    """A bias alone in the inputs' dtype whose tiles need no padding is the forward's and
+    the dQ kernel's operand as the caller passed it (a (B, H, S, S) copy each call is a
+    read and a write of the whole bias); the dK/dV kernel reads it transposed."""
+    spec = AttentionSpec(causal=True, scale=0.1, config=FlashAttentionConfig(), has_bias=True)
+    q, lse = jnp.zeros((2, 256, 4, 128), jnp.bfloat16), jnp.zeros((2, 4, 256), jnp.float32)
+    bias = jnp.zeros((1, 4, 256, 256), jnp.bfloat16)
+    fwd = cuda_lowering(functools.partial(am.flash_fwd, spec), q, q, q, bias)
+    bwd = cuda_lowering_xla_row_dot(functools.partial(am.flash_bwd, spec), q, q, q, q, lse, q, bias)
+    ((call,),) = [mosaic_gpu_calls(fwd)]
+    assert call.split("(", 1)[1].split(")")[0].split(", ")[-1] == "%arg3"
+    # Each backward kernel takes both: the bias (%arg6) and its transposed copy.
+    operands = [c.split("(", 1)[1].split(")")[0].split(", ") for c in mosaic_gpu_calls(bwd)]
+    assert operands and all(ops[-2] == "%arg6" != ops[-1] for ops in operands), operands
 
 
 @pytest.mark.parametrize("head_dim", sample([64, 128, 256], 1))

@@ -2189,20 +2189,24 @@ def _extras_bias_kind(spec: AttentionSpec, extras) -> str | None:
 
 
 def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
-    """The user's ``mask`` and ``bias`` as one additive f32 ``(Bb, Hb, Sq or 1, Skv)``
-    array (``Bb``, ``Hb`` and the query dim are 1 where both broadcast along them; None
-    without either).
+    """The user's ``mask`` and ``bias`` as one additive ``(Bb, Hb, Sq or 1, Skv)`` array
+    (``Bb``, ``Hb`` and the query dim are 1 where both broadcast along them; None without
+    either): f32, or a 16-bit ``bias`` without a mask as it is (f32 holds it exactly; the
+    kernels convert it), so that a kernel of its dtype reads the user's array, not a copy.
 
     It is ``-inf`` where the mask hides a key (a row it empties gets no probability, as
     the reference's); the kernels take it to the exp2 domain (:func:`_bias_tile`).
     """
     if ex.mask is None and ex.bias is None:
         return None
-    x = jnp.zeros((1, 1, 1, 1), jnp.float32)
-    if ex.bias is not None:
-        x = ex.bias.astype(jnp.float32)
-    if ex.mask is not None:
-        x = jnp.where(ex.mask, x, -jnp.inf)
+    if ex.mask is None and np.dtype(ex.bias.dtype) in DTYPES:
+        x = ex.bias
+    else:
+        x = jnp.zeros((1, 1, 1, 1), jnp.float32)
+        if ex.bias is not None:
+            x = ex.bias.astype(jnp.float32)
+        if ex.mask is not None:
+            x = jnp.where(ex.mask, x, -jnp.inf)
     return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
 
 
@@ -2212,17 +2216,23 @@ def _bias_for_kernel(p: Problem, bias, transpose: bool) -> jax.Array:
     zero-padded to whole tiles; rows: the f32 ``(Bb, Hb, Skv)`` vectors, zero-padded.
     Padded rows and columns are masked by position. Finite values beyond the 16-bit range
     are clipped to it: a large finite bias stays finite (the reference's softmax of such
-    values is not that of ``-inf``). Without a bias, a placeholder that is not read."""
+    values is not that of ``-inf``). A bias in the kernel's dtype whose tiles need no padding
+    is the operand itself: XLA passes the user's buffer (a copy of a (B, H, S, S) bias is a
+    read and a write of it, each call). Without a bias, a placeholder that is not read."""
     if bias is None:
         return jnp.zeros((1, 1, 1, 1), p.dtype)
     if p.bias == "rows":
-        return _pad_last(bias[:, :, 0], p.seq_kv_pad, 0.0)
-    big = float(jnp.finfo(p.dtype).max)
-    bias = jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -big, big))
-    bias = jnp.broadcast_to(bias, (*bias.shape[:2], p.seq_q, p.seq_kv)).astype(p.dtype)
+        return _pad_last(bias[:, :, 0].astype(jnp.float32), p.seq_kv_pad, 0.0)
+    if bias.dtype != p.dtype:
+        big = float(jnp.finfo(p.dtype).max)
+        bias = bias.astype(jnp.float32)
+        bias = jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -big, big)).astype(p.dtype)
+    bias = jnp.broadcast_to(bias, (*bias.shape[:2], p.seq_q, p.seq_kv))
     if transpose:
         bias = jnp.swapaxes(bias, 2, 3)
     rows, cols = (p.seq_kv_pad, p.seq_q_pad) if transpose else (p.seq_q_pad, p.seq_kv_pad)
+    if (rows, cols) == bias.shape[2:]:
+        return bias
     return jnp.pad(bias, [(0, 0), (0, 0), (0, rows - bias.shape[2]), (0, cols - bias.shape[3])])
 
 
