@@ -15,9 +15,9 @@ written as the output itself.
 Every option of the operator runs here: key lengths, a causal mask and a local window from
 positions (a window's first visible key is where a program starts its loop: the blocks
 before it are not read), query lengths and segment ids from their int32 operands, and a
-``mask`` and ``bias`` folded by XLA into one additive f32 array (``-inf`` where masked, as
-``attention_mgpu._bias_operand``), read beside each key block with 1-sized dims broadcast;
-the bias stays f32 here.
+``mask`` and ``bias`` folded by XLA into one additive array (``-inf`` where masked:
+``attention_mgpu._bias_operand``), read in f32 beside each key block with 1-sized dims
+broadcast: the bias is not rounded to 16 bits here.
 
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
@@ -460,11 +460,12 @@ def decode_fwd(
     ``q`` and ``lse`` ``(B, H, Sq)`` in f32, as ``attention_mgpu.flash_fwd``.
 
     ``kv_lengths`` / ``q_lengths``: int ``(B,)``, each batch entry's key / query count
-    (clipped to ``[0, seq]``); ``bias``: the folded mask and bias, f32 ``(Bb, Hb, Sq or 1,
-    Skv)`` with ``Bb`` in ``{1, B}`` and ``Hb`` in ``{1, Hq}`` (``-inf`` where masked:
-    ``attention_mgpu._bias_operand``); ``segment_ids``: the pair of int ``(B, Sq)`` and
-    ``(B, Skv)``. Each is given exactly where ``spec`` says so; causal and the window come
-    from ``spec``. ``config``: a :class:`DecodeConfig` (None: its defaults)."""
+    (clipped to ``[0, seq]``); ``bias``: the folded mask and bias ``(Bb, Hb, Sq or 1,
+    Skv)``, read in f32, with ``Bb`` in ``{1, B}`` and ``Hb`` in ``{1, Hq}`` (``-inf``
+    where masked: ``attention_mgpu._bias_operand``); ``segment_ids``: the pair of int
+    ``(B, Sq)`` and ``(B, Skv)``. Each is given exactly where ``spec`` says so; causal and
+    the window come from ``spec``. ``config``: a :class:`DecodeConfig` (None: its
+    defaults)."""
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")

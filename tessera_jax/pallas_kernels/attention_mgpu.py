@@ -53,7 +53,8 @@ padded keys too; they reach only padded dK/dV rows, which are cut off, as are th
 rows past a key length).
 
 A ``mask`` and a ``bias`` are folded by XLA into one additive array, ``-inf`` where masked
-(batch and heads stay 1 where both broadcast: the TMA loads index 0 there), streamed
+(batch and heads stay 1 where both broadcast: the TMA loads index 0 there; a bias alone
+in the inputs' dtype is passed as it is, not copied), streamed
 into a ring beside the block it belongs to (the forward's beside V, the dQ kernel's beside
 K, the dK/dV kernel's beside Q and dO); every block is then masked. A
 row the mask empties is a fully masked row: zeros, ``lse = -inf``, zero gradients, as the
