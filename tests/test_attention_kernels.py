@@ -623,14 +623,15 @@ class TestAttentionKernelsInterpret:
     def test_bias_in_input_dtype_is_exact(self, bias_shape):
         _check_exact_bias((1, 128, 2, 64), bias_shape, jnp.float16)
 
-    # The bias in the inputs' dtype (tiles, read as given) or in the other 16-bit dtype
-    # (converted and clipped), against its f32 copy: one per run, the GPU twin runs both.
+    # The bias in the inputs' dtype (tiles; padded here, read as given in the GPU twin's
+    # whole tiles) or in the other 16-bit dtype (converted and clipped), against its f32
+    # copy: one per run, the GPU twin runs both.
     @pytest.mark.parametrize(
         "dtype, bias_dtype",
         sample([(jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.bfloat16)], 1),
     )
     def test_16bit_bias_gives_the_bits_of_f32(self, dtype, bias_dtype):
-        _check_bias_dtype_bits((1, 128, 128, 2, 1, 64), (1, 2, 128, 128), dtype, bias_dtype)
+        _check_bias_dtype_bits((1, 130, 200, 2, 1, 64), (1, 2, 130, 200), dtype, bias_dtype)
 
     # Lengths, a window, segment ids and an lse cotangent in the kernels. One case per run.
     @pytest.mark.parametrize("dims, opts", sample(INDEX_MASKS, 1))
