@@ -146,13 +146,20 @@ def without_kernel(name: str):
         jax.clear_caches()
 
 
+def _attention_inputs(dims, dtype):
+    """Random ``(q, k, v, do)`` of ``dims = (b, sq, skv, hq, hkv, d)`` in ``dtype``."""
+    b, sq, skv, hq, hkv, d = dims
+    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
+    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    return q, k, v, do
+
+
 def _check_index_masks(dims, opts, dtype, *, repeat: int = 1, kernel: str = "mosaic_gpu"):
     """Forward and the gradients of ``(out, lse)``'s cotangents through the kernels
     (``kernel``'s), with lengths and a window (``opts``), vs float64; ``repeat`` runs agree
     bit for bit."""
-    b, sq, skv, hq, hkv, d = dims
-    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    b, sq, _, hq, _, _ = dims
+    q, k, v, do = _attention_inputs(dims, dtype)
     dl = rand((b, hq, sq), jnp.float32)
 
     @jax.jit
@@ -207,9 +214,7 @@ def _check_bias_dtype_bits(dims, bias_shape, dtype, bias_dtype):
     """A bias alone in ``bias_dtype`` (16-bit), which the kernels read as it is where it is
     their dtype and convert where not, gives the bits of the same values passed in f32:
     output, lse and the three gradients through the kernels."""
-    b, sq, skv, hq, hkv, d = dims
-    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    q, k, v, do = _attention_inputs(dims, dtype)
     bias = rand(bias_shape, bias_dtype, scale=2.0)
 
     @jax.jit
@@ -230,9 +235,7 @@ def _check_mask_bias(
     """Forward (``out``, ``lse``) and ``(dq, dk, dv)`` through the kernels with a mask and
     a bias vs float64; ``repeat`` runs agree bit for bit. ``dbias``: the bias is
     differentiated too, so the backward runs the reference (from the kernel's ``lse``)."""
-    b, sq, skv, hq, hkv, d = dims
-    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    q, k, v, do = _attention_inputs(dims, dtype)
     mask, bias = _mask_bias_operands(mask_shape, bias_shape, empty_rows)
 
     @jax.jit
@@ -388,9 +391,7 @@ def _check_decode_chunks(dims, opts, dtype, repeat, batch_alone):
         assert all(seen and min(seen) > 1 for seen in chunks.values()), chunks
         if not batch_alone or dims[0] == 1 or opts:
             return
-        b, sq, skv, hq, hkv, d = dims
-        q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-        k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+        q, k, v, do = _attention_inputs(dims, dtype)
         whole = _fwd_bwd(q, k, v, do, causal=False)
         alone = _fwd_bwd(*(x[-1:] for x in (q, k, v, do)), causal=False)
         for x, y in zip(whole, alone):
@@ -401,10 +402,9 @@ def _bwd_with_lengths(dims, causal, lengths, *, interpret, window=None):
     """``flash_bwd`` bound to f16 operands with key ``lengths``, an lse cotangent and a
     local ``window`` (None: none; its knobs left to the caller), and the float64 gradients
     it should give."""
-    b, sq, skv, hq, hkv, d = dims
+    b, sq, _, hq, _, d = dims
     dtype = jnp.float16
-    q, do = rand((b, sq, hq, d), dtype), rand((b, sq, hq, d), dtype)
-    k, v = rand((b, skv, hkv, d), dtype), rand((b, skv, hkv, d), dtype)
+    q, k, v, do = _attention_inputs(dims, dtype)
     dl = rand((b, hq, sq), jnp.float32)
     n = jnp.array(lengths, jnp.int32)
     spec = AttentionSpec(
