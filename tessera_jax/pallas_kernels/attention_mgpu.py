@@ -65,9 +65,10 @@ reference's. Two forms:
   kernels keep their block sizes;
 * a row per query: a 16-bit ``(64, block)`` tile per warpgroup, the bias rounded to the
   inputs' dtype (once: a bias in that dtype arrives exact; the kernels scale it to the exp2
-  domain in f32); the dK/dV kernel, which works on Sᵀ, streams tiles of the transpose (one
-  XLA transpose). The tiles take shared memory: the forward and dQ kernels take shorter kv
-  blocks where their rings would otherwise lose slots.
+  domain in f32); the dK/dV kernel, which works on Sᵀ, streams the same tiles of the
+  caller's array and reads each transposed from shared memory (no transposed copy). The
+  tiles take shared memory: the forward and dQ kernels take shorter kv blocks where their
+  rings would otherwise lose slots.
 
 At head_dim 256 the kernels decline both (the rings beside the 256-wide tiles do not fit).
 The bias's gradient is not computed here (the reference's backward runs it).
@@ -953,20 +954,47 @@ def _bias_bar(bias_smem, bias_bar, slot, group):
     return bias_bar.at[slot * bias_smem.shape[1] + group]
 
 
-def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int):
+def _bias_tile(
+    p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int, interpret: bool = False
+):
     """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``), in the exp2
-    domain (times ``log2(e)``), from part
-    ``group`` of ring ``slot`` (None without a bias): a tile as it is, a vector of keys
-    broadcast over the queries. Its barrier is awaited here; :func:`_bias_flush` observes
-    it for a skipped block."""
+    domain (times ``log2(e)``), from part ``group`` of ring ``slot`` (None without a bias):
+    :func:`_bias_load`, then :func:`_bias_exp2`."""
+    raw = _bias_load(p, bias_smem, bias_bar, slot, group, keys_dim, interpret)
+    return _bias_exp2(p, raw, shape, keys_dim)
+
+
+def _bias_load(p: Problem, bias_smem, bias_bar, slot, group, keys_dim: int, interpret: bool):
+    """Part ``group`` of ring ``slot`` of the bias in registers, as stored (None without
+    one): a 16-bit (queries, keys) tile as it is, or transposed for Sᵀ (``keys_dim`` 0), or
+    an f32 vector of keys. Its barrier is awaited here; :func:`_bias_flush` observes it for
+    a skipped block."""
     if p.bias is None:
         return None
     plgpu.barrier_wait(_bias_bar(bias_smem, bias_bar, slot, group))
+    if p.bias == "rows":
+        return bias_smem[slot, group]
+    tile = bias_smem.at[slot, group]
+    if keys_dim == 1:
+        return tile[...]
+    if interpret:  # (the interpreter holds values, not layouts)
+        return tile[...].T
+    # Sᵀ's tile of the caller's (queries, keys) bias: read transposed from the swizzled
+    # tile into wgmma's transposed layout, then one shuffle between lane pairs into the
+    # accumulator's (no transposed copy of the bias in global memory).
+    tile = plgpu.layout_cast(tile.transpose((1, 0))[...], plgpu.Layout.WGMMA_TRANSPOSED)
+    return plgpu.layout_cast(tile, plgpu.Layout.WGMMA)
+
+
+def _bias_exp2(p: Problem, raw, shape, keys_dim: int):
+    """:func:`_bias_load`'s ``raw`` bias in f32 and the exp2 domain, as a tile of ``shape``."""
+    if raw is None:
+        return None
     # To the exp2 domain here, in f32: a 16-bit tile scaled before its rounding would
     # round a 16-bit user bias a second time.
-    if p.bias == "tiles":
-        return bias_smem[slot, group].astype(jnp.float32) * LOG2E
-    return lax.broadcast_in_dim(bias_smem[slot, group] * LOG2E, shape, [keys_dim])
+    if p.bias == "rows":
+        return lax.broadcast_in_dim(raw * LOG2E, shape, [keys_dim])
+    return raw.astype(jnp.float32) * LOG2E
 
 
 def _bias_flush(p: Problem, bias_smem, bias_bar, slot, group) -> None:
@@ -1389,13 +1417,11 @@ def _dq_kernel(
     q_seg_ref,
     kv_seg_ref,
     bias_ref,
-    bias_t_ref,
     dq_ref,
     *refs,
     p,
     interpret,
 ):
-    del bias_t_ref  # the dK/dV kernel's
     dk_ref, dv_ref, *scratch = refs if p.dq_dkv else (None, None, *refs)
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage = scratch[:7]
     q_bar, k_bar, v_bar, k_done, v_done = scratch[7:12]
@@ -1700,20 +1726,18 @@ def _dkv_kernel(
     q_seg_ref,
     kv_seg_ref,
     bias_ref,
-    bias_t_ref,
     dk_ref,
     dv_ref,
     *refs,
     p,
     interpret,
 ):
-    del bias_ref  # the dQ kernel's; this one streams tiles of its transpose, or the vector
     dq_ref, *scratch = refs if p.dkv_dq else (None, *refs)
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage = scratch[:7]
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, done, p_smem, p_ready, p_free = scratch[7:16]
     # Segment ids: the key rows' (per key-row group), a ring of the streamed query blocks'.
     kseg_smem, qseg_smem, kseg_bar, qseg_bar = scratch[16:20]
-    # The bias: a ring of (key rows, 64 queries) tiles of its transpose, or of the vectors
+    # The bias: a ring of (64 queries, key rows) tiles, read transposed, or of the vectors
     # of the key rows, per key-row group, beside Q and dO.
     bias_smem, bias_bar = scratch[20:22]
     # dkv_dq: both warpgroups' dSᵀ, each one's f32 half of the dQ partial and the
@@ -1766,10 +1790,15 @@ def _dkv_kernel(
             for bars in (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if p.segments else ()):
                 plgpu.barrier_wait(bars.at[slot])
 
-        def probs(st, slot, qi, kv_base, masked: bool):
+        def bias_regs(slot):
+            return _bias_load(p, bias_smem, bias_bar, slot, r, 0, interpret)
+
+        def probs(st, slot, qi, kv_base, masked: bool, raw_bias=None):
             lse = lse_smem[slot]
             st = st * p.c
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, r, (bkv, bq), 0)
+            if raw_bias is None:
+                raw_bias = bias_regs(slot)
+            bias = _bias_exp2(p, raw_bias, (bkv, bq), 0)
             if bias is not None:
                 st = st + bias
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
@@ -1799,8 +1828,10 @@ def _dkv_kernel(
             if p.dkv_paired:
                 # Two waits for the tensor cores per step: Sᵀ and dPᵀ (which need only
                 # shared memory) together, then dV and dK together.
+                # The bias's shared-memory reads beside the tensor cores' products.
+                raw_bias = bias_regs(slot)
                 st, dpt = _dots((bkv, bq), (ks, qt), (vs, dot))
-                pt = probs(st, slot, qi, kv_base, masked)
+                pt = probs(st, slot, qi, kv_base, masked, raw_bias)
                 dst = dscores(pt, dpt, slot).astype(p.dtype)
                 dv, dk = _dots_acc(
                     [(dv, pt.astype(p.dtype), dos), (dk, dst, qs)],
@@ -2064,8 +2095,8 @@ def _dkv_kernel(
             bb, bh = (b if p.bias_batch else 0), (h if p.bias_heads else 0)
             keys = pl.ds(tile_rows(lax.div(step, per_tile)) + i * WG_ROWS, WG_ROWS)
             if p.bias == "rows":
-                return bias_t_ref.at[bb, bh, keys]
-            return bias_t_ref.at[bb, bh, keys, pl.ds(q0, bq)]
+                return bias_ref.at[bb, bh, keys]
+            return bias_ref.at[bb, bh, pl.ds(q0, bq), keys]
 
         loads = [
             (rows_of(q_ref), q_smem, q_bar),
@@ -2211,9 +2242,9 @@ def _bias_operand(spec: AttentionSpec, ex, q, k) -> jax.Array | None:
     return jnp.broadcast_to(x, (*x.shape[:3], k.shape[1]))
 
 
-def _bias_for_kernel(p: Problem, bias, transpose: bool) -> jax.Array:
-    """A kernel's bias operand: tiles: ``bias`` (or its transpose, for the dK/dV kernel,
-    whose tiles hold keys along rows) in the 16-bit dtype, its query rows materialised,
+def _bias_for_kernel(p: Problem, bias) -> jax.Array:
+    """The kernels' bias operand (one for the three: the dK/dV kernel reads its tiles
+    transposed): tiles: ``bias`` in the 16-bit dtype, its query rows materialised,
     zero-padded to whole tiles; rows: the f32 ``(Bb, Hb, Skv)`` vectors, zero-padded.
     Padded rows and columns are masked by position. Finite values beyond the 16-bit range
     are clipped to it: a large finite bias stays finite (the reference's softmax of such
@@ -2229,9 +2260,7 @@ def _bias_for_kernel(p: Problem, bias, transpose: bool) -> jax.Array:
         bias = bias.astype(jnp.float32)
         bias = jnp.where(jnp.isinf(bias), bias, jnp.clip(bias, -big, big)).astype(p.dtype)
     bias = jnp.broadcast_to(bias, (*bias.shape[:2], p.seq_q, p.seq_kv))
-    if transpose:
-        bias = jnp.swapaxes(bias, 2, 3)
-    rows, cols = (p.seq_kv_pad, p.seq_q_pad) if transpose else (p.seq_q_pad, p.seq_kv_pad)
+    rows, cols = p.seq_q_pad, p.seq_kv_pad
     if (rows, cols) == bias.shape[2:]:
         return bias
     return jnp.pad(bias, [(0, 0), (0, 0), (0, rows - bias.shape[2]), (0, cols - bias.shape[3])])
@@ -2341,7 +2370,7 @@ def flash_fwd(
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
-    operands = (qp, kp, vp, lengths, *_segment_operands(p, ex), _bias_for_kernel(p, bias, False))
+    operands = (qp, kp, vp, lengths, *_segment_operands(p, ex), _bias_for_kernel(p, bias))
     out, lse = device.run_mosaic(_build_fwd(p, interpret), operands, interpret=interpret)
     if p.kv_chunks > 1:
         out, lse = _combine_chunks(out[..., : p.seq_q, :, :], lse[..., : p.seq_q])
@@ -2519,8 +2548,7 @@ def flash_bwd(
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
     operands = (qp, kp, vp, dop, lse2, delta, lengths, *_segment_operands(p, ex))
-    # The dQ kernel's bias and the dK/dV kernel's (the same vectors, or transposed tiles).
-    operands += (_bias_for_kernel(p, bias, False), _bias_for_kernel(p, bias, True))
+    operands += (_bias_for_kernel(p, bias),)
     if p.dkv_dq:
         dk, dv, dq = device.run_mosaic(_build_dkv(p, interpret), operands, interpret=interpret)
         if interpret:
