@@ -1028,9 +1028,10 @@ def flash_attention(
         ``heads_q`` (GQA/MQA: query head ``h`` uses kv head ``h // (heads_q // heads_kv)``).
       v: ``k``'s shape and dtype.
       bias: additive, a floating dtype, broadcastable to ``(batch, heads_q, seq_q,
-        seq_kv)`` (heads before sequence, as jax.nn); differentiable. On Hopper the forward
-        reads a bias in ``q``'s dtype as given (without a ``mask``, sequences filling
-        whole tiles); otherwise one pass over it folds, converts and pads it first.
+        seq_kv)`` (heads before sequence, as jax.nn); differentiable. On Hopper the
+        forward and backward kernels read a bias in ``q``'s dtype as given (without a
+        ``mask``, sequences filling whole tiles); otherwise one pass over it folds,
+        converts and pads it first.
       mask: bool, True where a query attends to a key; broadcastable like ``bias``.
       causal: mask keys after the query, aligned bottom-right (query ``i`` sees keys
         ``j ≤ i + seq_kv − seq_q``; the lower triangle when ``seq_q == seq_kv``).
