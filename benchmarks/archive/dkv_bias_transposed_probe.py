@@ -11,7 +11,6 @@ B4 H16 D128 bf16 with a (1, 16, S, S) bf16 bias, S 4096 and 1024, causal and not
 import functools
 import subprocess
 import sys
-import types
 
 sys.path.insert(0, ".")
 
@@ -19,18 +18,17 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks._common import time_interleaved
+from benchmarks.archive.dkv_dq_variants_probe import module
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as am
 
 BEFORE = "0a67392"
 
 
-def module_at(commit: str) -> types.ModuleType:
+def module_at(commit: str):
     path = "tessera_jax/pallas_kernels/attention_mgpu.py"
     src = subprocess.run(["git", "show", f"{commit}:{path}"], check=True, capture_output=True)
-    mod = types.ModuleType(f"attention_mgpu_{commit}")
-    exec(compile(src.stdout, f"{commit}:{path}", "exec"), mod.__dict__)
-    return mod
+    return module(commit, src.stdout.decode())
 
 
 def main():
