@@ -954,14 +954,12 @@ def _bias_bar(bias_smem, bias_bar, slot, group):
     return bias_bar.at[slot * bias_smem.shape[1] + group]
 
 
-def _bias_tile(
-    p: Problem, bias_smem, bias_bar, slot, group, shape, keys_dim: int, interpret: bool = False
-):
-    """The f32 bias of a score tile of ``shape`` (keys along ``keys_dim``), in the exp2
-    domain (times ``log2(e)``), from part ``group`` of ring ``slot`` (None without a bias):
-    :func:`_bias_load`, then :func:`_bias_exp2`."""
-    raw = _bias_load(p, bias_smem, bias_bar, slot, group, keys_dim, interpret)
-    return _bias_exp2(p, raw, shape, keys_dim)
+def _bias_tile(p: Problem, bias_smem, bias_bar, slot, group, shape):
+    """The f32 bias of a (queries, keys) score tile of ``shape`` (the forward's and the dQ
+    kernel's), in the exp2 domain (times ``log2(e)``), from part ``group`` of ring ``slot``
+    (None without a bias): :func:`_bias_load`, then :func:`_bias_exp2`."""
+    raw = _bias_load(p, bias_smem, bias_bar, slot, group, keys_dim=1, interpret=False)
+    return _bias_exp2(p, raw, shape, keys_dim=1)
 
 
 def _bias_load(p: Problem, bias_smem, bias_bar, slot, group, keys_dim: int, interpret: bool):
@@ -1162,7 +1160,7 @@ def _fwd_kernel(
             segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
             plgpu.barrier_arrive(k_done.at[slot])
             part = 0 if p.bias == "rows" else wg
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv))
 
             # ``scaled(x)``: scores to the exp2 domain. The bias tile is in it already, so
             # with one the scores are scaled once, here.
@@ -1471,7 +1469,7 @@ def _dq_kernel(
             plgpu.barrier_arrive(v_done.at[vslot])
             s = s * p.c
             part = 0 if p.bias == "rows" else wg
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv), 1)
+            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv))
             if bias is not None:
                 s = s + bias
             pr = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
