@@ -527,40 +527,6 @@ def _check_dkv_tiles(dims, causal, tiles, *, interpret, against=1):
         assert_close(got, ref, factor=2.0)
 
 
-def _check_dkv_order(dims, causal, lengths, window, knobs, *, interpret, orders, repeat=1):
-    """The dK/dV kernel walking each head's query blocks in ``orders``
-    (``dkv_descending``), with the backward's ``knobs``, key ``lengths`` and a ``window``:
-    each against float64, ``repeat`` runs of each bit for bit."""
-    bwd, want = _bwd_with_lengths(dims, causal, lengths, interpret=interpret, window=window)
-    for descending in orders:
-        runs = [
-            [np.asarray(g) for g in bwd(dkv_descending=descending, **knobs)] for _ in range(repeat)
-        ]
-        for later in runs[1:]:
-            for x, y in zip(runs[0], later):
-                np.testing.assert_array_equal(x, y)
-        for got, ref in zip(runs[0], want):
-            assert_close(got, ref, factor=2.0)
-
-
-# (dims, causal, key lengths, window, knobs) of the dK/dV kernel's two orders over the
-# query blocks: ragged and causal with GQA, the role-split kernel (head_dim 256), a window
-# (masked runs on both sides of the visible ones), several key tiles per CTA, dQ computed
-# beside.
-DKV_ORDER_CASES = [
-    pytest.param((1, 200, 130, 2, 2, 64), True, [130], None, {}, id="causal-ragged"),
-    pytest.param((1, 130, 200, 1, 1, 256), True, [150], None, {}, id="d256-roles"),
-    pytest.param((1, 130, 260, 1, 1, 64), False, [200], (60, 10), {}, id="window"),
-]
-DKV_ORDER_GPU_CASES = [
-    pytest.param((2, 1000, 1000, 8, 2, 128), True, [1000, 600], None, {}, id="causal-gqa"),
-    pytest.param((2, 700, 1100, 4, 4, 256), True, [1100, 900], None, {}, id="d256-roles"),
-    pytest.param((1, 1500, 1500, 4, 4, 64), False, [1400], (300, 100), {}, id="window"),
-    pytest.param((2, 200, 5000, 4, 4, 64), True, [5000, 3000], None, dict(dkv_tiles=4), id="tiles"),
-    pytest.param((1, 600, 900, 2, 2, 128), True, [900], None, dict(dkv_dq=True), id="dkv-dq"),
-]
-
-
 def _check_folded_group(dims, opts, *, interpret):
     """Decoding with GQA (``opts``: key lengths or causal) folds the group into the rows:
     the forward has the bits of the unfolded kernels; forward and gradients through
@@ -725,14 +691,6 @@ class TestAttentionKernelsInterpret:
     def test_dkv_tiles_per_cta(self, dims, causal, tiles):
         with _compat.gpu_interpret_mode(detect_races=True):
             _check_dkv_tiles(dims, causal, tiles, interpret=True, against=None)
-        assert _compat.races_detected() is False
-
-    # The dK/dV kernel's query blocks from the last one down (most cases run them from the
-    # first one up) against float64, race detection on. One case per run.
-    @pytest.mark.parametrize("dims, causal, lengths, window, knobs", sample(DKV_ORDER_CASES, 1))
-    def test_dkv_query_blocks_descending(self, dims, causal, lengths, window, knobs):
-        with _compat.gpu_interpret_mode(detect_races=True):
-            _check_dkv_order(dims, causal, lengths, window, knobs, interpret=True, orders=[True])
         assert _compat.races_detected() is False
 
     # The dQ kernel computing dK and dV too: warpgroup 0 hands each key block's P and dS
@@ -1011,12 +969,6 @@ class TestAttentionKernelsGPU:
     @pytest.mark.parametrize("dims, causal, lengths, window", DKV_DQ_GPU_CASES)
     def test_dkv_kernel_computes_dq(self, dims, causal, lengths, window):
         _check_dkv_dq(dims, causal, lengths, interpret=False, repeat=3, window=window)
-
-    @pytest.mark.parametrize("dims, causal, lengths, window, knobs", DKV_ORDER_GPU_CASES)
-    def test_dkv_query_blocks_in_both_orders(self, dims, causal, lengths, window, knobs):
-        _check_dkv_order(
-            dims, causal, lengths, window, knobs, interpret=False, orders=[True, False], repeat=3
-        )
 
     @pytest.mark.parametrize(
         "dims, opts",
@@ -1800,7 +1752,6 @@ def test_dq_dkv_declines_with_a_reason(q_shape, k_shape, window, reason):
     "knobs, reason",
     [
         (dict(dkv_tiles=2), "dkv_tiles=2 tune the two-kernel backward"),
-        (dict(dkv_descending=True), "dkv_descending=True tune the two-kernel backward"),
         (dict(dkv_stages=2, dkv_paired=True), "dkv_stages=2, dkv_paired=True tune the two"),
         (dict(dq_block_kv=128), "dq_block_kv=128 (dq_dkv steps 64 keys) tune the two"),
     ],
@@ -1931,9 +1882,8 @@ def test_backward_overrides_are_checked(head_dim, override, match):
         am.flash_bwd(_spec(), q, q, q, q, lse, q, **override)
 
 
-@pytest.mark.parametrize("knob", ["dkv_paired", "dkv_descending"])
-def test_backward_schedule_override_must_be_a_bool(knob):
+def test_backward_schedule_override_must_be_a_bool():
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     lse = jnp.zeros((1, 1, 128), jnp.float32)
-    with pytest.raises(TypeError, match=f"{knob}=1 must be a bool"):
-        am.flash_bwd(_spec(), q, q, q, q, lse, q, **{knob: 1})
+    with pytest.raises(TypeError, match="dkv_paired=1 must be a bool"):
+        am.flash_bwd(_spec(), q, q, q, q, lse, q, dkv_paired=1)

@@ -7,8 +7,8 @@ whether the gradients' bits differ. The question: is the causal backward with a
 reading different query rows of the bias at any time (descending, they all start at the
 last block, as non-causal ones read the same rows together)? The log says no:
 descending is 8 % slower there, 4 % slower at D64 causal, 0–2 % faster at D128 causal
-without a bias. The knob was removed after this run; check out the commit that added
-this probe to rerun it.
+without a bias. The knob was removed after this run; check out commit 0e144d3, which
+added this probe, to rerun it.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/archive/dkv_descending_probe.py
 """

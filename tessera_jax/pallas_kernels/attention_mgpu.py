@@ -184,9 +184,6 @@ class Problem:
         (:data:`DKV_DQ`): each key tile adds its dQ partials to an f32 accumulator in
         global memory in key-tile order, tile ``t`` after tile ``t − 1`` (a semaphore per
         query block hands the turn on; :func:`_dq_turns`), so the sum has a fixed order.
-      dkv_descending: the dK/dV kernel walks each head's query blocks from the last one
-        down; False (the default): from the first one up. Either order is
-        fixed; the two sum a key's gradients over the queries in opposite orders.
     """
 
     batch: int
@@ -216,7 +213,6 @@ class Problem:
     dkv_tiles: int = 1
     dq_dkv: bool = False
     dkv_dq: bool = False
-    dkv_descending: bool = False
 
     @property
     def every_block_masked(self) -> bool:
@@ -1773,22 +1769,11 @@ def _dkv_kernel(
     per_tile = p.group * per_head  # query steps per key tile
     bq, bkv, s = WG_ROWS, WG_ROWS, p.dkv_stages
 
-    def block_of(j):
-        """The query block of the ``j``-th query step of a head: the CTA's blocks in
-        ascending order, or from the last down (:attr:`Problem.dkv_descending`); the map is
-        its own inverse between ``j`` and the block's offset in the span."""
-        return cta_stop - 1 - j if p.dkv_descending else cta_start + j
-
-    def step_of(t, g, qi):
-        """The CTA's query step of key tile ``t``, group head ``g`` and query block ``qi``."""
-        j = cta_stop - 1 - qi if p.dkv_descending else qi - cta_start
-        return t * per_tile + g * per_head + j
-
     def qh(step):
         """``(query head, first query row)`` of the CTA's query step ``step``: every key
         tile streams the same query steps, heads of the group, then blocks."""
         local = lax.rem(step, per_tile)
-        return hk * p.group + lax.div(local, per_head), block_of(lax.rem(local, per_head)) * bq
+        return hk * p.group + lax.div(local, per_head), (cta_start + lax.rem(local, per_head)) * bq
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
@@ -1832,7 +1817,7 @@ def _dkv_kernel(
 
         def step(qi, carry, t, g, masked: bool):
             dk, dv = carry
-            n = step_of(t, g, qi)
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             qt, dot = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
@@ -1957,7 +1942,7 @@ def _dkv_kernel(
         def step_dv(qi, dv, t, g, masked: bool):
             # Roles, warpgroup 0: Pᵀ from Sᵀ = K·Qᵀ, handed to warpgroup 1 through shared
             # memory (in f32: the dK warpgroup forms dSᵀ from it), then dV += Pᵀ·dO.
-            n = step_of(t, g, qi)
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             st = _dot((bkv, bq), ks, q_smem.at[slot].transpose((1, 0)))
@@ -1973,7 +1958,7 @@ def _dkv_kernel(
             # Roles, warpgroup 1: dPᵀ = V·dOᵀ (beside warpgroup 0's Sᵀ on the tensor cores),
             # then dSᵀ with warpgroup 0's Pᵀ, and dK += dSᵀ·Q.
             del masked  # Pᵀ arrives masked (and biased)
-            n = step_of(t, g, qi)
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             dpt = _dot((bkv, bq), vs, do_smem.at[slot].transpose((1, 0)))
@@ -1986,7 +1971,7 @@ def _dkv_kernel(
             return dk
 
         def skip(qi, _, t, g):
-            n = step_of(t, g, qi)
+            n = t * per_tile + g * per_head + qi - cta_start
             slot = _slot(n, s)
             wait(slot)
             # The bias is read by the warpgroup(s) computing Pᵀ: with roles, warpgroup 0.
@@ -2033,30 +2018,17 @@ def _dkv_kernel(
                 # The group's query heads in a fixed order: their dK/dV sum in the
                 # accumulator.
                 masked = functools.partial(body, t=t, g=g, masked=True)
-                unmasked = functools.partial(body, t=t, g=g, masked=False)
-
-                def skips(qi, carry):
-                    skip(qi, None, t, g)
-                    return carry
-
-                # Runs of query blocks ``[a, b)`` in ascending order.
-                runs = []
+                skips = functools.partial(skip, t=t, g=g)
                 if p.right is not None or dead_tiles:
-                    runs.append((cta_start, start, skips))
+                    lax.fori_loop(cta_start, start, skips, None)
                 if p.right is not None:
-                    runs.append((start, lo, masked))
-                runs.append((lo, hi, unmasked))
+                    carry = lax.fori_loop(start, lo, masked, carry)
+                unmasked = functools.partial(body, t=t, g=g, masked=False)
+                carry = lax.fori_loop(lo, hi, unmasked, carry)
                 if p.left is not None or p.every_block_masked:
-                    runs.append((hi, stop, masked))
+                    carry = lax.fori_loop(hi, stop, masked, carry)
                 if p.left is not None:
-                    runs.append((stop, cta_stop, skips))
-                if not p.dkv_descending:
-                    for begin, end, run in runs:
-                        carry = lax.fori_loop(begin, end, run, carry)
-                    return carry
-                for begin, end, run in reversed(runs):  # blocks end − 1 down to begin
-                    steps = functools.partial(lambda j, c, run: run(block_of(j), c), run=run)
-                    carry = lax.fori_loop(cta_stop - end, cta_stop - begin, steps, carry)
+                    lax.fori_loop(stop, cta_stop, skips, None)
                 return carry
 
             write(rows, lax.fori_loop(0, p.group, head, carry))
@@ -2426,7 +2398,6 @@ def flash_bwd(
     dkv_tiles: int | None = None,
     dq_dkv: bool | None = None,
     dkv_dq: bool | None = None,
-    dkv_descending: bool | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -2457,8 +2428,7 @@ def flash_bwd(
     products in one accumulator: other bits); None: :data:`DKV_DQ` where
     :func:`_dkv_dq_reason` gives no reason, ``dq_dkv`` is off and no knob of the dQ kernel
     (``dq_block_kv``, ``dq_split_keys``) or ``dkv_tiles`` other than 1 is given. True
-    where any of these holds is a ValueError. ``dkv_descending``: the dK/dV kernel's order
-    over the query blocks (:attr:`Problem.dkv_descending`); None: ascending.
+    where any of these holds is a ValueError.
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -2472,7 +2442,6 @@ def flash_bwd(
         dkv_tiles=dkv_tiles,
         dq_dkv=dq_dkv,
         dkv_dq=dkv_dq,
-        dkv_descending=dkv_descending,
     )
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
@@ -2516,12 +2485,7 @@ def flash_bwd(
         raise TypeError(f"attention_mgpu.flash_bwd: {dq_dkv=} must be a bool or None")
     # Knobs of the dK/dV kernel, or of a dQ step other than 64 keys (warpgroup 1's dK and
     # dV accumulators fill its registers at 64), ask for the two kernels.
-    dkv_knobs = {
-        "dkv_stages": dkv_stages,
-        "dkv_paired": dkv_paired,
-        "dkv_tiles": dkv_tiles,
-        "dkv_descending": dkv_descending,
-    }
+    dkv_knobs = {"dkv_stages": dkv_stages, "dkv_paired": dkv_paired, "dkv_tiles": dkv_tiles}
     two_kernels = [f"{n}={x}" for n, x in dkv_knobs.items() if x is not None]
     if dq_block_kv not in (None, WG_ROWS):
         two_kernels.append(f"{dq_block_kv=} (dq_dkv steps {WG_ROWS} keys)")
@@ -2543,9 +2507,8 @@ def flash_bwd(
         raise ValueError(f"attention_mgpu.flash_bwd: dkv_dq=True does not take the case: {why}")
     if dkv_dq is None:
         dkv_dq = DKV_DQ.get(d, False) and fused_why is None and not two_passes
-    for name, knob in (("dkv_paired", dkv_paired), ("dkv_descending", dkv_descending)):
-        if knob is not None and not isinstance(knob, bool):
-            raise TypeError(f"attention_mgpu.flash_bwd: {name}={knob!r} must be a bool or None")
+    if dkv_paired is not None and not isinstance(dkv_paired, bool):
+        raise TypeError(f"attention_mgpu.flash_bwd: {dkv_paired=} must be a bool or None")
     if dkv_paired is not None and q.shape[-1] not in DKV_PAIRED:
         raise ValueError(
             f"attention_mgpu.flash_bwd: {dkv_paired=} applies to head_dim "
@@ -2572,7 +2535,6 @@ def flash_bwd(
         dkv_dq,
     )
     p = _with_features(p, spec, bias)
-    p = dataclasses.replace(p, dkv_descending=bool(dkv_descending))
     delta = row_delta(out, dout, interpret, p.seq_q_pad)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
         delta = delta - _pad_last(extras[spec.num_extras].astype(jnp.float32), p.seq_q_pad, 0.0)
