@@ -14,11 +14,12 @@ written as the output itself.
 
 Every option of the operator runs here: key lengths, a causal mask and a local window from
 positions (a window's first visible key is where a program starts its loop: the blocks
-before it are not read), query lengths and segment ids from their int32 operands, and the
-user's boolean ``mask`` and additive ``bias`` as given, read beside each key block with
-1-sized dims broadcast, the bias converted to f32 there (it is not rounded to 16 bits). At
-B1 a call is mostly the device waiting between launches, and folding them into one array
-first (``attention_mgpu._bias_operand``, as the long-query kernels take them) is one more.
+before it are not read), query lengths and segment ids from their int32 operands, and a
+``mask`` and ``bias`` folded by XLA into one additive array (``-inf`` where masked:
+``attention_mgpu._bias_operand``), read in f32 beside each key block with 1-sized dims
+broadcast: the bias is not rounded to 16 bits here. (Read as given instead, a bool mask or
+a bf16 bias, the kernel's narrower loads cost more per key than the fold's launch:
+``benchmarks/archive/decode-unfolded-mask-h200.txt``.)
 
 Output and lse follow ``attention_mgpu.flash_fwd``'s contract (so its backward kernels take
 them): ``lse`` in the natural log, ``-inf`` and zeros for a row that sees no key.
@@ -240,19 +241,18 @@ def _chunk_keys(len_ref, b, chunk, *, dims, chunk_keys, block_kv, window):
     return start, end, limit, first, steps
 
 
-def _scores_fn(opt, b, s_of, head, *, dims, causal, window, bcast):
+def _scores_fn(opt, b, s_of, head, *, dims, causal, window, bias_dims):
     """``scores(s, key, kmask)``: a key block's scores ``s`` (rows × keys, the exp2
     domain) with the bias added, ``-inf`` where a row does not see a key (``kmask``: the
-    keys below the length) or the mask hides it. ``bcast``: the mask's and the bias's
-    ``(batch, heads, queries)`` dims (each 1 or full) by name."""
+    keys below the length)."""
     sq, skv = dims[0], dims[3]
     diag = s_of + (skv - sq)  # each row's position among the keys (bottom-right aligned)
     row_vis = None  # (rows,) bool: rows that see keys at all
     if "q_lengths" in opt:
         row_vis = s_of < opt["q_lengths"][0][b]
-    at = {}  # the rows' indices into the mask and the bias, less the keys'
-    for name, (bb, bh, bq) in bcast:
-        at[name] = (
+    if "bias" in opt:
+        bb, bh, bq = bias_dims
+        bias_at = (
             b if bb > 1 else 0,
             (head if bh > 1 else jnp.zeros_like(head))[:, None],
             (s_of if bq > 1 else jnp.zeros_like(s_of))[:, None],
@@ -264,13 +264,10 @@ def _scores_fn(opt, b, s_of, head, *, dims, causal, window, bcast):
     def scores(s, key, kmask):
         if "bias" in opt:
             bias = plgpu.load(
-                opt["bias"][0].at[(*at["bias"], key[None, :])], mask=kmask[None, :], other=0.0
+                opt["bias"][0].at[(*bias_at, key[None, :])], mask=kmask[None, :], other=0.0
             )
-            s = s + bias.astype(jnp.float32) * _mgpu.LOG2E
+            s = s + bias * _mgpu.LOG2E
         vis = kmask[None, :]
-        if "mask" in opt:
-            ref = opt["mask"][0]
-            vis = vis & plgpu.load(ref.at[(*at["mask"], key[None, :])], mask=vis, other=False)
         if causal:
             vis = vis & (key[None, :] <= diag[:, None])
         if window is not None:
@@ -287,12 +284,13 @@ def _scores_fn(opt, b, s_of, head, *, dims, causal, window, bcast):
     return scores
 
 
-def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bcast, c):
+def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c):
     """One chunk of one kv head's keys for one batch entry: the rows' output (divided by
     their sum, in ``out_ref``'s dtype) and lse, at ``out_ref[chunk, b]``/``lse_ref[chunk,
     b]``. ``refs``: the key lengths, then the optional ``operands`` in their order
-    (``"q_lengths"``, ``"mask"``, ``"bias"``: with their batch, head and query dims in
-    ``bcast``, ``"segment_ids"``: two refs), then q, k, v and the two outputs."""
+    (``"q_lengths"``, ``"bias"``: the folded mask and bias, whose batch, head and query dims
+    ``bias_dims`` are each 1 or full, ``"segment_ids"``: two refs), then q, k, v and the
+    two outputs."""
     sq, hq, hkv, _, d, rows_pad, _ = dims
     len_ref, *refs = refs
     opt, (q_ref, k_ref, v_ref, out_ref, lse_ref) = _operands(refs, operands)
@@ -303,7 +301,9 @@ def _kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bcast, 
     start, _, limit, first, steps = _chunk_keys(
         len_ref, b, chunk, dims=dims, chunk_keys=chunk_keys, block_kv=block_kv, window=window
     )
-    scores = _scores_fn(opt, b, s_of, head, dims=dims, causal=causal, window=window, bcast=bcast)
+    scores = _scores_fn(
+        opt, b, s_of, head, dims=dims, causal=causal, window=window, bias_dims=bias_dims
+    )
 
     def body(j, carry):
         acc, m, l_ = carry
@@ -365,13 +365,7 @@ def _combine_kernel(part_ref, lse_ref, out_ref, lse_out_ref, *, dims, cols_per_p
         plgpu.store(lse_out_ref.at[b, head, s_of], lse)
 
 
-# Bias dtypes the kernels read as they are (others are converted to f32 first).
-_BIAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def _call(
-    spec, q, k, v, kv_lengths, q_lengths, mask, bias, segment_ids, config, dlse=None, *, backward
-):
+def _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, dlse=None, *, backward):
     """What the forward's and the backward's calls share: ``(kernel keyword arguments,
     dims, optional operands in their order, key lengths, compiler params)``."""
     fn = "decode_bwd" if backward else "decode_fwd"
@@ -387,8 +381,7 @@ def _call(
         )
     given = {
         "q_lengths": (q_lengths, spec.has_q_lengths),
-        "mask": (mask, spec.has_mask),
-        "bias": (bias, spec.has_bias),
+        "bias": (bias, spec.has_mask or spec.has_bias),
         "segment_ids": (segment_ids, spec.has_segment_ids),
         "dlse": (dlse, spec.has_dlse),
     }
@@ -398,19 +391,19 @@ def _call(
                 f"attention_decode.{fn}: {name} is {'missing' if wanted else 'given'}, "
                 f"but the spec says {wanted=}"
             )
-    bcast = []
-    for name, x in (("mask", mask), ("bias", bias)):
-        if x is None:
-            continue
-        dims = tuple(x.shape[:3])
-        if x.ndim != 4 or any(n not in (1, f) for n, f in zip(x.shape, (b, hq, sq, skv))):
+    bias_dims = (1, 1, 1)
+    if bias is not None:
+        bias_dims = tuple(bias.shape[:3])
+        full = (b, hq, sq, skv)
+        if (
+            bias.ndim != 4
+            or any(n not in (1, f) for n, f in zip(bias_dims, full))
+            or (bias.shape[3] != skv)
+        ):
             raise ValueError(
-                f"attention_decode.{fn}: {name}.shape={x.shape} must be (1 or {b}, "
-                f"1 or {hq}, 1 or {sq}, 1 or {skv})"
+                f"attention_decode.{fn}: bias.shape={bias.shape} must be (1 or {b}, "
+                f"1 or {hq}, 1 or {sq}, {skv})"
             )
-        bcast.append((name, dims))
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise TypeError(f"attention_decode.{fn}: mask.dtype={mask.dtype} must be bool")
     keys = cfg.split_keys
     if keys is None:
         keys = default_split_keys(skv, cfg.block_kv, SPLIT_CHUNKS_BWD if backward else SPLIT_CHUNKS)
@@ -431,11 +424,8 @@ def _call(
     operands = []
     if q_lengths is not None:
         operands.append(("q_lengths", [q_lengths.astype(jnp.int32)]))
-    if bias is not None and bias.dtype not in _BIAS_DTYPES:  # (the kernel reads these)
-        bias = bias.astype(jnp.float32)
-    for name, x in (("mask", mask), ("bias", bias)):
-        if x is not None:  # (a key dim of 1 broadcast: the kernel indexes it per key)
-            operands.append((name, [jnp.broadcast_to(x, (*x.shape[:3], skv))]))
+    if bias is not None:
+        operands.append(("bias", [bias.astype(jnp.float32)]))
     if segment_ids is not None:
         operands.append(("segment_ids", [x.astype(jnp.int32) for x in segment_ids]))
     if dlse is not None:
@@ -448,7 +438,7 @@ def _call(
         causal=causal,
         window=spec.local_window_size,
         operands=tuple(name for name, _ in operands),
-        bcast=tuple(bcast),
+        bias_dims=bias_dims,
         c=scale * _mgpu.LOG2E,
     )
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -463,7 +453,6 @@ def decode_fwd(
     kv_lengths=None,
     *,
     q_lengths=None,
-    mask=None,
     bias=None,
     segment_ids=None,
     config=None,
@@ -473,18 +462,16 @@ def decode_fwd(
     ``q`` and ``lse`` ``(B, H, Sq)`` in f32, as ``attention_mgpu.flash_fwd``.
 
     ``kv_lengths`` / ``q_lengths``: int ``(B,)``, each batch entry's key / query count
-    (clipped to ``[0, seq]``); ``mask`` (bool) and ``bias`` (added in f32): ``(Bb, Hb,
-    Sq or 1, Skv or 1)``, with ``Bb`` in ``{1, B}`` and ``Hb`` in ``{1, Hq}`` (where the
-    mask is False the score is ``-inf`` whatever the bias); ``segment_ids``: the pair of int
+    (clipped to ``[0, seq]``); ``bias``: the folded mask and bias ``(Bb, Hb, Sq or 1,
+    Skv)``, read in f32, with ``Bb`` in ``{1, B}`` and ``Hb`` in ``{1, Hq}`` (``-inf``
+    where masked: ``attention_mgpu._bias_operand``); ``segment_ids``: the pair of int
     ``(B, Sq)`` and ``(B, Skv)``. Each is given exactly where ``spec`` says so; causal and
     the window come from ``spec``. ``config``: a :class:`DecodeConfig` (None: its
     defaults)."""
     reason = decode_reason(spec, q, k)
     if reason is not None:
         raise ValueError(f"attention_decode.decode_fwd: this kernel cannot run the case: {reason}")
-    call = _call(
-        spec, q, k, v, kv_lengths, q_lengths, mask, bias, segment_ids, config, backward=False
-    )
+    call = _call(spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, backward=False)
     kernel, dims, operands, lengths, params = call
     (b, sq, hq), hkv, chunks = q.shape[:3], k.shape[2], dims[-1]
     kernel = functools.partial(_kernel, **kernel)
@@ -520,7 +507,7 @@ def decode_fwd(
 # --- backward --------------------------------------------------------------------------------
 
 
-def _bwd_kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bcast, c, scale):
+def _bwd_kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bias_dims, c, scale):
     """One chunk of one kv head's keys for one batch entry, every row of the group: the
     chunk's dK and dV (complete: no other program sees these keys; zeros where no row sees
     a key) and the rows' dQ over the chunk (f32, unscaled, at ``dq_ref[chunk, b]``; the
@@ -550,7 +537,9 @@ def _bwd_kernel(*refs, dims, chunk_keys, block_kv, causal, window, operands, bca
     start, end, limit, first, steps = _chunk_keys(
         len_ref, b, chunk, dims=dims, chunk_keys=chunk_keys, block_kv=block_kv, window=window
     )
-    scores = _scores_fn(opt, b, s_of, head, dims=dims, causal=causal, window=window, bcast=bcast)
+    scores = _scores_fn(
+        opt, b, s_of, head, dims=dims, causal=causal, window=window, bias_dims=bias_dims
+    )
 
     def keys(j):
         key = start + j * block_kv + jnp.arange(block_kv)
@@ -596,7 +585,6 @@ def decode_bwd(
     kv_lengths=None,
     *,
     q_lengths=None,
-    mask=None,
     bias=None,
     segment_ids=None,
     dlse=None,
@@ -625,7 +613,7 @@ def decode_bwd(
         if x is not None and tuple(x.shape) != want:
             raise ValueError(f"attention_decode.decode_bwd: {name}.shape={x.shape} must be {want}")
     call = _call(
-        spec, q, k, v, kv_lengths, q_lengths, mask, bias, segment_ids, config, dlse, backward=True
+        spec, q, k, v, kv_lengths, q_lengths, bias, segment_ids, config, dlse, backward=True
     )
     kernel, dims, operands, lengths, params = call
     chunks = dims[-1]
@@ -693,8 +681,7 @@ def flash_fwd(spec, q, k, v, *extras, interpret: bool = False, config=None):
         v,
         ex.kv_lengths,
         q_lengths=ex.q_lengths,
-        mask=ex.mask,
-        bias=ex.bias,
+        bias=_mgpu._bias_operand(spec, ex, q, k),
         segment_ids=segments,
         config=config,
         interpret=interpret,
@@ -717,8 +704,7 @@ def flash_bwd(spec, q, k, v, out, lse, dout, *extras, interpret: bool = False, c
         dout,
         ex.kv_lengths,
         q_lengths=ex.q_lengths,
-        mask=ex.mask,
-        bias=ex.bias,
+        bias=_mgpu._bias_operand(spec, ex, q, k),
         segment_ids=segments,
         dlse=extras[spec.num_extras] if spec.has_dlse else None,
         config=config,
