@@ -485,17 +485,20 @@ def run_sweep() -> list[dict]:
     return _sweep_fwd() + _sweep_bwd()
 
 
-def _flash_fwd_out(spec, q, k, v, *, bkv, pipelined, pingpong):
-    out, _ = am.flash_fwd(spec, q, k, v, block_kv=bkv, pipelined=pipelined, pingpong=pingpong)
+def _flash_fwd_out(spec, q, k, v, *, bkv=None, pipelined=None, pingpong=None, regs=None):
+    out, _ = am.flash_fwd(
+        spec, q, k, v, block_kv=bkv, pipelined=pipelined, pingpong=pingpong, compute_regs=regs
+    )
     return out
 
 
 def _sweep_fwd(only: list[str] = ()) -> list[dict]:
     """The forward kernel with each ``block_kv`` that fits, serial and pipelined
     (``Problem.fwd_pipelined``), the latter with and without the ping-pong
-    (``Problem.fwd_pingpong``), vs cuDNN, B4 S4096 H16, bf16; in f16 also jax's own
-    Mosaic GPU FA3 forward (its kernel applies no score scale: checked against cuDNN at
-    scale 1). ``repeatable``: three calls gave the same bits."""
+    (``Problem.fwd_pingpong``), and at its defaults with the other ``compute_regs``, vs
+    cuDNN, B4 S4096 H16, bf16; in f16 also jax's own Mosaic GPU FA3 forward (its kernel
+    applies no score scale: checked against cuDNN at scale 1). ``repeatable``: three calls
+    gave the same bits."""
     recs = []
     for d, dtype in itertools.product((64, 128, 256), (BF16, F16)):
         b, s, h = 4, 4096, 16
@@ -524,6 +527,10 @@ def _sweep_fwd(only: list[str] = ()) -> list[dict]:
                             _flash_fwd_out, spec, bkv=bkv, pipelined=pipelined, pingpong=pingpong
                         )
                     )
+            regs = am.COMPUTE_REGS[not causal]  # the count the other masking takes
+            fns[f"mosaic_gpu[compute_regs={regs}]"] = jax.jit(
+                functools.partial(_flash_fwd_out, spec, regs=regs)
+            )
             refs = {name: fns["cudnn"] for name in fns}
             if dtype == F16 and (fa3 := _jax_fa3(causal, d)) is not None:
                 fns["jax_fa3"] = fa3
@@ -555,10 +562,12 @@ def _sweep_fwd(only: list[str] = ()) -> list[dict]:
     return recs
 
 
-def _bwd_variants(d: int) -> dict:
+def _bwd_variants(d: int, causal: bool) -> dict:
     """The backward's tuning knobs that fit shared memory at head_dim ``d``, one at a time
     away from the tuned defaults: ``{name: flash_bwd keyword arguments}``."""
     out = {"mosaic_gpu": {}}
+    regs = am.COMPUTE_REGS[not causal]  # the count the other masking takes
+    out[f"mosaic_gpu[compute_regs={regs}]"] = dict(compute_regs=regs)
     for bkv in am.DQ_BLOCK_KV_CHOICES:
         if bkv != am.DQ_BLOCK_KV[d] and min(am._dq_stages(d, bkv)) >= 1:
             out[f"mosaic_gpu[dq_block_kv={bkv}]"] = dict(dq_block_kv=bkv)
@@ -615,7 +624,7 @@ def _sweep_bwd(only: list[str] = ()) -> list[dict]:
             args = (q, k, v, out, lse, do)
             fns = {
                 name: jax.jit(functools.partial(am.flash_bwd, spec, **kw))
-                for name, kw in _bwd_variants(d).items()
+                for name, kw in _bwd_variants(d, causal).items()
             }
             flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0) * 2.5
             recs += _time_variants(case, fns, args, "mosaic_gpu", flops)

@@ -1887,3 +1887,67 @@ def test_backward_schedule_override_must_be_a_bool():
     lse = jnp.zeros((1, 1, 128), jnp.float32)
     with pytest.raises(TypeError, match="dkv_paired=1 must be a bool"):
         am.flash_bwd(_spec(), q, q, q, q, lse, q, dkv_paired=1)
+
+
+@pytest.mark.parametrize(
+    "causal, features, bias_shape, regs",
+    [
+        (False, {}, None, 232),
+        (False, dict(has_kv_lengths=True, has_q_lengths=True), None, 232),
+        (True, {}, None, 240),
+        (False, dict(local_window_size=(64, 64)), None, 240),
+        (False, dict(has_segment_ids=True), None, 240),
+        (False, dict(has_bias=True), (1, 2, 256, 256), 240),
+        (False, dict(has_mask=True), (2, 1, 1, 256), 240),
+    ],
+)
+def test_compute_regs_follow_the_masks(causal, features, bias_shape, regs):
+    """Kernels with masked steps give their compute warpgroups 240 registers (the memory
+    warpgroup 24), the others 232 (40): together the 504 the launch gives."""
+    q = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+    bias = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
+    p = am._with_features(am._bwd_problem(q, q, causal, 0.1), _spec(causal, **features), bias)
+    assert (p.compute_regs, p.producer_regs) == (regs, 504 - 2 * regs)
+
+
+@pytest.mark.parametrize("compute_regs", [236, 248, True, 240.0])
+def test_compute_regs_override_is_checked(compute_regs):
+    q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 128), jnp.float32)
+    match = re.escape(f"compute_regs={compute_regs!r} must be one of [232, 240]")
+    with pytest.raises(ValueError, match="flash_fwd: " + match):
+        am.flash_fwd(_spec(), q, q, q, compute_regs=compute_regs)
+    with pytest.raises(ValueError, match="flash_bwd: " + match):
+        am.flash_bwd(_spec(), q, q, q, q, lse, q, compute_regs=compute_regs)
+
+
+def _check_compute_regs_keep_bits(shape, interpret: bool):
+    """The forward and backward at each ``compute_regs``, causal with a bias: the same
+    bits, and close to the float64 reference."""
+    _, s, h, _ = shape
+    spec = _spec(causal=True, has_bias=True)
+    q, k, v, do = (rand(shape, jnp.bfloat16) for _ in range(4))
+    bias = rand((1, h, s, s), jnp.bfloat16)
+    runs = []
+    for regs in (232, 240):
+        fwd = functools.partial(am.flash_fwd, spec, interpret=interpret, compute_regs=regs)
+        bwd = functools.partial(am.flash_bwd, spec, interpret=interpret, compute_regs=regs)
+        out, lse = jax.jit(fwd)(q, k, v, bias)
+        runs.append((out, lse, *jax.jit(bwd)(q, k, v, out, lse, do, bias)))
+    for x, y in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    opts = dict(causal=True, bias=bias, scale=spec.scale)
+    (out, _), grads = np_dense(*(f64(x) for x in (q, k, v)), opts, do=f64(do))
+    for got, want in zip(runs[0][:1] + runs[0][2:], (out, *grads[:3])):
+        assert_close(got, want, factor=2)
+
+
+def test_compute_regs_keep_bits_interpret():
+    with _compat.gpu_interpret_mode():
+        _check_compute_regs_keep_bits((1, 128, 2, 64), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("pallas_mode")
+def test_compute_regs_keep_bits():
+    _check_compute_regs_keep_bits((2, 1024, 4, 128), interpret=False)

@@ -104,6 +104,15 @@ LN2 = math.log(2.0)
 WG_ROWS = 64  # rows of one warpgroup's wgmma tile
 NUM_COMPUTE_WGS = 2
 TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
+# Registers per thread of a compute warpgroup (setmaxnreg, :attr:`Problem.compute_regs`).
+# Three warpgroups launch with 168 each: 504 per 128 threads, of which the memory
+# warpgroup keeps what the two compute warpgroups leave (24 at least). Masked steps
+# (causal, a window, a bias, segment ids) hold a mask's and a bias's tiles beside the
+# accumulators; at 232 the D=128 dK/dV kernel spills there (ptxas), at 240 less, and its
+# causal backward with a bias runs faster. Without masked steps 232 measured as fast or
+# faster (``benchmarks/archive/compute-regs-h200.txt``).
+REG_POOL = 504
+COMPUTE_REGS = {False: 232, True: 240}  # by whether the kernel has masked steps
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
 # From this head_dim on the dK/dV kernel's warpgroups split roles: two f32 (64, D)
@@ -184,6 +193,8 @@ class Problem:
         (:data:`DKV_DQ`): each key tile adds its dQ partials to an f32 accumulator in
         global memory in key-tile order, tile ``t`` after tile ``t − 1`` (a semaphore per
         query block hands the turn on; :func:`_dq_turns`), so the sum has a fixed order.
+      compute_regs: registers per thread of each compute warpgroup (:data:`COMPUTE_REGS`);
+        the memory warpgroup's are :attr:`producer_regs`. It changes no bit.
     """
 
     batch: int
@@ -213,6 +224,18 @@ class Problem:
     dkv_tiles: int = 1
     dq_dkv: bool = False
     dkv_dq: bool = False
+    compute_regs: int = COMPUTE_REGS[False]
+
+    @property
+    def producer_regs(self) -> int:
+        """Registers per thread of the memory warpgroup: what the compute warpgroups leave."""
+        return REG_POOL - NUM_COMPUTE_WGS * self.compute_regs
+
+    @property
+    def has_masked_steps(self) -> bool:
+        """Whether some loop steps mask scores by position or value (not only the last
+        block's padded keys): causal, a window, segment ids or a bias."""
+        return self.right is not None or self.left is not None or self.every_block_masked
 
     @property
     def every_block_masked(self) -> bool:
@@ -323,6 +346,20 @@ def _kv_split(seq_q: int, seq_kv: int, block_kv: int, keys: int | None) -> int |
             return None
         keys = default_split_keys(seq_kv)
     return keys // block_kv if keys < seq_kv else None
+
+
+def _check_compute_regs(kernel: str, compute_regs) -> None:
+    """A ValueError unless ``compute_regs`` (a tuning override) is None or one of
+    :data:`COMPUTE_REGS`' counts."""
+    choices = sorted(set(COMPUTE_REGS.values()))
+    if compute_regs is None:
+        return
+    if (
+        not isinstance(compute_regs, int)
+        or isinstance(compute_regs, bool)
+        or (compute_regs not in choices)
+    ):
+        raise ValueError(f"attention_mgpu.{kernel}: {compute_regs=} must be one of {choices}")
 
 
 def _check_split_keys(kernel: str, arg: str, split_keys, block_kv: int) -> None:
@@ -781,7 +818,7 @@ def _wait_if(cond, barriers):
     return wait
 
 
-def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
+def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
     """The memory warpgroup: for each of ``n_steps`` (an int32 scalar) steps, into ring slot
     ``step % stages``, once the slot's previous contents were consumed, every load of every
     group.
@@ -791,7 +828,7 @@ def _producer(n_steps, stages: int | Sequence[int], groups) -> None:
     the slot.
     ``stages``: the ring slots, one count for all groups or one per group.
     """
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(p.producer_regs, action="decrease")
     per_group = [stages] * len(groups) if isinstance(stages, int) else list(stages)
 
     @pl.loop(0, n_steps)
@@ -1121,7 +1158,7 @@ def _fwd_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(p.compute_regs, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         ranges = wg_ranges(q_base)
@@ -1361,7 +1398,7 @@ def _fwd_kernel(
         v_loads = [(kv(v_ref), v_smem, v_bar)]
         bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
         v_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
-        _producer(cta_steps - cta_first, p.stages, [(k_done, k_loads), (v_done, v_loads)])
+        _producer(p, cta_steps - cta_first, p.stages, [(k_done, k_loads), (v_done, v_loads)])
 
 
 def _build_fwd(p: Problem, interpret: bool) -> Any:
@@ -1441,7 +1478,7 @@ def _dq_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(p.compute_regs, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         live = q_base < p.seq_q
@@ -1569,6 +1606,7 @@ def _dq_kernel(
         bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
         k_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
         _producer(
+            p,
             cta_steps - cta_first,
             (p.stages, p.v_stages),
             [(k_done, k_loads), (v_done, [(kv(v_ref), v_smem, v_bar)])],
@@ -1777,7 +1815,7 @@ def _dkv_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(p.compute_regs, action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         # Each warpgroup owns 64 key rows of a tile, or (roles) both share the tile's 64.
         r = 0 if roles else wg
@@ -2105,7 +2143,7 @@ def _dkv_kernel(
         if p.segments:
             loads.append((ids_of, qseg_smem, qseg_bar))
         loads += _bias_loads(p, bias_smem, bias_bar, bias_of)
-        _producer(tiles * per_tile, s, [(done, loads)])
+        _producer(p, tiles * per_tile, s, [(done, loads)])
 
 
 def _build_dkv(p: Problem, interpret: bool) -> Any:
@@ -2190,8 +2228,9 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
 
 def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
     """``p`` with the spec's masks: its window, whether lengths and segment ids are read, and
-    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias)."""
-    return dataclasses.replace(
+    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias); and the compute
+    warpgroups' registers that these call for (:data:`COMPUTE_REGS`)."""
+    p = dataclasses.replace(
         p,
         window=spec.local_window_size,
         kv_lengths=spec.has_kv_lengths,
@@ -2201,6 +2240,7 @@ def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
         bias_batch=bias is not None and bias.shape[0] > 1,
         bias_heads=bias is not None and bias.shape[1] > 1,
     )
+    return dataclasses.replace(p, compute_regs=COMPUTE_REGS[p.has_masked_steps])
 
 
 def _bias_kind(shape) -> str:
@@ -2311,6 +2351,7 @@ def flash_fwd(
     pipelined: bool | None = None,
     split_keys: int | None = None,
     pingpong: bool | None = None,
+    compute_regs: int | None = None,
 ):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
@@ -2327,7 +2368,8 @@ def flash_fwd(
     take turns (:data:`FWD_PINGPONG`; the serial loop always does) and keys per chunk (a
     multiple of the keys per step; at least ``seq_kv``: no split); a ``block_kv`` whose K/V
     (and bias) ring does not fit shared memory is a ValueError, and so is
-    ``pingpong=False`` with the serial loop.
+    ``pingpong=False`` with the serial loop. ``compute_regs`` replaces the compute
+    warpgroups' registers (:data:`COMPUTE_REGS`; no bit depends on it).
     """
     for name, knob in (("pipelined", pipelined), ("pingpong", pingpong)):
         if knob is not None and not isinstance(knob, bool):
@@ -2336,7 +2378,14 @@ def flash_fwd(
     if reason is not None:
         raise ValueError(f"attention_mgpu.flash_fwd: this kernel cannot run the case: {reason}")
     # (for the calls on padded head dims or a folded group)
-    knobs = dict(block_kv=block_kv, pipelined=pipelined, split_keys=split_keys, pingpong=pingpong)
+    _check_compute_regs("flash_fwd", compute_regs)
+    knobs = dict(
+        block_kv=block_kv,
+        pipelined=pipelined,
+        split_keys=split_keys,
+        pingpong=pingpong,
+        compute_regs=compute_regs,
+    )
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v))
@@ -2365,6 +2414,8 @@ def flash_fwd(
     elif not (pingpong or pipelined):
         raise ValueError("attention_mgpu.flash_fwd: pingpong=False needs the pipelined loop")
     p = dataclasses.replace(p, fwd_pipelined=pipelined, fwd_pingpong=pingpong)
+    if compute_regs is not None:
+        p = dataclasses.replace(p, compute_regs=compute_regs)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
@@ -2398,6 +2449,7 @@ def flash_bwd(
     dkv_tiles: int | None = None,
     dq_dkv: bool | None = None,
     dkv_dq: bool | None = None,
+    compute_regs: int | None = None,
 ):
     """``(dq, dk, dv)`` of ``ts_flash_attention_bwd``, bitwise reproducible.
 
@@ -2428,7 +2480,8 @@ def flash_bwd(
     products in one accumulator: other bits); None: :data:`DKV_DQ` where
     :func:`_dkv_dq_reason` gives no reason, ``dq_dkv`` is off and no knob of the dQ kernel
     (``dq_block_kv``, ``dq_split_keys``) or ``dkv_tiles`` other than 1 is given. True
-    where any of these holds is a ValueError.
+    where any of these holds is a ValueError. ``compute_regs`` replaces both kernels'
+    compute warpgroups' registers (:data:`COMPUTE_REGS`; no bit depends on it).
     """
     reason = supports(spec, (q, k, v, out, lse, dout, *extras))
     if reason is not None:
@@ -2442,7 +2495,9 @@ def flash_bwd(
         dkv_tiles=dkv_tiles,
         dq_dkv=dq_dkv,
         dkv_dq=dkv_dq,
+        compute_regs=compute_regs,
     )
+    _check_compute_regs("flash_bwd", compute_regs)
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
         q, k, v, out, dout = (_pad_head_dim(x, kernel_head_dim(d)) for x in (q, k, v, out, dout))
@@ -2535,6 +2590,8 @@ def flash_bwd(
         dkv_dq,
     )
     p = _with_features(p, spec, bias)
+    if compute_regs is not None:
+        p = dataclasses.replace(p, compute_regs=compute_regs)
     delta = row_delta(out, dout, interpret, p.seq_q_pad)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
         delta = delta - _pad_last(extras[spec.num_extras].astype(jnp.float32), p.seq_q_pad, 0.0)
