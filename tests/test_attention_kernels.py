@@ -1907,7 +1907,7 @@ def test_compute_regs_follow_the_masks(causal, features, bias_shape, regs):
     q = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
     bias = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
     p = am._with_features(am._bwd_problem(q, q, causal, 0.1), _spec(causal, **features), bias)
-    assert (p.compute_regs, p.producer_regs) == (regs, 504 - 2 * regs)
+    assert p.wg_regs == (regs, 504 - 2 * regs)
 
 
 @pytest.mark.parametrize("compute_regs", [236, 248, True, 240.0])

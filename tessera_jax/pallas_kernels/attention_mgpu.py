@@ -104,13 +104,12 @@ LN2 = math.log(2.0)
 WG_ROWS = 64  # rows of one warpgroup's wgmma tile
 NUM_COMPUTE_WGS = 2
 TILE = NUM_COMPUTE_WGS * WG_ROWS  # rows a CTA owns; sequences are padded to multiples of it
-# Registers per thread of a compute warpgroup (setmaxnreg, :attr:`Problem.compute_regs`).
+# Registers per thread of a compute warpgroup (setmaxnreg, :attr:`Problem.wg_regs`).
 # Three warpgroups launch with 168 each: 504 per 128 threads, of which the memory
-# warpgroup keeps what the two compute warpgroups leave (24 at least). Masked steps
-# (causal, a window, a bias, segment ids) hold a mask's and a bias's tiles beside the
-# accumulators; at 232 the D=128 dK/dV kernel spills there (ptxas), at 240 less, and its
-# causal backward with a bias runs faster. Without masked steps 232 measured as fast or
-# faster (``benchmarks/archive/compute-regs-h200.txt``).
+# warpgroup keeps what the two compute warpgroups leave (24 at least). With masked steps
+# (causal, a window, a bias, segment ids) the D=128 dK/dV kernel spills more at 232
+# (ptxas) than at 240, and its causal backward with a bias runs faster at 240. Without
+# masked steps 232 measured as fast or faster (``benchmarks/archive/compute-regs-h200.txt``).
 REG_POOL = 504
 COMPUTE_REGS = {False: 232, True: 240}  # by whether the kernel has masked steps
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -193,8 +192,9 @@ class Problem:
         (:data:`DKV_DQ`): each key tile adds its dQ partials to an f32 accumulator in
         global memory in key-tile order, tile ``t`` after tile ``t − 1`` (a semaphore per
         query block hands the turn on; :func:`_dq_turns`), so the sum has a fixed order.
-      compute_regs: registers per thread of each compute warpgroup (:data:`COMPUTE_REGS`);
-        the memory warpgroup's are :attr:`producer_regs`. It changes no bit.
+      compute_regs: registers per thread of each compute warpgroup, a tuning override;
+        None: :data:`COMPUTE_REGS` by :attr:`has_masked_steps` (:attr:`wg_regs`). It
+        changes no bit.
     """
 
     batch: int
@@ -224,12 +224,15 @@ class Problem:
     dkv_tiles: int = 1
     dq_dkv: bool = False
     dkv_dq: bool = False
-    compute_regs: int = COMPUTE_REGS[False]
+    compute_regs: int | None = None
 
     @property
-    def producer_regs(self) -> int:
-        """Registers per thread of the memory warpgroup: what the compute warpgroups leave."""
-        return REG_POOL - NUM_COMPUTE_WGS * self.compute_regs
+    def wg_regs(self) -> tuple[int, int]:
+        """Registers per thread of a compute warpgroup (:attr:`compute_regs`) and of the
+        memory warpgroup (what the compute warpgroups leave)."""
+        regs = self.compute_regs
+        regs = COMPUTE_REGS[self.has_masked_steps] if regs is None else regs
+        return regs, REG_POOL - NUM_COMPUTE_WGS * regs
 
     @property
     def has_masked_steps(self) -> bool:
@@ -351,9 +354,9 @@ def _kv_split(seq_q: int, seq_kv: int, block_kv: int, keys: int | None) -> int |
 def _check_compute_regs(kernel: str, compute_regs) -> None:
     """A ValueError unless ``compute_regs`` (a tuning override) is None or one of
     :data:`COMPUTE_REGS`' counts."""
-    choices = sorted(set(COMPUTE_REGS.values()))
     if compute_regs is None:
         return
+    choices = sorted(set(COMPUTE_REGS.values()))
     if (
         not isinstance(compute_regs, int)
         or isinstance(compute_regs, bool)
@@ -828,7 +831,7 @@ def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
     the slot.
     ``stages``: the ring slots, one count for all groups or one per group.
     """
-    plgpu.set_max_registers(p.producer_regs, action="decrease")
+    plgpu.set_max_registers(p.wg_regs[1], action="decrease")
     per_group = [stages] * len(groups) if isinstance(stages, int) else list(stages)
 
     @pl.loop(0, n_steps)
@@ -1158,7 +1161,7 @@ def _fwd_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(p.compute_regs, action="increase")
+        plgpu.set_max_registers(p.wg_regs[0], action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         ranges = wg_ranges(q_base)
@@ -1478,7 +1481,7 @@ def _dq_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(p.compute_regs, action="increase")
+        plgpu.set_max_registers(p.wg_regs[0], action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         q_base = tile0 + wg * bq
         live = q_base < p.seq_q
@@ -1815,7 +1818,7 @@ def _dkv_kernel(
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(p.compute_regs, action="increase")
+        plgpu.set_max_registers(p.wg_regs[0], action="increase")
         stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
         # Each warpgroup owns 64 key rows of a tile, or (roles) both share the tile's 64.
         r = 0 if roles else wg
@@ -2228,9 +2231,8 @@ def _decode(spec: AttentionSpec) -> tuple[bool, float]:
 
 def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
     """``p`` with the spec's masks: its window, whether lengths and segment ids are read, and
-    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias); and the compute
-    warpgroups' registers that these call for (:data:`COMPUTE_REGS`)."""
-    p = dataclasses.replace(
+    the folded ``bias`` (:func:`_bias_operand`; None: no mask or bias)."""
+    return dataclasses.replace(
         p,
         window=spec.local_window_size,
         kv_lengths=spec.has_kv_lengths,
@@ -2240,7 +2242,6 @@ def _with_features(p: Problem, spec: AttentionSpec, bias=None) -> Problem:
         bias_batch=bias is not None and bias.shape[0] > 1,
         bias_heads=bias is not None and bias.shape[1] > 1,
     )
-    return dataclasses.replace(p, compute_regs=COMPUTE_REGS[p.has_masked_steps])
 
 
 def _bias_kind(shape) -> str:
@@ -2413,9 +2414,9 @@ def flash_fwd(
         pingpong = FWD_PINGPONG[p.head_dim] or not pipelined
     elif not (pingpong or pipelined):
         raise ValueError("attention_mgpu.flash_fwd: pingpong=False needs the pipelined loop")
-    p = dataclasses.replace(p, fwd_pipelined=pipelined, fwd_pingpong=pingpong)
-    if compute_regs is not None:
-        p = dataclasses.replace(p, compute_regs=compute_regs)
+    p = dataclasses.replace(
+        p, fwd_pipelined=pipelined, fwd_pingpong=pingpong, compute_regs=compute_regs
+    )
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
@@ -2589,9 +2590,7 @@ def flash_bwd(
         dq_dkv,
         dkv_dq,
     )
-    p = _with_features(p, spec, bias)
-    if compute_regs is not None:
-        p = dataclasses.replace(p, compute_regs=compute_regs)
+    p = dataclasses.replace(_with_features(p, spec, bias), compute_regs=compute_regs)
     delta = row_delta(out, dout, interpret, p.seq_q_pad)
     if spec.has_dlse:  # d lse / dS = P: the lse cotangent enters as −Δ does
         delta = delta - _pad_last(extras[spec.num_extras].astype(jnp.float32), p.seq_q_pad, 0.0)
