@@ -925,11 +925,16 @@ def _kv_loop(p: Problem, ranges, cta_first, cta_steps, step, flush, carry):
     ``flush(j, None)`` on the others (they stream for the other warpgroup; both keep the
     same barrier phases)."""
     first, lo, hi, steps = ranges
+    masked = functools.partial(step, masked=True)
     if p.left is not None:
         lax.fori_loop(cta_first, first, flush, None)
-        carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(hi, steps, functools.partial(step, masked=True), carry)
+    if p.every_block_masked:  # lo == hi: one loop, one copy of the masked step
+        carry = lax.fori_loop(first, steps, masked, carry)
+    else:
+        if p.left is not None:
+            carry = lax.fori_loop(first, lo, masked, carry)
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(hi, steps, masked, carry)
     lax.fori_loop(steps, cta_steps, flush, None)
     return carry
 
@@ -2062,12 +2067,15 @@ def _dkv_kernel(
                 skips = functools.partial(skip, t=t, g=g)
                 if p.right is not None or dead_tiles:
                     lax.fori_loop(cta_start, start, skips, None)
-                if p.right is not None:
-                    carry = lax.fori_loop(start, lo, masked, carry)
-                unmasked = functools.partial(body, t=t, g=g, masked=False)
-                carry = lax.fori_loop(lo, hi, unmasked, carry)
-                if p.left is not None or p.every_block_masked:
-                    carry = lax.fori_loop(hi, stop, masked, carry)
+                if p.every_block_masked:  # lo == hi: one loop, one copy of the masked body
+                    carry = lax.fori_loop(start, stop, masked, carry)
+                else:
+                    if p.right is not None:
+                        carry = lax.fori_loop(start, lo, masked, carry)
+                    unmasked = functools.partial(body, t=t, g=g, masked=False)
+                    carry = lax.fori_loop(lo, hi, unmasked, carry)
+                    if p.left is not None:
+                        carry = lax.fori_loop(hi, stop, masked, carry)
                 if p.left is not None:
                     lax.fori_loop(stop, cta_stop, skips, None)
                 return carry
