@@ -11,10 +11,12 @@ Records are lists of flat dicts written as JSON (``indent=1``) to
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -221,3 +223,13 @@ def write_records(path: str | os.PathLike, records: list[dict[str, Any]]) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
+
+
+def module_from_file(path: str | os.PathLike, name: str):
+    """The module in ``path`` (another tree's copy of a kernel module, for an A/B in one
+    process), imported as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # (its dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod

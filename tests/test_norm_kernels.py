@@ -291,6 +291,31 @@ def test_backward_prefetch_gpu(op):
     _assert_walk_matches(*_backward_both_ways(op, (rows, d), config, interpret=False), op)
 
 
+@pytest.mark.parametrize("guard_zero", [False, True])
+@pytest.mark.parametrize("rows", ["finite", "overflow", "zero", "inf", "nan"])
+def test_statistics_branch_gives_the_same_bits(rows, guard_zero):
+    """The forward's branch (the rescaled statistics only for a block with an overflowing
+    row) gives the bits of the unbranched form, for a block with and without such a row.
+    Op by op, as a kernel computes them: XLA's CPU fusions may round an ``rsqrt``
+    differently by where they fuse it."""
+    v = np.array(rand((4, 96), jnp.float32))
+    v[0, 0] = 0.0
+    if rows == "overflow":
+        v[2] *= 1e30
+    elif rows == "zero":
+        v[2] = 0.0
+    elif rows != "finite":
+        v[2, 5] = np.inf if rows == "inf" else np.nan
+    eps = 0.0 if guard_zero else EPS
+    with jax.disable_jit():
+        got, want = (
+            norms_gpu._normalise(jnp.asarray(v), 96, eps, guard_zero=guard_zero, branch=b)
+            for b in (True, False)
+        )
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("op", OPS)
 def test_forward_walks_several_blocks_per_program(op, prefetch):

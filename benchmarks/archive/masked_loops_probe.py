@@ -23,7 +23,6 @@ kernel source line it carries (``ptxas -lineinfo`` of a ``MOSAIC_GPU_DUMP_PTX`` 
 """
 
 import functools
-import importlib.util
 import re
 import sys
 
@@ -32,19 +31,11 @@ sys.path.insert(0, ".")
 import jax
 import jax.numpy as jnp
 
-from benchmarks._common import time_interleaved
+from benchmarks._common import module_from_file, time_interleaved
 from tessera_jax.contracts.attention import AttentionSpec, FlashAttentionConfig
 from tessera_jax.pallas_kernels import attention_mgpu as new
 
 B, S, H = 4, 4096, 16
-
-
-def load_old(path):
-    spec = importlib.util.spec_from_file_location("attention_mgpu_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def operands(case):
@@ -112,6 +103,6 @@ if __name__ == "__main__":
         sites(argv[1])
     else:
         assert argv[0] == "--old", __doc__
-        old, rest = load_old(argv[1]), argv[2:]
+        old, rest = module_from_file(argv[1], "attention_mgpu_old"), argv[2:]
         with_fwd = rest[:1] == ["fwd"]
         ab(old, rest[with_fwd:], with_fwd)

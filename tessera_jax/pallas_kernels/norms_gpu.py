@@ -208,27 +208,44 @@ def _rsqrt_guarded(s: jax.Array) -> jax.Array:
     return jnp.where(zero, 0.0, jax.lax.rsqrt(jnp.where(zero, 1.0, s)))
 
 
-def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool):
+def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool):
     """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)``: the operators' ``_normalise``,
-    including the rescaled statistics of a row whose mean square overflows f32."""
+    including the rescaled statistics of a row whose mean square overflows f32.
+
+    ``branch``: only a block holding such a row takes the second mean square, behind a
+    branch on the block (the same values). The forward kernels branch: there the second
+    row reduction is one more dependent step before the store. The backward kernels,
+    which walk and prefetch row blocks, ran slower with the branch
+    (``benchmarks/archive/norms-branch-h200.txt``)."""
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
-    c = _OVERFLOW_SCALE
     s = _mean(v * v, d) + np.float32(eps)
     big = jnp.isinf(s)
-    vc = v * c
-    sc = _mean(vc * vc, d) + np.float32(eps) * c * c
-    sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
-    rs = rsqrt(jnp.where(big, sc, 1.0))
-    r = rsqrt(jnp.where(big, 1.0, s))
-    return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+    def rescaled():
+        c = _OVERFLOW_SCALE
+        vc = v * c
+        sc = _mean(vc * vc, d) + np.float32(eps) * c * c
+        sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
+        rs = rsqrt(jnp.where(big, sc, 1.0))
+        r = rsqrt(jnp.where(big, 1.0, s))
+        return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
+
+    def plain():  # the values of ``rescaled`` where no row is big
+        r = rsqrt(s)
+        return v * r, r
+
+    if not branch:
+        return rescaled()
+    return jax.lax.cond(jnp.max(big.astype(jnp.int32)) > 0, rescaled, plain)
 
 
-def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float):
-    """``(x̂, r)`` of rmsnorm or layernorm for a tile ``x`` whose padding holds zeros."""
+def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float, branch: bool):
+    """``(x̂, r)`` of rmsnorm or layernorm for a tile ``x`` whose padding holds zeros
+    (``branch``: :func:`_normalise`'s)."""
     if op == "rmsnorm":
-        return _normalise(x, p.d, eps, guard_zero=True)
+        return _normalise(x, p.d, eps, guard_zero=True, branch=branch)
     centred = jnp.where(mask, x - _mean(x, p.d), 0.0)
-    return _normalise(centred, p.d, eps, guard_zero=False)
+    return _normalise(centred, p.d, eps, guard_zero=False, branch=branch)
 
 
 # --- kernel bodies ------------------------------------------------------------------------
@@ -314,7 +331,7 @@ def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_b
 
     def block(_, loaded, carry):
         rows, mask, (x,) = loaded
-        y, _ = _stats(p, x, mask, op, eps)
+        y, _ = _stats(p, x, mask, op, eps, branch=True)
         if w is not None:
             y = y * w
         if b is not None:
@@ -342,7 +359,7 @@ def _norm_bwd_kernel(
     def block(_, loaded, acc):
         dw, db = acc
         rows, mask, (x, ct) = loaded
-        xhat, r = _stats(p, x, mask, op, eps)
+        xhat, r = _stats(p, x, mask, op, eps, branch=False)
         g = ct if w is None else ct * w
         u = g - xhat * _mean(xhat * g, p.d)
         if op == "layernorm":  # the transpose of the centring x − mean(x)
