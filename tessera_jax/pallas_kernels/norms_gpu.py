@@ -221,7 +221,7 @@ def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool)
     s = _mean(v * v, d) + np.float32(eps)
     big = jnp.isinf(s)
 
-    def rescaled():
+    def both():  # both mean squares, each row's picked by a select
         c = _OVERFLOW_SCALE
         vc = v * c
         sc = _mean(vc * vc, d) + np.float32(eps) * c * c
@@ -230,13 +230,13 @@ def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool)
         r = rsqrt(jnp.where(big, 1.0, s))
         return jnp.where(big, (v * rs) * c, v * r), jnp.where(big, rs * c, r)
 
-    def plain():  # the values of ``rescaled`` where no row is big
+    def plain():  # the values of ``both`` where no row is big
         r = rsqrt(s)
         return v * r, r
 
     if not branch:
-        return rescaled()
-    return jax.lax.cond(jnp.max(big.astype(jnp.int32)) > 0, rescaled, plain)
+        return both()
+    return jax.lax.cond(jnp.max(big.astype(jnp.int32)) > 0, both, plain)
 
 
 def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float, branch: bool):
