@@ -252,9 +252,7 @@ def run_sweep(shapes=SHAPES[:1]):
             if i == 0:
                 fwd = getattr(norms_gpu, op)
                 fns = {"xla:jnp": jax.jit(lambda x, *p, op=op: xla_op(op, x, *p))}
-                default = norms_gpu.RowConfig.default(
-                    rows, d, backward=False, has_params=bool(params)
-                )
+                default = norms_gpu.RowConfig.default(rows, d, backward=False, params=len(params))
                 for br, nw in FWD_SWEEP:
                     cfg = norms_gpu.RowConfig(br, nw)
                     name = f"fwd[{br}x{nw}]" + ("*" if cfg == default else "")

@@ -291,6 +291,26 @@ def test_backward_prefetch_gpu(op):
     _assert_walk_matches(*_backward_both_ways(op, (rows, d), config, interpret=False), op)
 
 
+@pytest.mark.gpu
+def test_layernorm_forward_default_walk_gpu():
+    """The compiled layernorm forward where its default config walks and prefetches (a
+    ragged last block, row 7 overflowing f32 when squared): the bits of one block per
+    program, and close to the float64 reference. The interpreted twin is
+    test_forward_walks_several_blocks_per_program."""
+    rows, d = 3001, 4096
+    config = norms_gpu.RowConfig.default(rows, d, backward=False, params=2)
+    assert config.prefetch and config.row_steps > 1
+    x, w, b = _operands("layernorm", (rows, d), jnp.bfloat16)
+    x = x.at[7].multiply(1e30)
+    spec = tuple(sorted(dict(eps=EPS, has_weight=True, has_bias=True).items()))
+    got = jax.jit(functools.partial(norms_gpu.layernorm, spec))(x, w, b)
+    one = functools.partial(norms_gpu.layernorm, spec, config=norms_gpu.RowConfig.blocks(d))
+    np.testing.assert_array_equal(f64(got), f64(jax.jit(one)(x, w, b)))
+    with _compat.enable_x64(True):
+        want = _f64("layernorm", *map(f64, (x, w, b)))
+    assert_close(got, want, factor=2)
+
+
 @pytest.mark.parametrize("guard_zero", [False, True])
 @pytest.mark.parametrize("rows", ["finite", "overflow", "zero", "inf", "nan"])
 def test_statistics_branch_gives_the_same_bits(rows, guard_zero):
@@ -410,24 +430,46 @@ def test_default_configs_walk_where_measured_faster():
     block. Backward programs at wide rows are one per multiprocessor (few partial sums)."""
     default = norms_gpu.RowConfig.default
     for rows, d in ((4096, 16384), (1000, 8192)):
-        walk = default(rows, d, backward=False, has_params=True)
+        walk = default(rows, d, backward=False, params=1)
         programs = norms_gpu.Problem(rows, d, walk).programs
         assert walk.row_steps > 1 and norms_gpu._SMS < programs <= 2 * norms_gpu._SMS
         assert default(rows, d, backward=False).row_steps == 1
         back = norms_gpu.Problem(rows, d, default(rows, d, backward=True))
         assert back.programs <= norms_gpu._SMS
-    assert default(16384, 4096, backward=False, has_params=True).row_steps == 1
+    assert default(16384, 4096, backward=False, params=1).row_steps == 1
     assert norms_gpu.Problem(16384, 1024, default(16384, 1024, backward=True)).programs == 512
+
+
+@pytest.mark.parametrize("d", [1000, 2048, 4096])
+def test_default_forward_with_two_parameters_walks_and_prefetches(d):
+    """A forward reading two parameter vectors (layernorm's weight and bias) at rows
+    narrower than 8192 (padded) walks the one-block tile, about four programs per
+    multiprocessor, prefetching; few rows give one block per program. With one vector or
+    none it takes one block per program; from 8192 any take the wide rows' walk."""
+    default = norms_gpu.RowConfig.default
+    rows = 100_000
+    got = default(rows, d, backward=False, params=2)
+    tile = norms_gpu.RowConfig.blocks(d, max_rows=rows)
+    assert (got.block_rows, got.num_warps) == (tile.block_rows, tile.num_warps)
+    assert got.prefetch and got.row_steps > 1
+    assert 3 * norms_gpu._SMS < norms_gpu.Problem(rows, d, got).programs <= 4 * norms_gpu._SMS
+    assert default(100, d, backward=False, params=2).row_steps == 1
+    for params in (0, 1):
+        assert default(rows, d, backward=False, params=params) == tile
+    assert default(rows, 5000, backward=False, params=2) == default(
+        rows, 5000, backward=False, params=1
+    )
 
 
 @pytest.mark.parametrize("d, prefetch", [(1024, True), (8192, True), (5000, True), (16384, False)])
 def test_default_backward_prefetches_where_measured_faster(d, prefetch):
     """Backward programs prefetch their next block at rows up to 8192 wide (padded); wider
-    rows would hold two blocks' tiles in registers. Forward configs never prefetch."""
+    rows would hold two blocks' tiles in registers. Forward configs with fewer than two
+    parameter vectors never prefetch."""
     default = norms_gpu.RowConfig.default
     assert default(4096, d, backward=True).prefetch is prefetch
-    for has_params in (False, True):
-        assert not default(4096, d, backward=False, has_params=has_params).prefetch
+    for params in (0, 1):
+        assert not default(4096, d, backward=False, params=params).prefetch
 
 
 def test_vmapped_weight_falls_back_exactly():

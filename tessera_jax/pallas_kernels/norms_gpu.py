@@ -115,22 +115,31 @@ class RowConfig:
                 raise ValueError(f"RowConfig: {name}={v} must be a power of two (≤ 32 warps)")
 
     @staticmethod
-    def default(rows: int, d: int, *, backward: bool, has_params: bool = False) -> RowConfig:
+    def default(rows: int, d: int, *, backward: bool, params: int = 0) -> RowConfig:
         """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
-        warps ran fastest), one block per program; except rows of ``_WALK_ROW`` or more
-        with a weight or bias (``has_params``), whose f32 parameters cost more to reload
-        per block than the bf16 row itself: 16 elements per thread, two programs per
-        multiprocessor each walking its share of the rows. Backward, which keeps four f32
-        tiles live: blocks of about 2048 elements, 16 per thread, each program walking
-        enough blocks for as many programs as fit on the multiprocessors (four apiece at
-        blocks of 2048 elements, one from 8192), so that the f32 partial column sums stay
-        small. Rows of up to ``_PREFETCH_ROW`` (padded) prefetch the next block; at 16384
-        prefetching ran slower, with two blocks' tiles held at once. The measured configs
-        are in benchmarks/results/norms-h100-sweep.json, norms-h100-wide-sweep.json and
-        norms-h100-prefetch-sweep.json."""
+        warps ran fastest), one block per program; except where that would reload the f32
+        parameter vectors the forward reads (``params``: weight, bias) for every block,
+        so a program walks several blocks and loads them once. Rows of ``_WALK_ROW`` or
+        more with any (each block's parameters are more bytes than its bf16 row): 16
+        elements per thread, two programs per multiprocessor each walking its share of
+        the rows. Narrower rows with two (layernorm's weight and bias): the one-block
+        tiles, walked by four programs per multiprocessor, each prefetching its next
+        block (``benchmarks/archive/norms-walk-h200.txt``: without the prefetch the walk
+        gained less; with one parameter vector it gained nothing, with none it lost).
+        Backward, which keeps four f32 tiles live: blocks of about 2048 elements, 16 per
+        thread, each program walking enough blocks for as many programs as fit on the
+        multiprocessors (four apiece at blocks of 2048 elements, one from 8192), so that
+        the f32 partial column sums stay small. Rows of up to ``_PREFETCH_ROW`` (padded)
+        prefetch the next block; at 16384 prefetching ran slower, with two blocks' tiles
+        held at once. The measured configs are in benchmarks/results/norms-h100-sweep.json,
+        norms-h100-wide-sweep.json and norms-h100-prefetch-sweep.json."""
         dp = pl.next_power_of_2(d)
-        if not backward and has_params and dp >= _WALK_ROW:
+        if not backward and params and dp >= _WALK_ROW:
             return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
+        if not backward and params >= 2:
+            tile = RowConfig.blocks(d, max_rows=rows)
+            steps = max(1, pl.cdiv(rows, tile.block_rows * 4 * _SMS))
+            return dataclasses.replace(tile, row_steps=steps, prefetch=True)
         if not backward:
             return RowConfig.blocks(d, max_rows=rows)
         elems, per_thread = 2048, 16
@@ -412,12 +421,10 @@ def _params(spec: Any) -> dict[str, Any]:
     return dict(spec)
 
 
-def _problem(
-    x: jax.Array, backward: bool, config: RowConfig | None, has_params: bool = False
-) -> Problem:
+def _problem(x: jax.Array, backward: bool, config: RowConfig | None, params: int = 0) -> Problem:
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     d = x.shape[-1]
-    default = RowConfig.default(rows, d, backward=backward, has_params=has_params)
+    default = RowConfig.default(rows, d, backward=backward, params=params)
     return Problem(rows, d, config or default)
 
 
@@ -478,7 +485,7 @@ def log_softmax_bwd(spec, y, g, *, interpret: bool = False, config: RowConfig | 
 def _norm(op, spec, x, *params, interpret, config):
     kw = _params(spec)
     has_weight, has_bias = kw["has_weight"], kw.get("has_bias", False)
-    p = _problem(x, False, config, has_params=bool(params))
+    p = _problem(x, False, config, params=len(params))
     out = jax.ShapeDtypeStruct((p.rows, p.d), x.dtype)
     kernel = functools.partial(
         _norm_kernel, p=p, op=op, eps=kw["eps"], has_weight=has_weight, has_bias=has_bias
