@@ -292,22 +292,25 @@ def test_backward_prefetch_gpu(op):
 
 
 @pytest.mark.gpu
-def test_layernorm_forward_default_walk_gpu():
-    """The compiled layernorm forward where its default config walks and prefetches (a
-    ragged last block, row 7 overflowing f32 when squared): the bits of one block per
-    program, and close to the float64 reference. The interpreted twin is
+@pytest.mark.parametrize(
+    "op, rows, d", [("layernorm", 3001, 4096), ("rmsnorm", 1001, 8192), ("layernorm", 601, 16384)]
+)
+def test_forward_default_walk_gpu(op, rows, d):
+    """The compiled forward where its default config walks and prefetches (a ragged last
+    block, row 7 overflowing f32 when squared): the bits of one block per program, and
+    close to the float64 reference. The interpreted twin is
     test_forward_walks_several_blocks_per_program."""
-    rows, d = 3001, 4096
-    config = norms_gpu.RowConfig.default(rows, d, backward=False, params=2)
+    args = _operands(op, (rows, d), jnp.bfloat16)
+    config = norms_gpu.RowConfig.default(rows, d, backward=False, params=len(args) - 1)
     assert config.prefetch and config.row_steps > 1
-    x, w, b = _operands("layernorm", (rows, d), jnp.bfloat16)
-    x = x.at[7].multiply(1e30)
-    spec = tuple(sorted(dict(eps=EPS, has_weight=True, has_bias=True).items()))
-    got = jax.jit(functools.partial(norms_gpu.layernorm, spec))(x, w, b)
-    one = functools.partial(norms_gpu.layernorm, spec, config=norms_gpu.RowConfig.blocks(d))
-    np.testing.assert_array_equal(f64(got), f64(jax.jit(one)(x, w, b)))
+    args = (args[0].at[7].multiply(1e30), *args[1:])
+    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
+    kernel = functools.partial(getattr(norms_gpu, op), tuple(sorted(kw.items())))
+    got = jax.jit(kernel)(*args)
+    one = jax.jit(functools.partial(kernel, config=norms_gpu.RowConfig.blocks(d)))(*args)
+    np.testing.assert_array_equal(f64(got), f64(one))
     with _compat.enable_x64(True):
-        want = _f64("layernorm", *map(f64, (x, w, b)))
+        want = _f64(op, *map(f64, args))
     assert_close(got, want, factor=2)
 
 
@@ -464,12 +467,11 @@ def test_default_forward_with_two_parameters_walks_and_prefetches(d):
 @pytest.mark.parametrize("d, prefetch", [(1024, True), (8192, True), (5000, True), (16384, False)])
 def test_default_backward_prefetches_where_measured_faster(d, prefetch):
     """Backward programs prefetch their next block at rows up to 8192 wide (padded); wider
-    rows would hold two blocks' tiles in registers. Forward configs with fewer than two
-    parameter vectors never prefetch."""
+    rows would hold two blocks' tiles in registers. Forward configs without parameters
+    never prefetch."""
     default = norms_gpu.RowConfig.default
     assert default(4096, d, backward=True).prefetch is prefetch
-    for params in (0, 1):
-        assert not default(4096, d, backward=False, params=params).prefetch
+    assert not default(4096, d, backward=False).prefetch
 
 
 def test_vmapped_weight_falls_back_exactly():

@@ -10,7 +10,7 @@ tree's default config, interleaved in one process on one GPU in both call orders
 layernorm and rmsnorm (f32 weight and bias; ``--bare``: neither) and softmax. bf16 rows
 of ``3 + 2·N(0, 1)``.
 
-    python3 benchmarks/archive/norms_walk_probe.py [--bare] [ROWSxD ...]
+    python3 benchmarks/archive/norms_walk_probe.py [--bare] [--ops OP,...] [ROWSxD ...]
 """
 
 import functools
@@ -51,7 +51,7 @@ def configs(rows, d):
     return out
 
 
-def main(shapes, bare):
+def main(shapes, bare, ops=("layernorm", "rmsnorm", "softmax")):
     for rows, d in shapes:
         ks = jax.random.split(jax.random.key(1), 3)
         x = (3 + 2 * jax.random.normal(ks[0], (rows, d), jnp.float32)).astype(jnp.bfloat16)
@@ -59,7 +59,7 @@ def main(shapes, bare):
         b = 0.1 * jax.random.normal(ks[2], (d,), jnp.float32)
         for op, spec in specs(bare).items():
             params = () if bare else {"layernorm": (w, b), "rmsnorm": (w,)}.get(op, ())
-            if bare and op == "softmax":
+            if op not in ops or (bare and op == "softmax"):
                 continue
             kern = functools.partial(getattr(m, op), spec)
             # xla_op takes the parameters: without them, ones and zeros stand in
@@ -92,5 +92,6 @@ def main(shapes, bare):
 if __name__ == "__main__":
     argv = sys.argv[1:]
     bare = "--bare" in argv
-    picked = [tuple(map(int, a.split("x"))) for a in argv if a != "--bare"]
-    main(picked or SHAPES, bare)
+    ops = argv[argv.index("--ops") + 1].split(",") if "--ops" in argv else None
+    picked = [tuple(map(int, a.split("x"))) for a in argv if "x" in a and a[0].isdigit()]
+    main(picked or SHAPES, bare, *([ops] if ops else []))

@@ -78,7 +78,8 @@ _OVERFLOW_SCALE = np.float32(2.0**-100)
 # The multiprocessors of an H100 or H200: programs that walk several row blocks are
 # launched in multiples of it.
 _SMS = 132
-# Forward programs of rows this wide (padded) with a weight or bias walk several blocks.
+# Forward programs of rows this wide (padded) with a weight or bias walk several blocks
+# (narrower ones with both a weight and a bias too: RowConfig.default).
 _WALK_ROW = 8192
 # Backward programs prefetch their next block up to rows this wide (padded).
 _PREFETCH_ROW = 8192
@@ -118,14 +119,14 @@ class RowConfig:
     def default(rows: int, d: int, *, backward: bool, params: int = 0) -> RowConfig:
         """Forward: blocks of about 8192 elements, 32 per thread (two 4096-wide rows on 8
         warps ran fastest), one block per program; except where that would reload the f32
-        parameter vectors the forward reads (``params``: weight, bias) for every block,
-        so a program walks several blocks and loads them once. Rows of ``_WALK_ROW`` or
-        more with any (each block's parameters are more bytes than its bf16 row): 16
-        elements per thread, two programs per multiprocessor each walking its share of
-        the rows. Narrower rows with two (layernorm's weight and bias): the one-block
-        tiles, walked by four programs per multiprocessor, each prefetching its next
-        block (``benchmarks/archive/norms-walk-h200.txt``: without the prefetch the walk
-        gained less; with one parameter vector it gained nothing, with none it lost).
+        parameter vectors the forward reads (``params``: weight, bias) for every block.
+        There a program walks several of the same blocks, loading the vectors once and
+        prefetching its next block: at rows of ``_WALK_ROW`` or more with any vector
+        (each block's vectors are more bytes than its bf16 row), two programs per
+        multiprocessor; at narrower rows with two (layernorm's weight and bias), four
+        (``benchmarks/archive/norms-walk-h200.txt``: without the prefetch the walks gained
+        less, but for layernorm at rows of 8192 a little more; narrower rows with one
+        vector gained nothing from walking, with none they lost).
         Backward, which keeps four f32 tiles live: blocks of about 2048 elements, 16 per
         thread, each program walking enough blocks for as many programs as fit on the
         multiprocessors (four apiece at blocks of 2048 elements, one from 8192), so that
@@ -134,11 +135,10 @@ class RowConfig:
         held at once. The measured configs are in benchmarks/results/norms-h100-sweep.json,
         norms-h100-wide-sweep.json and norms-h100-prefetch-sweep.json."""
         dp = pl.next_power_of_2(d)
-        if not backward and params and dp >= _WALK_ROW:
-            return RowConfig(1, min(32, dp // 512), max(1, pl.cdiv(rows, 2 * _SMS)))
-        if not backward and params >= 2:
+        if not backward and (params >= 2 or (params and dp >= _WALK_ROW)):
             tile = RowConfig.blocks(d, max_rows=rows)
-            steps = max(1, pl.cdiv(rows, tile.block_rows * 4 * _SMS))
+            per_sm = 2 if dp >= _WALK_ROW else 4
+            steps = max(1, pl.cdiv(rows, tile.block_rows * per_sm * _SMS))
             return dataclasses.replace(tile, row_steps=steps, prefetch=True)
         if not backward:
             return RowConfig.blocks(d, max_rows=rows)
