@@ -266,10 +266,11 @@ def test_all_gather_adjoint_is_deterministic_reduce_scatter():
 
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(X))
     assert "ts_reduce_scatter" in jaxpr and "psum_scatter" not in jaxpr
-    g = jax.grad(loss)(X)
+    grad = jax.jit(jax.grad(loss))  # (one program, not one per op)
+    g = grad(X)
     assert isinstance(g, ts.dist.DistTensor)
     np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(x) * sum(range(1, 9)), rtol=1e-6)
-    assert bits_equal(g.array, jax.grad(loss)(X).array)
+    assert bits_equal(g.array, grad(X).array)
 
 
 def test_collective_grads_match_references():
@@ -297,9 +298,9 @@ def test_collective_grads_match_references():
             lambda v: v**2,
         ),
     }
-    for name, (fn, ref) in cases.items():
+    for name, (fn, ref) in cases.items():  # (jitted: one program each, not one per op)
         launch = ts.index_launch(axis="tp")(fn)
-        g = jax.grad(lambda X, launch=launch: jnp.sum(launch(X.parts("tp"))))(X)
+        g = jax.jit(jax.grad(lambda X, launch=launch: jnp.sum(launch(X.parts("tp")))))(X)
         r = jax.grad(lambda v, ref=ref: jnp.sum(ref(v)))(x)
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6, err_msg=name)
     # scatter of a replicated value: its adjoint gathers the slices' cotangents
@@ -519,12 +520,13 @@ def test_collectives_vmap_and_jacfwd():
     # jacfwd (vmap of jvp) and jacrev agree
     g = spmd(m, lambda v: jnp.sin(op.all_gather(op.all_reduce(v, axis="tp"), "tp", dim=0)))
     x = rand((8 * 2, 3))
-    np.testing.assert_allclose(jax.jacfwd(g)(x), jax.jacrev(g)(x), rtol=1e-6, atol=1e-7)
+    jac = lambda t: jax.jit(t(g))(x)  # (jitted: one program each, not one per op)
+    np.testing.assert_allclose(jac(jax.jacfwd), jac(jax.jacrev), rtol=1e-6, atol=1e-7)
     # vmap of grad
-    loss = lambda v: jnp.sum(g(v) ** 2)
-    gs = jax.vmap(jax.grad(loss))(xs[:, :16, :3])
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
+    gs = jax.jit(jax.vmap(grad))(xs[:, :16, :3])
     for i in range(3):
-        np.testing.assert_allclose(gs[i], jax.grad(loss)(xs[i, :16, :3]), rtol=1e-6)
+        np.testing.assert_allclose(gs[i], grad(xs[i, :16, :3]), rtol=1e-6)
 
 
 def test_replicate_adjoint_is_the_tree():

@@ -1,5 +1,7 @@
 """rmsnorm / rmsnorm_safe / layernorm: float64 references, zero rows, derivatives, vmap, errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,21 +69,23 @@ def test_statistics_in_f32_rounded_once(dtype):
 def test_rmsnorm_safe_on_all_zero_rows(dtype):
     x = rand((3, 8), dtype).at[1].set(0)
     w = rand((8,), dtype)
+    # (each transform jitted: one program, not one per op)
     for eps in (0.0, 1e-6):
-        y = ts.rmsnorm_safe(x, w, eps=eps)
+        y = jax.jit(functools.partial(ts.rmsnorm_safe, eps=eps))(x, w)
         assert np.all(np.isfinite(f64(y)))
         np.testing.assert_array_equal(f64(y[1]), np.zeros(8))
         loss = lambda x, w, eps=eps: jnp.sum(ts.rmsnorm_safe(x, w, eps).astype(jnp.float32) ** 2)
-        gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+        gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
         assert np.all(np.isfinite(f64(gx))) and np.all(np.isfinite(f64(gw)))
         np.testing.assert_array_equal(f64(gx[1]), np.zeros(8))
     # zero rows with eps = 0: zero gradients of every order, no NaN
     x64z = jnp.zeros((5,), jnp.float32)
-    h = jax.hessian(lambda x: jnp.sum(ts.rmsnorm_safe(x, eps=0.0) ** 2))(x64z)
+    h = jax.jit(jax.hessian(lambda x: jnp.sum(ts.rmsnorm_safe(x, eps=0.0) ** 2)))(x64z)
     np.testing.assert_array_equal(h, np.zeros((5, 5)))
     # layernorm on a constant row (zero variance) is finite with eps > 0
     c = jnp.full((2, 8), 3.0, dtype)
-    y, g = jax.value_and_grad(lambda c: jnp.sum(ts.layernorm(c, w, w).astype(jnp.float32)))(c)
+    layer = lambda c: jnp.sum(ts.layernorm(c, w, w).astype(jnp.float32))
+    y, g = jax.jit(jax.value_and_grad(layer))(c)
     assert np.isfinite(float(y)) and np.all(np.isfinite(f64(g)))
 
 
