@@ -429,8 +429,9 @@ def test_auto_mode_prefers_the_measured_range(shape, fwd, bwd):
 
 def test_default_configs_walk_where_measured_faster():
     """Forward rmsnorm/layernorm programs walk rows of 8192+ (parameters loaded once per
-    program), about two per multiprocessor; softmax's and narrower rows' programs do one
-    block. Backward programs at wide rows are one per multiprocessor (few partial sums)."""
+    program), about two per multiprocessor; softmax's programs, and those of narrower rows
+    with one parameter vector, do one block. Backward programs at wide rows are one per
+    multiprocessor (few partial sums)."""
     default = norms_gpu.RowConfig.default
     for rows, d in ((4096, 16384), (1000, 8192)):
         walk = default(rows, d, backward=False, params=1)
