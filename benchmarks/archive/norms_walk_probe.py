@@ -1,10 +1,11 @@
 """Probe: the norm forwards' programs walking row blocks with prefetch, against one block
 per program, by row shape.
 
-A forward program that takes one block (``RowConfig.blocks``) loads its rows, reduces them
-and stores them, with no loads in flight while it reduces. Walking several blocks per
-program, ``k`` programs per multiprocessor, with (``p``) and without prefetching the next
-block, changes when loads are issued but not the tile, so not the bits. This probe times
+A forward program that takes one block (``RowConfig.blocks``) loads its weight and bias
+and its rows, reduces them and stores them, with no loads in flight while it reduces.
+Walking several blocks per program, ``k`` programs per multiprocessor, with (``p``) and
+without prefetching the next block, loads the parameters once per program and changes
+when the rows' loads are issued, but not the tile, so not the bits. This probe times
 each against XLA's jax.numpy formula (``benchmarks/norms.py``'s ``xla_op``) and the
 tree's default config, interleaved in one process on one GPU in both call orders, for
 layernorm and rmsnorm (f32 weight and bias; ``--bare``: neither) and softmax. bf16 rows
