@@ -73,6 +73,14 @@ def _operands(op: str, shape, dtype):
     return (x, w) if op == "rmsnorm" else (x, w, rand(shape[-1:], jnp.float32))
 
 
+def _fwd_spec(op: str) -> tuple:
+    """The forward kernel's bind parameters for :func:`_operands`' arguments."""
+    if op.endswith("softmax"):
+        return (("axis", 1),)
+    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
+    return tuple(sorted(kw.items()))
+
+
 def _chosen(f, *args) -> dict[str, str]:
     """The implementation each ts primitive in ``f``'s program lowers to, by operator."""
     return dict(chosen_kernels(f, *args))
@@ -304,8 +312,7 @@ def test_forward_default_walk_gpu(op, rows, d):
     config = norms_gpu.RowConfig.default(rows, d, backward=False, params=len(args) - 1)
     assert config.prefetch and config.row_steps > 1
     args = (args[0].at[7].multiply(1e30), *args[1:])
-    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
-    kernel = functools.partial(getattr(norms_gpu, op), tuple(sorted(kw.items())))
+    kernel = functools.partial(getattr(norms_gpu, op), _fwd_spec(op))
     got = jax.jit(kernel)(*args)
     one = jax.jit(functools.partial(kernel, config=norms_gpu.RowConfig.blocks(d)))(*args)
     np.testing.assert_array_equal(f64(got), f64(one))
@@ -349,8 +356,7 @@ def test_forward_walks_several_blocks_per_program(op, prefetch):
     if not op.endswith("softmax"):
         args = (args[0].at[7].multiply(1e30), *args[1:])
     config = norms_gpu.RowConfig(block_rows=2, num_warps=4, row_steps=3, prefetch=prefetch)
-    kw = dict(eps=EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
-    spec = (("axis", 1),) if op.endswith("softmax") else tuple(sorted(kw.items()))
+    spec = _fwd_spec(op)
     got = getattr(norms_gpu, op)(spec, *args, interpret=True, config=config)
     with _compat.enable_x64(True):
         want = _f64(op, *map(f64, args))
