@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import tessera_jax as ts
 from tessera_jax.primitives import rmsnorm_matmul as rm
@@ -124,6 +126,34 @@ def test_kernel_ragged_forward_and_gradients_interpret():
     assert_close(dw, rdw, BF16, factor=4)
 
 
+def _decomposition(x, w, b):
+    return ts.matmul(ts.rmsnorm(x, w, eps=EPS), b)
+
+
+def test_unfused_operators_interpret():
+    """Where the fused kernel cannot run (f32 here), the nested ts.rmsnorm and ts.matmul,
+    each by its own dispatch: the bits of the decomposition written out, in the same mode;
+    on a mesh too, where the sharding rule's partitioner traces it after the mode's block
+    has been left (rows over dp, N over tp: each shard's own dispatch, the same bits)."""
+    x, w, b = rand((2, 8, 72), F32), rand((72,), F32) + 1.0, rand((72, 24), F32)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "dp")))
+    bs = jax.device_put(b, NamedSharding(mesh, P(None, "tp")))
+    with ts.kernel_mode("interpret"):
+        kernels = chosen_kernels(ts.rmsnorm_matmul, x, w, b)
+        assert kernels == [("rmsnorm_matmul", "unfused_operators")], kernels
+        out = jax.jit(ts.rmsnorm_matmul)(x, w, b)
+        want = jax.jit(_decomposition)(x, w, b)
+        with jax.set_mesh(mesh):
+            sharded = jax.jit(ts.rmsnorm_matmul)(xs, w, bs)
+        with pytest.raises(ValueError, match="interpret=False must agree with the kernel mode"):
+            jax.jit(lambda x: rm.unfused_operators(rm_spec(F32), x, w, b))(x)
+    np.testing.assert_array_equal(out, want)
+    assert sharded.sharding.spec == P(None, "dp", "tp")
+    np.testing.assert_array_equal(sharded, out)
+    assert_close(out, reference(x, w, b), factor=2)
+
+
 def test_kernel_lowers_for_cuda_at_a_transformer_shape():
     # The real Mosaic GPU lowering (layouts of the row-scale broadcast, TMA descriptors),
     # built on this CPU: one kernel, and no (M, K) normalised activation anywhere.
@@ -196,6 +226,19 @@ def test_bad_dtypes():
 
 
 # --- on the GPU ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_unfused_operators_on_gpu():
+    """Where ``auto`` does not take the fused kernel (N above ``PREFER_MAX_N``), the row
+    kernel's rmsnorm and the product: the bits of the decomposition written out."""
+    x, w, b = rand((4096, 1024), BF16), rand((1024,), F32) + 1.0, rand((1024, 2048), BF16)
+    kernels = chosen_kernels(ts.rmsnorm_matmul, x, w, b)
+    assert kernels == [("rmsnorm_matmul", "unfused_operators")], kernels
+    assert ("rmsnorm", "pallas_rows") in chosen_kernels(_decomposition, x, w, b)
+    out = jax.jit(ts.rmsnorm_matmul)(x, w, b)
+    np.testing.assert_array_equal(out, jax.jit(_decomposition)(x, w, b))
+    assert_close(out, reference(x, w, b), factor=2)
 
 
 @pytest.mark.gpu

@@ -20,8 +20,10 @@ few bf16 ulps of the output, the tests' tolerance). A row whose squares overflow
 (elements above ~1.8e19) would overflow the accumulator too: the kernel takes the unfused
 path whenever any row's ``mean(x²)`` is infinite (a ``lax.cond`` on the statistics); a row
 holding NaN gives NaN as in ``ts.rmsnorm``. ``auto`` mode takes the kernel where it measured
-faster than XLA's norm-then-dot (see :func:`prefer`); training steps differentiate ``b`` and
-run the unfused graph (below).
+faster than XLA's norm-then-dot (see :func:`prefer`); elsewhere on a GPU the two operators
+run, each by its own dispatch (:func:`unfused_operators`: the rmsnorm row kernel, not the
+reference's XLA formula). Training steps differentiate ``b`` and run the unfused graph
+(below).
 
 Operands: ``x (..., K)`` and ``b (K, N)`` of one float dtype, ``weight (K,)`` of any float
 dtype; static ``spec`` (:class:`RMSNormMatmulSpec`: eps, output and accumulate dtypes).
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tessera_jax._config import get_kernel_mode
 from tessera_jax.contracts.matmul import MatmulSpec
 from tessera_jax.numerics.dtypes import as_np_dtype
 from tessera_jax.pallas_kernels import device, norms_gpu
@@ -339,5 +342,44 @@ rmsnorm_matmul_op.add_kernel(
         prefer=prefer,
         platforms=("cuda",),
         hardware=_mgpu.hardware,
+    )
+)
+
+
+def _inline(op: Operator, *args, **params):
+    """``op`` applied by the implementation its dispatch picks for these operands, in the
+    kernel mode in force, traced here rather than bound: a bound primitive would be lowered
+    later, perhaps by a sharding rule's partitioner, where that mode is no longer in force."""
+    _, fn = op.select("cuda", [jax.typeof(a) for a in args], params)
+    return fn(*args, **params)
+
+
+def unfused_operators(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool = False):
+    """``ts_matmul(ts_rmsnorm(x, weight), b)``, each operator by its own dispatch: the
+    rmsnorm row kernel where ``auto`` takes it, then cuBLAS or the matmul kernels. Where the
+    fused kernel is not taken, this rather than the operator's reference: the reference
+    normalises with ``ts.rmsnorm``'s XLA formula, slower on a GPU than the row kernel. The
+    nested operators are picked in the kernel mode in force, so ``interpret`` must agree
+    with it, as it does when the dispatch calls this."""
+    mode = get_kernel_mode()
+    if interpret != (mode == "interpret"):
+        raise ValueError(
+            f"rmsnorm_matmul.unfused_operators: {interpret=} must agree with the kernel mode "
+            f"in force ({mode!r}), in which the nested operators are picked"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _inline(rmsnorm_op, x2, weight, eps=spec.eps, has_weight=True)
+    out = _inline(matmul_op, y, b, spec=spec.product)
+    return out.reshape(*x.shape[:-1], b.shape[-1])
+
+
+# After the fused kernel: the first kernel that supports a case (and, in ``auto`` mode,
+# prefers it) wins, and this one supports every case on a GPU.
+rmsnorm_matmul_op.add_kernel(
+    Kernel(
+        name="unfused_operators",
+        fn=unfused_operators,
+        supports=lambda spec, avals: None,
+        platforms=("cuda",),
     )
 )
