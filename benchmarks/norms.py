@@ -8,8 +8,9 @@ reference before it is timed::
     python3 benchmarks/norms.py --shapes 16384x1024 1024x16384 --modes fwd fwdbwd --json P
 
 Cases ``norm-<op>-fwd`` (the output), ``norm-<op>-fwdbwd`` (output and every gradient
-through ``jax.vjp`` with a given cotangent) and ``norm-<op>-bwd`` (the gradients alone,
-from ``x``, the parameters and the cotangent), bf16 with f32 parameters. Implementations:
+through ``jax.vjp`` with a given cotangent) and ``norm-<op>-bwd`` (the gradients alone: each
+implementation's pullback from the residuals its own forward saved, run beforehand, as a
+training step's backward runs; :func:`pullback`), bf16 with f32 parameters. Implementations:
 the XLA baseline (``jax.nn.softmax`` / ``jax.nn.log_softmax`` / the norm written as users
 write it, statistics in f32), ``ts[auto]`` (what a user gets: the kernels where ``prefer``
 takes them), ``ts[xla]`` (the operators' XLA references) and ``ts[pallas]`` (the kernels
@@ -33,6 +34,7 @@ backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -115,6 +117,20 @@ def _bwd(f, x, *params_ct):
 MODES = {"fwd": _fwd, "fwdbwd": _fwdbwd, "bwd": _bwd}
 
 
+def pullback(f, args, mode=None):
+    """``fn(*args) -> gradients``: ``f``'s pullback at ``args``'s primals applied to their
+    cotangent (the last of ``args``), with the residuals from a forward run once, here. The
+    backward as a training step runs it after the forward, which ``_bwd`` (``jax.vjp``
+    under one jit) does not time: there XLA recomputes the residuals it needs from ``x``
+    inside its backward fusion, where the operators' kernels would run their forward too.
+    ``mode``: the kernel mode both programs are compiled in (None: ``auto``)."""
+    *primals, ct = args
+    with ts.kernel_mode(mode) if mode else contextlib.nullcontext():
+        _, pull = jax.jit(lambda *p: jax.vjp(f, *p))(*primals)
+        apply = jax.jit(lambda pull, ct: pull(ct)).lower(pull, ct).compile()
+    return lambda *a: apply(pull, a[-1])
+
+
 def in_mode(mode, f, args):
     """``f`` compiled for ``args`` under kernel mode ``mode``. The executable is called
     outside the mode: a jitted call inside ``ts.kernel_mode`` pays a host-side dispatch
@@ -177,9 +193,18 @@ def run_cases(selected, shapes=SHAPES, modes=tuple(MODES)):
                     base = functools.partial(wrap, functools.partial(xla_op, op))
                     ours = functools.partial(wrap, functools.partial(ts_op, op))
                     bname = "xla:jnp"
-                    fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
-                    fns["ts[xla]"] = in_mode("xla", ours, args)
-                    fns["ts[pallas]"] = in_mode("pallas", ours, args)
+                    if mode == "bwd":
+                        fns = {bname: pullback(functools.partial(xla_op, op), args)}
+                        for n, m in (
+                            ("ts[auto]", None),
+                            ("ts[xla]", "xla"),
+                            ("ts[pallas]", "pallas"),
+                        ):
+                            fns[n] = pullback(functools.partial(ts_op, op), args, m)
+                    else:
+                        fns = {bname: jax.jit(base), "ts[auto]": jax.jit(ours)}
+                        fns["ts[xla]"] = in_mode("xla", ours, args)
+                        fns["ts[pallas]"] = in_mode("pallas", ours, args)
                     picked = chosen(ours, args)
                     ref = jax.jit(base)(*f32_args)
                     errs = {n: rel_err(f(*args), ref) for n, f in fns.items()}
