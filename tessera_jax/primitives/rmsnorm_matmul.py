@@ -347,9 +347,10 @@ rmsnorm_matmul_op.add_kernel(
 
 
 def _inline(op: Operator, *args, **params):
-    """``op`` applied by the implementation its dispatch picks for these operands, in the
-    kernel mode in force, traced here rather than bound: a bound primitive would be lowered
-    later, perhaps by a sharding rule's partitioner, where that mode is no longer in force."""
+    """``op`` applied by the implementation its dispatch picks for these operands on a GPU
+    (where the kernel calling this runs), in the kernel mode in force, traced here rather
+    than bound: a bound primitive would be lowered later, perhaps by a sharding rule's
+    partitioner, where that mode is no longer in force."""
     _, fn = op.select("cuda", [jax.typeof(a) for a in args], params)
     return fn(*args, **params)
 
