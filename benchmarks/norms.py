@@ -313,6 +313,7 @@ def _time_sweep(case, shape, fns, args, nbytes):
 # --- rmsnorm fused into the following matmul ---------------------------------------------
 
 MM_SHAPES = ((16384, 4096, 1024), (16384, 4096, 4096), (16384, 4096, 12288))
+MM_SHAPES += ((8192, 4096, 1024), (4096, 4096, 1024))
 
 
 def xla_rmsnorm_matmul(x, w, b):

@@ -281,13 +281,15 @@ def supports(spec: RMSNormMatmulSpec, avals) -> str | None:
 
 
 # The fused kernel saves the write and re-read of x̂ (4·M·K bytes in 16 bits) at the cost of
-# one more read of x (2·M·K bytes, the statistics) and runs the product on the Mosaic GPU
-# matmul. Measured on the H100 (benchmarks/results/norms-h100.json, the rmsnorm_matmul
-# cases, M=16384, K=4096) it beats XLA's norm-then-dot at N=1024 and falls behind it at
-# N=4096 (the Mosaic GEMM trails cuBLAS there by more than the saving), so ``auto`` takes it
-# up to PREFER_MAX_N columns, from PREFER_MIN_ROWS rows and K >= PREFER_MIN_K, whole tiles.
-# norms-h200.json repeats those cases on an H200 with the statistics from the row kernel.
-PREFER_MIN_ROWS = 4096
+# one more read of x (2·M·K bytes, the statistics), a pass over b (weight·b) and runs the
+# product on the Mosaic GPU matmul. Measured on the H100 (benchmarks/results/norms-h100.json,
+# the rmsnorm_matmul cases, M=16384, K=4096) it beats XLA's norm-then-dot at N=1024 and falls
+# behind it at N=4096 (the Mosaic GEMM trails cuBLAS there by more than the saving), so
+# ``auto`` takes it up to PREFER_MAX_N columns, from PREFER_MIN_ROWS rows and K >=
+# PREFER_MIN_K, whole tiles. On an H200 (norms-h200.json) at K=4096, N=1024 it also lost to
+# the two operators (``unfused_operators``, which ``auto`` runs instead) at M=8192 and 4096,
+# where the pass over b and the extra launches weigh more against a shorter product.
+PREFER_MIN_ROWS = 16384
 PREFER_MIN_K = 1024
 PREFER_MAX_N = 1024
 
