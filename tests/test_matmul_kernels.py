@@ -550,6 +550,21 @@ def test_supports_names_the_contract_parts_it_declines(spec, shapes, match):
     assert re.search(match, mg.supports(spec, avals))
 
 
+@pytest.mark.parametrize(
+    "shapes", [((0, 64), (64, 32)), ((48, 0), (0, 32)), ((2, 48, 64), (2, 64, 0))]
+)
+def test_empty_products_take_the_reference(shapes):
+    """Neither kernel tiles an empty product (a -1 reshape of a zero-size operand divides by
+    zero): they decline it, and the reference gives jnp's empty or zero result."""
+    avals = _avals(*((s, BF16) for s in shapes))
+    for kernel in (mg, mp):
+        assert "empty product" in kernel.supports(spec_of(), avals)
+    a, b = (jnp.ones(s, BF16) for s in shapes)
+    with ts.kernel_mode("interpret"):
+        out = jax.jit(ts.matmul)(a, b)
+    np.testing.assert_array_equal(out, jnp.matmul(a, b))
+
+
 def test_supports_declines_an_integer_residual():
     spec = spec_of(has_bias=True, has_residual=True)
     avals = _avals(((64, 64), BF16), ((64, 64), BF16), ((64,), BF16), ((64, 64), np.int32))

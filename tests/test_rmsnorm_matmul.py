@@ -149,6 +149,11 @@ def test_unfused_operators_interpret():
         with pytest.raises(ValueError, match="interpret=False must agree with the kernel mode"):
             jax.jit(lambda x: rm.unfused_operators(rm_spec(F32), x, w, b))(x)
     np.testing.assert_array_equal(out, want)
+    for shapes in (((3, 0), (0,), (0, 4)), ((2, 0, 5), (5,), (5, 4)), ((3, 5), (5,), (5, 0))):
+        args = [jnp.ones(s, F32) for s in shapes]  # empty: the nested operators' references
+        with ts.kernel_mode("interpret"):
+            got = jax.jit(ts.rmsnorm_matmul)(*args)
+        np.testing.assert_array_equal(got, jax.jit(ts.rmsnorm_matmul)(*args))
     assert sharded.sharding.spec == P(None, "dp", "tp")
     np.testing.assert_array_equal(sharded, out)
     assert_close(out, reference(x, w, b), factor=2)

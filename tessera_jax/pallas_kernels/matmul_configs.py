@@ -453,6 +453,8 @@ def unsupported_contract(spec: MatmulSpec, avals: Sequence[Any]) -> str | None:
         return f"operands of rank {a.ndim} and {b.ndim} (the kernels take rank >= 2)"
     if a.ndim > 2 and b.ndim > 2 and tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
         return f"batch dims {tuple(a.shape[:-2])} and {tuple(b.shape[:-2])} differ"
+    if 0 in (*a.shape, *b.shape):
+        return f"an empty product of {tuple(a.shape)} and {tuple(b.shape)} (nothing to tile)"
     if spec.has_residual:
         rdt = np.dtype(avals[2 + spec.has_bias].dtype)
         if not jnp.issubdtype(rdt, jnp.floating):

@@ -370,7 +370,7 @@ def unfused_operators(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool 
             f"rmsnorm_matmul.unfused_operators: {interpret=} must agree with the kernel mode "
             f"in force ({mode!r}), in which the nested operators are picked"
         )
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: K may be 0)
     y = _inline(rmsnorm_op, x2, weight, eps=spec.eps, has_weight=True)
     out = _inline(matmul_op, y, b, spec=spec.product)
     return out.reshape(*x.shape[:-1], b.shape[-1])
