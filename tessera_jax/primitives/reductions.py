@@ -125,7 +125,7 @@ def _digit_sum(d: jax.Array, lanes: int | None) -> jax.Array:
     if lanes is None or d.shape[-1] <= lanes:
         return jnp.sum(d, axis=-1, keepdims=True, dtype=jnp.int32)
     d = jnp.pad(d, [(0, 0)] * (d.ndim - 1) + [(0, -d.shape[-1] % lanes)])
-    d = jnp.sum(d.reshape(*d.shape[:-1], -1, lanes), axis=-1, dtype=jnp.int32)
+    d = jnp.sum(d.reshape(*d.shape[:-1], d.shape[-1] // lanes, lanes), axis=-1, dtype=jnp.int32)
     return jnp.sum(lax.optimization_barrier(d), axis=-1, keepdims=True, dtype=jnp.int32)
 
 
