@@ -965,3 +965,19 @@ def test_hypothesis_shapes(m, k, n, lead, shared, ta, tb):
     ref = ref_matmul(a_, b_)
     assert out.shape == ref.shape == (*lead, m, n)
     assert_matmul_close(out, ref, jnp.float32, jnp.float32, k)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape", [((3, 0), (0, 4)), ((2, 3, 0), (0, 4)), ((0, 5), (5, 4))]
+)
+def test_linear_with_an_empty_contraction_or_batch(x_shape, w_shape):
+    """K = 0 (the product is zero, the output the bias) or no rows: the value and the
+    gradients of jnp's formula, at trace time and under jit (x's rows are folded into one
+    dimension by their count: a -1 reshape of a zero-size array divides by zero)."""
+    x, w, b = jnp.ones(x_shape, F32), jnp.ones(w_shape, F32), jnp.arange(4, dtype=F32)
+    f = lambda x, w, b: jnp.sum(ts.linear(x, w, b, activation="relu") ** 2)
+    ref = lambda x, w, b: x @ w + b.reshape((1,) * (x.ndim - 1) + b.shape)
+    g = lambda x, w, b: jnp.sum(jnp.maximum(ref(x, w, b), 0) ** 2)
+    np.testing.assert_array_equal(jax.jit(ts.linear)(x, w, b), ref(x, w, b))
+    for got, want in zip(jax.jit(jax.grad(f, (0, 1, 2)))(x, w, b), jax.grad(g, (0, 1, 2))(x, w, b)):
+        np.testing.assert_array_equal(got, want)

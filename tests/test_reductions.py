@@ -181,3 +181,9 @@ def test_bad_inputs():
         ts.max(jnp.zeros((0, 3)), 0)
     with pytest.raises(TypeError, match="sum: x.dtype=bool is not supported"):
         ts.sum(jnp.ones(3, bool))
+
+
+def test_mse_vmapped_over_an_empty_batch():
+    """No examples: an empty result (its per-example rows are flattened by count, not -1)."""
+    x = jnp.ones((0, 4, 3), jnp.float32)
+    assert jax.jit(jax.vmap(ts.mse))(x, x).shape == (0,)

@@ -327,7 +327,7 @@ def linear(
         lead = ()
         out_shape = (*a.shape[:-1], n)
         # Rows of a 2-D weight: flatten x's leading dimensions (row-major, free) into M.
-        a2 = a2.reshape(-1, a2.shape[-1])
+        a2 = a2.reshape(math.prod(a2.shape[:-1]), a2.shape[-1])  # (not -1: K may be 0)
     else:
         a2, wt, lead = _broadcast_batch("linear", a2, wt, ("x", "w"), (a.shape, wt.shape))
         out_shape = (*lead, n) if vector else (*lead, a2.shape[-2], n)
@@ -855,7 +855,8 @@ def _matmul_transpose(ct, a, b, *extras, spec: MatmulSpec):
     g = _cotangent_for(ct, a)
     if shared and not ta:
         # x (…, M, K) against a shared weight: fold the batch into the contraction (free).
-        a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        rows = math.prod(a.shape[:-1])  # (not -1 in the reshapes: K or N may be 0)
+        a2, g2 = a.reshape(rows, a.shape[-1]), g.reshape(rows, g.shape[-1])
         if not tb:
             cts[1] = mm(a2, g2, out_dt, transpose_a=True, like=lin.aval)
         else:

@@ -338,7 +338,7 @@ def _mse_batcher(args, dims):
     )
     # Per example: the same tree over that example's elements as mse_op on one slice.
     d = pred.astype(compute_dtype(pred.dtype)) - target.astype(compute_dtype(pred.dtype))
-    flat = (d * d).reshape(size, -1)
+    flat = (d * d).reshape(size, math.prod(d.shape[1:]))  # (not -1: size may be 0)
     total = sum_op.bind(flat, axes=(1,), keepdims=False, deterministic=True)
     return (total / np.asarray(flat.shape[1], total.dtype)).astype(pred.dtype), 0
 
