@@ -153,7 +153,7 @@ def _xla_all_reduce(x: jax.Array, spec: AllReduceSpec, platform: str | None) -> 
     """The all-reduce ``spec`` (sum, max or min) by the XLA algorithm choose_algo picks."""
     axes, n, op = spec.axes, spec.n, spec.op
     algo = choose_algo(spec, x, platform)
-    if algo == "psum":
+    if algo == "psum" or x.size == 0:  # (no elements: no order to fix, no chunks to send)
         return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
     if algo == "gather":
         stacked = _compat.all_gather_invariant(x[None], axes, axis=0, tiled=True)
