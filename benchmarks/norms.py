@@ -34,7 +34,6 @@ backward).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -117,17 +116,17 @@ def _bwd(f, x, *params_ct):
 MODES = {"fwd": _fwd, "fwdbwd": _fwdbwd, "bwd": _bwd}
 
 
-def pullback(f, args, mode=None):
+def pullback(f, args, mode="auto"):
     """``fn(*args) -> gradients``: ``f``'s pullback at ``args``'s primals applied to their
     cotangent (the last of ``args``), with the residuals from a forward run once, here. The
     backward as a training step runs it after the forward, which ``_bwd`` (``jax.vjp``
     under one jit) does not time: there XLA recomputes the residuals it needs from ``x``
     inside its backward fusion, where the operators' kernels would run their forward too.
-    ``mode``: the kernel mode both programs are compiled in (None: ``auto``)."""
+    ``mode``: the kernel mode both programs are compiled in."""
     *primals, ct = args
-    with ts.kernel_mode(mode) if mode else contextlib.nullcontext():
+    with ts.kernel_mode(mode):
         _, pull = jax.jit(lambda *p: jax.vjp(f, *p))(*primals)
-        apply = jax.jit(lambda pull, ct: pull(ct)).lower(pull, ct).compile()
+    apply = in_mode(mode, lambda pull, ct: pull(ct), (pull, ct))
     return lambda *a: apply(pull, a[-1])
 
 
@@ -196,7 +195,7 @@ def run_cases(selected, shapes=SHAPES, modes=tuple(MODES)):
                     if mode == "bwd":
                         fns = {bname: pullback(functools.partial(xla_op, op), args)}
                         for n, m in (
-                            ("ts[auto]", None),
+                            ("ts[auto]", "auto"),
                             ("ts[xla]", "xla"),
                             ("ts[pallas]", "pallas"),
                         ):

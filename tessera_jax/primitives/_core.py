@@ -210,6 +210,13 @@ class Operator:
                 return k.name, _kernel_call(k, spec, interpret=mode == "interpret")
         return "reference", self.reference
 
+    def apply(self, platform: str | None, *args: Any, **params: Any) -> Any:
+        """The operator on ``args`` by the implementation :meth:`select` picks for them in
+        the kernel mode in force, traced now rather than bound (whose lowering would pick
+        later, perhaps where that mode no longer holds: a sharding rule's partitioner)."""
+        _, fn = self.select(platform, [jax.typeof(a) for a in args], params)
+        return fn(*args, **params)
+
     def reasons(self, platform: str | None, avals_in: Sequence[Any], params: dict[str, Any]):
         """``{kernel name: why it cannot run this case}`` in the kernel mode in force."""
         mode = get_kernel_mode()

@@ -348,15 +348,6 @@ rmsnorm_matmul_op.add_kernel(
 )
 
 
-def _inline(op: Operator, *args, **params):
-    """``op`` applied by the implementation its dispatch picks for these operands on a GPU
-    (where the kernel calling this runs), in the kernel mode in force, traced here rather
-    than bound: a bound primitive would be lowered later, perhaps by a sharding rule's
-    partitioner, where that mode is no longer in force."""
-    _, fn = op.select("cuda", [jax.typeof(a) for a in args], params)
-    return fn(*args, **params)
-
-
 def unfused_operators(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool = False):
     """``ts_matmul(ts_rmsnorm(x, weight), b)``, each operator by its own dispatch: the
     rmsnorm row kernel where ``auto`` takes it, then cuBLAS or the matmul kernels. Where the
@@ -371,8 +362,11 @@ def unfused_operators(spec: RMSNormMatmulSpec, x, weight, b, *, interpret: bool 
             f"in force ({mode!r}), in which the nested operators are picked"
         )
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: K may be 0)
-    y = _inline(rmsnorm_op, x2, weight, eps=spec.eps, has_weight=True)
-    out = _inline(matmul_op, y, b, spec=spec.product)
+    # Traced here (Operator.apply), not bound: a bound primitive's lowering would pick
+    # later, by the sharding rule's partitioner, outside the mode. (The GPU's picks: this
+    # kernel runs on GPUs.)
+    y = rmsnorm_op.apply("cuda", x2, weight, eps=spec.eps, has_weight=True)
+    out = matmul_op.apply("cuda", y, b, spec=spec.product)
     return out.reshape(*x.shape[:-1], b.shape[-1])
 
 

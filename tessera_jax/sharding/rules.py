@@ -199,8 +199,7 @@ def _local_impl(op: Any, platform: str | None, mode: str, params: dict[str, Any]
     def run(*xs, op=op, **override):
         p = {**params, **override}
         with kernel_mode(mode):  # (an implementation may pick nested operators' too)
-            _, fn = op.select(platform, [jax.typeof(x) for x in xs], p)
-            return fn(*xs, **p)
+            return op.apply(platform, *xs, **p)
 
     return run
 
