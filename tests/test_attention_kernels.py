@@ -1951,3 +1951,90 @@ def test_compute_regs_keep_bits_interpret():
 @pytest.mark.usefixtures("pallas_mode")
 def test_compute_regs_keep_bits():
     _check_compute_regs_keep_bits((2, 1024, 4, 128), interpret=False)
+
+
+# (batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal, key lengths), ctas: head_dim
+# 128 loads the next tile's Q during a tile (two Q slots), 64 after the last one's stores.
+PERSISTENT_CASES = [
+    ((2, 200, 328, 2, 1, 128, True, None), 3),
+    ((2, 384, 384, 1, 1, 64, False, None), 2),
+    ((2, 200, 328, 2, 2, 64, False, (90, 328)), 3),
+]
+
+
+def _check_persistent_forward(case, ctas, *, interpret: bool, detect_races: bool = False):
+    """The forward on a persistent grid of ``ctas`` CTAs (several tiles each): the bits of
+    one CTA per tile, and close to the float64 reference."""
+    b, sq, skv, hq, hkv, d, causal, lengths = case
+    q = rand((b, sq, hq, d), jnp.bfloat16)
+    k, v = rand((b, skv, hkv, d), jnp.bfloat16), rand((b, skv, hkv, d), jnp.bfloat16)
+    spec = _spec(causal=causal, has_kv_lengths=lengths is not None)
+    extras = () if lengths is None else (jnp.array(lengths, jnp.int32),)
+    fwd = functools.partial(am.flash_fwd, spec, interpret=interpret)
+    grid = fwd(q, k, v, *extras, persistent=False)
+    mode = _compat.gpu_interpret_mode(detect_races=detect_races)
+    with mode if interpret else contextlib.nullcontext():
+        persistent = fwd(q, k, v, *extras, persistent=True, ctas=ctas)
+    if detect_races:
+        assert _compat.races_detected() is False
+    for x, y in zip(grid, persistent):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    opts = dict(causal=causal, scale=spec.scale, key_value_seq_lengths=lengths)
+    (out, _), _ = np_dense(*(f64(x) for x in (q, k, v)), opts, do=f64(q))
+    assert_close(persistent[0], out, factor=2)
+
+
+@pytest.mark.usefixtures("interpret_mode")
+@pytest.mark.parametrize(("case", "ctas"), PERSISTENT_CASES)
+def test_persistent_forward_keeps_bits_interpret(case, ctas):
+    _check_persistent_forward(case, ctas, interpret=True, detect_races=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("pallas_mode")
+@pytest.mark.parametrize(
+    ("case", "ctas"),
+    [
+        ((4, 1024, 1024, 8, 8, 128, False, None), None),
+        ((4, 1000, 1000, 8, 8, 128, True, None), 100),
+        ((4, 1024, 2048, 8, 2, 64, True, (700, 2048, 5, 1500)), None),
+    ],
+)
+def test_persistent_forward_keeps_bits(case, ctas):
+    _check_persistent_forward(case, ctas, interpret=False)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "features", "want"),
+    [
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), {}, 132),  # one CTA per SM
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(causal=True), 1024),  # 2 tiles each
+        ((1, 1024, 4, 128), (1, 1024, 4, 128), dict(causal=True), 32),  # one wave: a tile each
+        ((16, 2048, 16, 64), (16, 2048, 16, 64), {}, 132),
+        ((4, 4096, 16, 128), (4, 4096, 16, 128), {}, None),  # long rows of keys
+        ((16, 1024, 16, 256), (16, 1024, 16, 256), {}, None),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_kv_lengths=True), None),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(local_window_size=(64, 0)), None),
+    ],
+)
+def test_persistent_forward_where_it_measured_faster(q_shape, k_shape, features, want):
+    q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
+    spec = _spec(**features)
+    causal = features.get("causal", False)
+    p = am._with_features(am._fwd_problem(q, k, causal, 0.1), spec, None)
+    assert am._fwd_ctas(p, 132, None, None) == want
+
+
+@pytest.mark.parametrize(
+    ("knobs", "error", "match"),
+    [
+        (dict(persistent=1), TypeError, "persistent=1 must be a bool or None"),
+        (dict(ctas=0), ValueError, "ctas=0 must be a positive int or None"),
+        (dict(ctas=True), ValueError, "ctas=True must be a positive int or None"),
+        (dict(persistent=False, ctas=4), ValueError, "ctas=4 needs the persistent grid"),
+    ],
+)
+def test_persistent_forward_knobs_are_checked(knobs, error, match):
+    q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+    with pytest.raises(error, match="flash_fwd: " + match):
+        am.flash_fwd(_spec(), q, q, q, **knobs)

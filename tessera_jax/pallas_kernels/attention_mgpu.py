@@ -153,6 +153,12 @@ class Problem:
         (FA3's ping-pong: one's softmax runs while the other's products do). Always so
         with the serial loop; the pipelined loop may instead run both freely
         (:data:`FWD_PINGPONG`).
+      fwd_ctas: the forward's persistent grid (:func:`_fwd_ctas`): this many CTAs,
+        each running the query tiles (:attr:`fwd_work` items) of the grid it replaces one
+        after the other, so that its memory warpgroup streams the next tile's first K/V
+        blocks while the compute warpgroups finish the last; None: one CTA per tile.
+      fwd_q_slots: with :attr:`fwd_ctas`, 2 where a second pair of Q tiles fits shared
+        memory beside the K/V ring (the next item's Q loads while one runs); else 1.
       dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
@@ -214,6 +220,8 @@ class Problem:
     dkv_paired: bool = False
     fwd_pipelined: bool = False
     fwd_pingpong: bool = True
+    fwd_ctas: int | None = None
+    fwd_q_slots: int = 1
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     q_lengths: bool = False
@@ -271,6 +279,12 @@ class Problem:
         if self.kv_split is None:
             return 1
         return -(-self.seq_kv_pad // (self.block_kv * self.kv_split))
+
+    @property
+    def fwd_work(self) -> int:
+        """The forward's CTAs without :attr:`fwd_ctas`: (head, query tile, key chunk, batch
+        entry) items."""
+        return self.heads_q * self.seq_q_pad // TILE * self.kv_chunks * self.batch
 
     @property
     def part_rows(self) -> int:
@@ -389,9 +403,25 @@ FWD_BLOCK_KV_CHOICES = (64, 128, 256)
 def _fwd_stages(d: int, block_kv: int, bias: str | None = None) -> int:
     """K/V ring slots that fit 227 KiB of shared memory beside the Q tiles (at most 3); with
     a ``bias`` (:attr:`Problem.bias`), each slot also holds the CTA's part of it."""
-    q_bytes = NUM_COMPUTE_WGS * WG_ROWS * d * 2 + _bias_ring_bytes(bias)
-    slot_bytes = 2 * block_kv * d * 2 + _bias_slot_bytes(bias, TILE, block_kv)
-    return min(3, (227 * 1024 - q_bytes - 4096) // slot_bytes)
+    return min(3, (227 * 1024 - _fwd_fixed_bytes(d, bias)) // _fwd_slot_bytes(d, block_kv, bias))
+
+
+def _fwd_slot_bytes(d: int, block_kv: int, bias: str | None) -> int:
+    """One slot of the forward's K/V ring, with its part of a bias."""
+    return 2 * block_kv * d * 2 + _bias_slot_bytes(bias, TILE, block_kv)
+
+
+def _fwd_fixed_bytes(d: int, bias: str | None, q_slots: int = 1) -> int:
+    """The forward's shared memory beside its K/V ring: ``q_slots`` pairs of Q tiles, the
+    bias ring's barriers, and 4 KiB for the other scratch and the allocator's alignment."""
+    return q_slots * NUM_COMPUTE_WGS * WG_ROWS * d * 2 + _bias_ring_bytes(bias) + 4096
+
+
+def _fwd_q_slots(d: int, block_kv: int, stages: int, bias: str | None = None) -> int:
+    """Q tile pairs of a persistent forward (:attr:`Problem.fwd_q_slots`): 2 where they fit
+    beside ``stages`` K/V ring slots, as :func:`_fwd_stages` counts them."""
+    used = _fwd_fixed_bytes(d, bias, 2) + stages * _fwd_slot_bytes(d, block_kv, bias)
+    return 2 if used <= 227 * 1024 else 1
 
 
 def _bias_slot_bytes(bias: str | None, queries: int, keys: int) -> int:
@@ -438,6 +468,47 @@ FWD_PIPELINED = {64: False, 128: True, 256: True}
 # ``no-pingpong`` rows of results/attention-h200-sweep.json, at B4 S4096 H16: faster at 128
 # and 256, causal and not; at 64 the serial loop, which keeps it, is faster than either).
 FWD_PINGPONG = {64: True, 128: False, 256: False}
+
+# Where the forward runs a persistent grid (``Problem.fwd_ctas``, :func:`_fwd_ctas`): its
+# CTAs step through query tiles, so one tile's epilogue and the next one's first loads
+# overlap instead of each tile paying a CTA's start and end. That fixed cost weighs most
+# against short rows of keys; against long ones the grid's own order measured faster (its
+# running CTAs stay on neighbouring tiles, which share K/V in L2), and at head_dim 256
+# too. A causal grid's tiles differ in length, so there each CTA takes two tiles and the
+# hardware's scheduler still balances the CTAs (benchmarks/archive/fwd-persistent-h200.txt).
+FWD_PERSISTENT_HEAD_DIMS = (64, 128)
+FWD_PERSISTENT_MAX_KEYS = 2048
+FWD_CAUSAL_TILES_PER_CTA = 2
+
+
+def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -> int | None:
+    """The forward's persistent grid (:attr:`Problem.fwd_ctas`), or None for one CTA per
+    tile. ``persistent`` None: where :data:`FWD_PERSISTENT_MAX_KEYS` and
+    :data:`FWD_PERSISTENT_HEAD_DIMS` say, for plain and causal attention only (the other
+    features' tiles differ in length by their data); True: wherever the kernel runs.
+    ``ctas`` (with it) replaces the CTA count: one per SM, or a causal grid's
+    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles per CTA."""
+    if persistent is None and ctas is not None:
+        persistent = True
+    if persistent is None:
+        plain = p.window is None and not (p.kv_lengths or p.q_lengths or p.segments)
+        persistent = (
+            plain
+            and p.bias is None
+            and p.kv_chunks == 1
+            and p.head_dim in FWD_PERSISTENT_HEAD_DIMS
+            and p.seq_kv <= FWD_PERSISTENT_MAX_KEYS
+        )
+    if not persistent:
+        if ctas is not None:
+            raise ValueError(f"attention_mgpu.flash_fwd: {ctas=} needs the persistent grid")
+        return None
+    if ctas is not None:
+        if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas <= 0:
+            raise ValueError(f"attention_mgpu.flash_fwd: {ctas=} must be a positive int or None")
+        return min(ctas, max(p.fwd_work, 1))
+    one_wave = max(1, min(sms, p.fwd_work))
+    return max(one_wave, -(-p.fwd_work // FWD_CAUSAL_TILES_PER_CTA)) if p.causal else one_wave
 
 
 def _fwd_problem(
@@ -832,14 +903,27 @@ def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
     ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(p.wg_regs[1], action="decrease")
-    per_group = [stages] * len(groups) if isinstance(stages, int) else list(stages)
+    _produce(0, n_steps, stages, groups)
+    _drain(n_steps, stages, groups)
+
+
+def _per_group(stages: int | Sequence[int], groups) -> list[int]:
+    return [stages] * len(groups) if isinstance(stages, int) else list(stages)
+
+
+def _produce(base, n_steps, stages: int | Sequence[int], groups) -> None:
+    """:func:`_producer`'s loads of ``n_steps`` steps that follow ``base`` earlier ones on
+    the same rings (a persistent kernel's next work item): step ``n`` fills ring slot
+    ``(base + n) % stages``; ``src`` still takes ``n``."""
+    per_group = _per_group(stages, groups)
 
     @pl.loop(0, n_steps)
     def _step(step):
         for (consumed, loads), n in zip(groups, per_group):
-            slot = _slot(step, n)
+            ring_step = step if isinstance(base, int) and base == 0 else base + step
+            slot = _slot(ring_step, n)
 
-            @pl.when(step >= n)
+            @pl.when(ring_step >= n)
             def _wait(consumed=consumed, slot=slot):
                 plgpu.barrier_wait(consumed.at[slot])
 
@@ -848,10 +932,13 @@ def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
                 bar = bars(slot) if callable(bars) else bars.at[slot]
                 plgpu.copy_gmem_to_smem(src(step), dst, bar)
 
-    # Drain: wait for the last steps' releases too, so that every phase of the consumed
-    # barriers is observed before the CTA ends (the interpreter checks it; free on the GPU,
-    # where the compute warpgroups finish after their last release anyway).
-    for (consumed, _), n in zip(groups, per_group):
+
+def _drain(n_steps, stages: int | Sequence[int], groups) -> None:
+    """After ``n_steps`` steps in all, wait for the last steps' releases too, so that every
+    phase of the consumed barriers is observed before the CTA ends (the interpreter checks
+    it; free on the GPU, where the compute warpgroups finish after their last release
+    anyway)."""
+    for (consumed, _), n in zip(groups, _per_group(stages, groups)):
 
         @pl.loop(lax.max(n_steps - n, jnp.int32(0)), n_steps)
         def _drain(step, consumed=consumed, n=n):
@@ -1082,15 +1169,17 @@ def _bias_src(p: Problem, bias_ref, b, h, row0, col0, cols: int):
     return src
 
 
-def _tile_and_chunk(p: Problem, *, reverse: bool = False):
+def _tile_and_chunk(p: Problem, i=None, *, reverse: bool = False):
     """The CTA's 128-row query tile and key chunk (None without :attr:`Problem.kv_split`):
-    the grid's ``q_seq`` axis runs the chunks of a tile side by side. ``reverse``: the
+    the grid's ``q_seq`` axis (or ``i``, a persistent CTA's work item's index along it)
+    runs the chunks of a tile side by side. ``reverse``: the
     tiles last to first (the forward's causal grid: its loops grow with the tile index,
     so the longest CTAs start first and the shortest fill the last wave, FA3's order. The
     dQ kernel keeps the launch order: at head_dim 256 with seq_q != seq_kv its gradients
     came out wrong on the H100 in the reversed order, while the interpreter's were right;
     not yet understood.)"""
-    i, chunk = lax.axis_index("q_seq"), None
+    i = lax.axis_index("q_seq") if i is None else i
+    chunk = None
     if p.kv_chunks > 1:
         n = jnp.int32(p.kv_chunks)
         i, chunk = lax.div(i, n), lax.rem(i, n)
@@ -1147,15 +1236,29 @@ def _fwd_kernel(
     k_bar, v_bar, q_bar, k_done, v_done, sched = scratch[5:11]
     qseg_smem, kseg_smem, qseg_bar, kseg_bar = scratch[11:15]
     bias_smem, bias_bar = scratch[15:]  # a ring of bias tiles, released with V
-    b, h = lax.axis_index("batch"), lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(p.group))
-    tile, chunk = _tile_and_chunk(p, reverse=p.causal)
-    tile0 = tile * TILE
-    kv_len = _kv_len(p, lengths_ref, b)
-    q_len = _q_len(p, lengths_ref, b)
-    cta_first, cta_steps, wg_ranges = _cta_kv_ranges(p, tile0, chunk, kv_len, q_len)
+    n_items, item_at = _fwd_items(p)
+    persistent = p.fwd_ctas is not None
+    q_slots = qo_smem.shape[0]
     bq, bkv, d = WG_ROWS, p.block_kv, p.head_dim
+
+    def item(k):
+        """Work item ``k``'s ``(b, h, tile0, chunk, kv_len, cta_first, cta_steps,
+        wg_ranges)``: see :func:`_cta_kv_ranges`."""
+        b, h, tile, chunk = item_at(k)
+        tile0 = tile * TILE
+        kv_len = _kv_len(p, lengths_ref, b)
+        q_len = _q_len(p, lengths_ref, b)
+        return b, h, tile0, chunk, kv_len, *_cta_kv_ranges(p, tile0, chunk, kv_len, q_len)
+
+    def load_q(k):  # (with a ring of Q tiles: item k's into slot k % q_slots)
+        b, h, tile0, *_ = item(k)
+        slot = _slot(k, q_slots)
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds(tile0 + wg * bq, bq), h],
+            qo_smem.at[slot, wg],
+            q_bar.at[slot * NUM_COMPUTE_WGS + wg],
+        )
 
     def schedule():
         # Ping-pong between the two compute warpgroups: one's softmax overlaps the other's
@@ -1167,260 +1270,330 @@ def _fwd_kernel(
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(p.wg_regs[0], action="increase")
-        stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
-        q_base = tile0 + wg * bq
-        ranges = wg_ranges(q_base)
-        qs = qo_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
-        q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
-        m = jnp.full((bq,), -jnp.inf, jnp.float32)
-        l_ = jnp.zeros((bq,), jnp.float32)
-        acc = jnp.zeros((bq, d), jnp.float32)
-        pl.when(wg == 1)(schedule)
+        if q_slots > 1:
+            pl.when(n_items > 0)(lambda: load_q(0))
 
-        def slot_of(j):
-            return _slot(j - cta_first, p.stages)
+        def run(k, base):
+            """Item ``k``, whose K/V ring steps follow ``base`` earlier ones (None: the
+            kernel's only item); returns the steps after it."""
+            b, h, tile0, chunk, kv_len, cta_first, cta_steps, wg_ranges = item(k)
+            stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
+            q_base = tile0 + wg * bq
+            ranges = wg_ranges(q_base)
+            qslot = 0 if q_slots == 1 else _slot(k, q_slots)
+            qs, q_ready = qo_smem.at[qslot, wg], q_bar.at[qslot * NUM_COMPUTE_WGS + wg]
+            if persistent:  # the last item's stores must have read Q's tile and the lse row
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if q_slots == 1:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_ready)
+            plgpu.barrier_wait(q_ready)
+            if q_slots > 1:  # the next item's Q streams in while this one runs
+                pl.when(k + 1 < n_items)(lambda: load_q(k + 1))
+            q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
+            m = jnp.full((bq,), -jnp.inf, jnp.float32)
+            l_ = jnp.zeros((bq,), jnp.float32)
+            acc = jnp.zeros((bq, d), jnp.float32)
+            pl.when(wg == 1)(schedule)
 
-        def wait_next_k(j):
-            # Each step waits for the next step's K block while its P·V product runs (the
-            # first block before the loop), so the barrier wait hides behind the tensor cores.
-            return _wait_if(j + 1 < cta_steps, [k_bar.at[slot_of(j + 1)]])
+            def slot_of(j):
+                ring_step = j - cta_first
+                return _slot(ring_step if base is None else base + ring_step, p.stages)
 
-        def scores(slot):
-            """``S = Q·Kᵀ`` for the K block in ring ``slot``."""
+            def wait_next_k(j):
+                # Each step waits for the next step's K block while its P·V product runs (the
+                # first block before the loop), so the barrier wait hides behind the tensor cores.
+                return _wait_if(j + 1 < cta_steps, [k_bar.at[slot_of(j + 1)]])
 
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
-                schedule()
-                return s_ref[...]
+            def scores(slot):
+                """``S = Q·Kᵀ`` for the K block in ring ``slot``."""
 
-            return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-
-        def probs(j, s, m, masked: bool):
-            """The online softmax of block ``j``'s scores ``s`` (K released once read):
-            ``(m_new, pr, alpha)``, the running max and the probabilities in the exp2
-            domain and the factor that rescales what came before."""
-            slot = slot_of(j)
-            segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
-            plgpu.barrier_arrive(k_done.at[slot])
-            part = 0 if p.bias == "rows" else wg
-            bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv))
-
-            # ``scaled(x)``: scores to the exp2 domain. The bias tile is in it already, so
-            # with one the scores are scaled once, here.
-            def scaled(x):
-                return x if bias is not None else x * p.c
-
-            if bias is not None:
-                s = s * p.c + bias
-            if masked:
-                vis = _mask(
-                    (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
-                )
-                s = jnp.where(vis, s, -jnp.inf)
-            # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
-            # one fused multiply-add per score.
-            m_new = jnp.maximum(m, scaled(s.max(axis=1)))
-            m_use = m_new
-            if masked:  # a row with nothing visible yet: subtract 0, not -inf (NaN)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m - m_use)
-            pr = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            return m_new, pr, alpha
-
-        def rows(x):
-            return lax.broadcast_in_dim(x, (bq, d), [0])
-
-        def step(j, carry, masked: bool):
-            acc, m, l_ = carry
-            slot = slot_of(j)
-            s = scores(slot)
-            m_new, pr, alpha = probs(j, s, m, masked)
-            acc = acc * rows(alpha)
-            l_ = l_ * alpha + pr.sum(axis=1)
-            if d <= 128:
-                # Finish the softmax, the cast included, before handing the tensor cores
-                # over: measured faster up to head_dim 128 (as in jax's FA3 kernel), slower
-                # at 256, where the registers are short and the cast waits for the V tile.
-                pr = pr.astype(p.dtype)
-                acc, l_, m_new, pr = lax.optimization_barrier((acc, l_, m_new, pr))
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)
-            acc = _dot_acc(
-                acc,
-                pr.astype(p.dtype),
-                v_smem.at[slot],
-                stg,
-                interpret=interpret,
-                overlap=wait_next_k(j),
-            )
-            plgpu.barrier_arrive(v_done.at[slot])
-            return acc, m_new, l_
-
-        def flush(j, _):
-            # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
-            slot = slot_of(j)
-            if p.fwd_pipelined:  # (a pipelined step awaits its own K block)
-                plgpu.barrier_wait(k_bar.at[slot])
-            _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
-            plgpu.barrier_arrive(k_done.at[slot])
-            _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
-            schedule()
-            plgpu.barrier_wait(v_bar.at[slot])
-            schedule()
-            if not p.fwd_pipelined:
-                wait_next_k(j)()
-            plgpu.barrier_arrive(v_done.at[slot])
-
-        # The pipelined loop (``p.fwd_pipelined``, FA3's intra-warpgroup overlap): step j
-        # issues S_j = Q·K_jᵀ and O += P_{j−1}·V_{j−1} back to back, reads S_j as soon as
-        # it is done and runs its softmax while the P·V product is still on the tensor
-        # cores; O is rescaled by step j's factor once that product has landed. The first
-        # block a warpgroup sees only computes its scores, one P·V product follows the
-        # last, and masked blocks run their two products one after the other. With the
-        # ping-pong (``p.fwd_pingpong``) a step's two schedule rendezvous stay where the
-        # serial loop has them, after the products are issued and after the softmax;
-        # without it the warpgroups meet only at the K/V ring's barriers.
-
-        def row_sums(l_, m_new, pr, alpha):  # the carried softmax state after a block
-            return m_new, l_ * alpha + pr.sum(axis=1), pr.astype(p.dtype)
-
-        def first_step(j, carry):
-            m, l_, _ = carry
-            plgpu.barrier_wait(k_bar.at[slot_of(j)])
-            # Masked whatever its range: it may be any of them, and the mask is exact.
-            m_new, pr, alpha = probs(j, scores(slot_of(j)), m, masked=True)
-            schedule()
-            return row_sums(l_, m_new, pr, alpha)
-
-        def pipelined_step(j, carry, masked: bool):
-            (m, l_, pr_prev), acc = carry
-            slot, prev = slot_of(j), slot_of(j - 1)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[prev])
-            if interpret or masked:
-                # One product after the other: the interpreter has no register operands,
-                # and a masked block's softmax needs the registers that P_{j-1} and the
-                # in-flight product would hold.
-                o = _dot_acc(acc, pr_prev, v_smem.at[prev], stg, interpret=interpret)
-                m_new, pr, alpha = probs(j, scores(slot), m, masked)
-                state = row_sums(l_, m_new, pr, alpha)
-            else:
-
-                def both(s_ref, o_ref):
-                    o_ref[...] = acc
+                def qk(s_ref):
                     plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(o_ref, pr_prev, v_smem.at[prev])
                     schedule()
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P·V still running
-                    m_new, pr, alpha = probs(j, s, m, masked)
-                    l_new = l_ * alpha + pr.sum(axis=1)
-                    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                    # The 16-bit P is written once P·V has landed: written while the
-                    # product still reads the last one, it makes ptxas serialise every
-                    # product of the kernel (its warning C7513).
-                    o, pr = lax.optimization_barrier((o, pr))
-                    return (m_new, l_new, pr.astype(p.dtype)), alpha, o
+                    return s_ref[...]
 
-                state, alpha, o = pl.run_scoped(
-                    both, plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
+                return pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+
+            def probs(j, s, m, masked: bool):
+                """The online softmax of block ``j``'s scores ``s`` (K released once read):
+                ``(m_new, pr, alpha)``, the running max and the probabilities in the exp2
+                domain and the factor that rescales what came before."""
+                slot = slot_of(j)
+                segs = _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)  # before K's release
+                plgpu.barrier_arrive(k_done.at[slot])
+                part = 0 if p.bias == "rows" else wg
+                bias = _bias_tile(p, bias_smem, bias_bar, slot, part, (bq, bkv))
+
+                # ``scaled(x)``: scores to the exp2 domain. The bias tile is in it already, so
+                # with one the scores are scaled once, here.
+                def scaled(x):
+                    return x if bias is not None else x * p.c
+
+                if bias is not None:
+                    s = s * p.c + bias
+                if masked:
+                    vis = _mask(
+                        (bq, bkv), q_base, j * bkv, rows_are_q=True, p=p, kv_len=kv_len, segs=segs
+                    )
+                    s = jnp.where(vis, s, -jnp.inf)
+                # The running max lives in the scaled exp2 domain, so that ``s·c − m`` below is
+                # one fused multiply-add per score.
+                m_new = jnp.maximum(m, scaled(s.max(axis=1)))
+                m_use = m_new
+                if masked:  # a row with nothing visible yet: subtract 0, not -inf (NaN)
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - m_use)
+                pr = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                return m_new, pr, alpha
+
+            def rows(x):
+                return lax.broadcast_in_dim(x, (bq, d), [0])
+
+            def step(j, carry, masked: bool):
+                acc, m, l_ = carry
+                slot = slot_of(j)
+                s = scores(slot)
+                m_new, pr, alpha = probs(j, s, m, masked)
+                acc = acc * rows(alpha)
+                l_ = l_ * alpha + pr.sum(axis=1)
+                if d <= 128:
+                    # Finish the softmax, the cast included, before handing the tensor cores
+                    # over: measured faster up to head_dim 128 (as in jax's FA3 kernel), slower
+                    # at 256, where the registers are short and the cast waits for the V tile.
+                    pr = pr.astype(p.dtype)
+                    acc, l_, m_new, pr = lax.optimization_barrier((acc, l_, m_new, pr))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                acc = _dot_acc(
+                    acc,
+                    pr.astype(p.dtype),
+                    v_smem.at[slot],
+                    stg,
+                    interpret=interpret,
+                    overlap=wait_next_k(j),
                 )
-            plgpu.barrier_arrive(v_done.at[prev])
-            schedule()
-            return state, o * rows(alpha)
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, m_new, l_
 
-        def pipelined_loop(acc, m, l_):
-            first, lo, hi, steps = ranges
-            if p.left is not None:
-                lax.fori_loop(cta_first, first, flush, None)
-            pr = jnp.zeros((bq, bkv), p.dtype)
-            state = lax.fori_loop(first, lax.min(first + 1, steps), first_step, (m, l_, pr))
-            after_first = first + 1
+            def flush(j, _):
+                # Blocks this warpgroup does not see: keep the barrier phases and the schedule.
+                slot = slot_of(j)
+                if p.fwd_pipelined:  # (a pipelined step awaits its own K block)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                _kv_segments(p, q_seg, kseg_smem, kseg_bar, slot)
+                plgpu.barrier_arrive(k_done.at[slot])
+                _bias_flush(p, bias_smem, bias_bar, slot, 0 if p.bias == "rows" else wg)
+                schedule()
+                plgpu.barrier_wait(v_bar.at[slot])
+                schedule()
+                if not p.fwd_pipelined:
+                    wait_next_k(j)()
+                plgpu.barrier_arrive(v_done.at[slot])
 
-            def run(start, stop, masked, carry):
-                return lax.fori_loop(
-                    start, stop, functools.partial(pipelined_step, masked=masked), carry
-                )
+            # The pipelined loop (``p.fwd_pipelined``, FA3's intra-warpgroup overlap): step j
+            # issues S_j = Q·K_jᵀ and O += P_{j−1}·V_{j−1} back to back, reads S_j as soon as
+            # it is done and runs its softmax while the P·V product is still on the tensor
+            # cores; O is rescaled by step j's factor once that product has landed. The first
+            # block a warpgroup sees only computes its scores, one P·V product follows the
+            # last, and masked blocks run their two products one after the other. With the
+            # ping-pong (``p.fwd_pingpong``) a step's two schedule rendezvous stay where the
+            # serial loop has them, after the products are issued and after the softmax;
+            # without it the warpgroups meet only at the K/V ring's barriers.
 
-            carry = (state, acc)
-            if p.left is not None:
-                carry = run(after_first, lo, True, carry)
-            carry = run(lax.max(lo, after_first), hi, False, carry)
-            (m, l_, pr), acc = run(lax.max(hi, after_first), steps, True, carry)
+            def row_sums(l_, m_new, pr, alpha):  # the carried softmax state after a block
+                return m_new, l_ * alpha + pr.sum(axis=1), pr.astype(p.dtype)
 
-            def last(j, acc):  # the last seen block's P·V (none if no block is seen)
-                plgpu.barrier_wait(v_bar.at[slot_of(j)])
-                acc = _dot_acc(acc, pr, v_smem.at[slot_of(j)], stg, interpret=interpret)
-                plgpu.barrier_arrive(v_done.at[slot_of(j)])
-                return acc
+            def first_step(j, carry):
+                m, l_, _ = carry
+                plgpu.barrier_wait(k_bar.at[slot_of(j)])
+                # Masked whatever its range: it may be any of them, and the mask is exact.
+                m_new, pr, alpha = probs(j, scores(slot_of(j)), m, masked=True)
+                schedule()
+                return row_sums(l_, m_new, pr, alpha)
 
-            acc = lax.fori_loop(lax.max(steps - 1, first), steps, last, acc)
-            lax.fori_loop(steps, cta_steps, flush, None)
-            return acc, m, l_
+            def pipelined_step(j, carry, masked: bool):
+                (m, l_, pr_prev), acc = carry
+                slot, prev = slot_of(j), slot_of(j - 1)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                if interpret or masked:
+                    # One product after the other: the interpreter has no register operands,
+                    # and a masked block's softmax needs the registers that P_{j-1} and the
+                    # in-flight product would hold.
+                    o = _dot_acc(acc, pr_prev, v_smem.at[prev], stg, interpret=interpret)
+                    m_new, pr, alpha = probs(j, scores(slot), m, masked)
+                    state = row_sums(l_, m_new, pr, alpha)
+                else:
 
-        if p.fwd_pipelined:
-            acc, m, l_ = pipelined_loop(acc, m, l_)
-        else:
-            wait_next_k(cta_first - 1)()
-            acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
-        pl.when(wg == 0)(schedule)
-        empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
-        l_safe = jnp.where(empty, 1.0, l_)
-        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        q_rows = pl.ds(q_base, bq)
+                    def both(s_ref, o_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(o_ref, pr_prev, v_smem.at[prev])
+                        schedule()
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P·V still running
+                        m_new, pr, alpha = probs(j, s, m, masked)
+                        l_new = l_ * alpha + pr.sum(axis=1)
+                        o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                        # The 16-bit P is written once P·V has landed: written while the
+                        # product still reads the last one, it makes ptxas serialise every
+                        # product of the kernel (its warning C7513).
+                        o, pr = lax.optimization_barrier((o, pr))
+                        return (m_new, l_new, pr.astype(p.dtype)), alpha, o
 
-        @pl.when(q_base < p.seq_q)  # (padded rows are cut off)
-        def _write():
-            hi = acc.astype(p.dtype)
-            qs[...] = hi
-            lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
-            plgpu.commit_smem()
-            lse_wg = lse_smem.at[wg]
-            if chunk is None:
-                plgpu.copy_smem_to_gmem(qs, out_ref.at[b, q_rows, h])
-                plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[b, h, q_rows])
+                    state, alpha, o = pl.run_scoped(
+                        both, plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
+                    )
+                plgpu.barrier_arrive(v_done.at[prev])
+                schedule()
+                return state, o * rows(alpha)
+
+            def pipelined_loop(acc, m, l_):
+                first, lo, hi, steps = ranges
+                if p.left is not None:
+                    lax.fori_loop(cta_first, first, flush, None)
+                pr = jnp.zeros((bq, bkv), p.dtype)
+                state = lax.fori_loop(first, lax.min(first + 1, steps), first_step, (m, l_, pr))
+                after_first = first + 1
+
+                def run(start, stop, masked, carry):
+                    return lax.fori_loop(
+                        start, stop, functools.partial(pipelined_step, masked=masked), carry
+                    )
+
+                carry = (state, acc)
+                if p.left is not None:
+                    carry = run(after_first, lo, True, carry)
+                carry = run(lax.max(lo, after_first), hi, False, carry)
+                (m, l_, pr), acc = run(lax.max(hi, after_first), steps, True, carry)
+
+                def last(j, acc):  # the last seen block's P·V (none if no block is seen)
+                    plgpu.barrier_wait(v_bar.at[slot_of(j)])
+                    acc = _dot_acc(acc, pr, v_smem.at[slot_of(j)], stg, interpret=interpret)
+                    plgpu.barrier_arrive(v_done.at[slot_of(j)])
+                    return acc
+
+                acc = lax.fori_loop(lax.max(steps - 1, first), steps, last, acc)
+                lax.fori_loop(steps, cta_steps, flush, None)
+                return acc, m, l_
+
+            if p.fwd_pipelined:
+                acc, m, l_ = pipelined_loop(acc, m, l_)
+            else:
+                wait_next_k(cta_first - 1)()
+                acc, m, l_ = _kv_loop(p, ranges, cta_first, cta_steps, step, flush, (acc, m, l_))
+            pl.when(wg == 0)(schedule)
+            empty = l_ == 0.0  # rows that see no key: zeros and lse = -inf
+            l_safe = jnp.where(empty, 1.0, l_)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            q_rows = pl.ds(q_base, bq)
+
+            @pl.when(q_base < p.seq_q)  # (padded rows are cut off)
+            def _write():
+                hi = acc.astype(p.dtype)
+                qs[...] = hi
+                lse_smem[wg] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+                plgpu.commit_smem()
+                lse_wg = lse_smem.at[wg]
+                if chunk is None:
+                    plgpu.copy_smem_to_gmem(qs, out_ref.at[b, q_rows, h])
+                    plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[b, h, q_rows])
+                    if not persistent:  # (else awaited where the tiles are reused)
+                        plgpu.wait_smem_to_gmem(0)
+                    return
+                # A chunk's output as a pair of 16-bit terms (as the dQ kernel's partials),
+                # the second through the same tile once the first has left it; rows past
+                # the partials' (:attr:`Problem.part_rows`) stay behind.
+                n = p.part_rows
+                rows, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
+                plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[0, chunk, b, rows, h])
+                plgpu.copy_smem_to_gmem(lse_wg.at[tile_rows], lse_ref.at[chunk, b, h, rows])
                 plgpu.wait_smem_to_gmem(0)
-                return
-            # A chunk's output as a pair of 16-bit terms (as the dQ kernel's partials),
-            # the second through the same tile once the first has left it; rows past
-            # the partials' (:attr:`Problem.part_rows`) stay behind.
-            n = p.part_rows
-            rows, tile_rows = pl.ds(q_base, n), pl.ds(0, n)
-            plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[0, chunk, b, rows, h])
-            plgpu.copy_smem_to_gmem(lse_wg.at[tile_rows], lse_ref.at[chunk, b, h, rows])
+                qs[...] = (acc - hi.astype(jnp.float32)).astype(p.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[1, chunk, b, rows, h])
+                plgpu.wait_smem_to_gmem(0)
+
+            return _advance(base, cta_steps - cta_first)
+
+        if persistent:
+            lax.fori_loop(0, n_items, run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
-            qs[...] = (acc - hi.astype(jnp.float32)).astype(p.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qs.at[tile_rows], out_ref.at[1, chunk, b, rows, h])
-            plgpu.wait_smem_to_gmem(0)
+        else:
+            run(0, None)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
-        def kv(ref):
-            return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
+        plgpu.set_max_registers(p.wg_regs[1], action="decrease")
 
-        k_loads = [(kv(k_ref), k_smem, k_bar)]
-        k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
-        v_loads = [(kv(v_ref), v_smem, v_bar)]
-        bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
-        v_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
-        _producer(p, cta_steps - cta_first, p.stages, [(k_done, k_loads), (v_done, v_loads)])
+        def feed(k, base):
+            b, h, tile0, _, _, cta_first, cta_steps, _ = item(k)
+            kv_head = lax.div(h, jnp.int32(p.group))
+
+            def kv(ref):
+                return lambda n: ref.at[b, pl.ds((cta_first + n) * bkv, bkv), kv_head]
+
+            k_loads = [(kv(k_ref), k_smem, k_bar)]
+            k_loads += _kv_segment_loads(p, kv_seg_ref, kseg_smem, kseg_bar, b, cta_first)
+            v_loads = [(kv(v_ref), v_smem, v_bar)]
+            bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
+            v_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
+            groups = [(k_done, k_loads), (v_done, v_loads)]
+            _produce(0 if base is None else base, cta_steps - cta_first, p.stages, groups)
+            return _advance(base, cta_steps - cta_first)
+
+        if persistent:
+            steps = lax.fori_loop(0, n_items, feed, jnp.int32(0))
+        else:
+            steps = feed(0, None)
+        _drain(steps, p.stages, [(k_done, None), (v_done, None)])
+
+
+def _advance(base, steps):
+    """Ring steps after an item of ``steps`` that followed ``base`` (None: none)."""
+    return steps if base is None else base + steps
+
+
+def _fwd_items(p: Problem):
+    """The forward CTA's work items: ``(count, at(k) -> (b, h, tile, chunk))``. One, the
+    grid's, without :attr:`Problem.fwd_ctas`; else items ``cta, cta + ctas, ...`` of the
+    grid the kernel would launch without it, in its launch order (heads fastest), while
+    below :attr:`Problem.fwd_work`."""
+    if p.fwd_ctas is None:
+        b, h = lax.axis_index("batch"), lax.axis_index("heads")
+        tile, chunk = _tile_and_chunk(p, reverse=p.causal)
+        return 1, lambda k: (b, h, tile, chunk)
+    cta, ctas = lax.axis_index("cta"), p.fwd_ctas
+    q_items = p.seq_q_pad // TILE * p.kv_chunks
+
+    def at(k):
+        w = k * jnp.int32(ctas) + cta
+        h, r = lax.rem(w, jnp.int32(p.heads_q)), lax.div(w, jnp.int32(p.heads_q))
+        b, i = lax.div(r, jnp.int32(q_items)), lax.rem(r, jnp.int32(q_items))
+        return (b, h, *_tile_and_chunk(p, i, reverse=p.causal))
+
+    return _cdiv(jnp.int32(p.fwd_work) - cta, ctas), at
+
+
+def _fwd_grid(p: Problem) -> dict:
+    if p.fwd_ctas is not None:
+        return dict(grid=(p.fwd_ctas,), grid_names=("cta",))
+    grid = (p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch)
+    return dict(grid=grid, grid_names=("heads", "q_seq", "batch"))
 
 
 def _build_fwd(p: Problem, interpret: bool) -> Any:
     d, bkv = p.head_dim, p.block_kv
     stage = _smem((NUM_COMPUTE_WGS, WG_ROWS, bkv), p.dtype) if interpret else None
     scratch = [
-        _smem((NUM_COMPUTE_WGS, WG_ROWS, d), p.dtype),
+        _smem((p.fwd_q_slots, NUM_COMPUTE_WGS, WG_ROWS, d), p.dtype),
         _smem((p.stages, bkv, d), p.dtype),
         _smem((p.stages, bkv, d), p.dtype),
         plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
         stage,
         plgpu.Barrier(num_barriers=p.stages),
         plgpu.Barrier(num_barriers=p.stages),
-        plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS * p.fwd_q_slots),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.stages),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
@@ -1436,8 +1609,7 @@ def _build_fwd(p: Problem, interpret: bool) -> Any:
         functools.partial(_fwd_kernel, p=p, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(out, p.dtype), jax.ShapeDtypeStruct(lse, jnp.float32)),
         scratch_types=scratch,
-        grid=(p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch),
-        grid_names=("heads", "q_seq", "batch"),
+        **_fwd_grid(p),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -2361,6 +2533,8 @@ def flash_fwd(
     split_keys: int | None = None,
     pingpong: bool | None = None,
     compute_regs: int | None = None,
+    persistent: bool | None = None,
+    ctas: int | None = None,
 ):
     """``(out, lse)`` of ``ts_flash_attention_fwd`` (``lse`` natural log, ``(B, Hq, Sq)``).
 
@@ -2378,9 +2552,12 @@ def flash_fwd(
     multiple of the keys per step; at least ``seq_kv``: no split); a ``block_kv`` whose K/V
     (and bias) ring does not fit shared memory is a ValueError, and so is
     ``pingpong=False`` with the serial loop. ``compute_regs`` replaces the compute
-    warpgroups' registers (:data:`COMPUTE_REGS`; no bit depends on it).
+    warpgroups' registers (:data:`COMPUTE_REGS`; no bit depends on it), and
+    ``persistent`` whether the grid is persistent and ``ctas`` its CTA count
+    (:func:`_fwd_ctas`; no bit depends on either).
     """
-    for name, knob in (("pipelined", pipelined), ("pingpong", pingpong)):
+    knobs = (("pipelined", pipelined), ("pingpong", pingpong), ("persistent", persistent))
+    for name, knob in knobs:
         if knob is not None and not isinstance(knob, bool):
             raise TypeError(f"attention_mgpu.flash_fwd: {name}={knob!r} must be a bool or None")
     reason = supports(spec, (q, k, v, *extras))
@@ -2394,6 +2571,8 @@ def flash_fwd(
         split_keys=split_keys,
         pingpong=pingpong,
         compute_regs=compute_regs,
+        persistent=persistent,
+        ctas=ctas,
     )
     d = q.shape[-1]
     if kernel_head_dim(d) != d:
@@ -2425,6 +2604,11 @@ def flash_fwd(
     p = dataclasses.replace(
         p, fwd_pipelined=pipelined, fwd_pingpong=pingpong, compute_regs=compute_regs
     )
+    sms = device.sm_counts(interpret=interpret).grid
+    ctas = _fwd_ctas(p, sms, persistent, ctas)
+    if ctas is not None:
+        q_slots = _fwd_q_slots(p.head_dim, p.block_kv, p.stages, p.bias)
+        p = dataclasses.replace(p, fwd_ctas=ctas, fwd_q_slots=q_slots)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
