@@ -486,8 +486,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     tile. ``persistent`` None: where :data:`FWD_PERSISTENT_MAX_KEYS` and
     :data:`FWD_PERSISTENT_HEAD_DIMS` say, for plain and causal attention only (the other
     features' tiles differ in length by their data); True: wherever the kernel runs.
-    ``ctas`` (with it) replaces the CTA count: one per SM, or a causal grid's
-    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles per CTA."""
+    ``ctas`` (which implies ``persistent``) replaces the CTA count: otherwise one CTA per
+    SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
