@@ -1990,6 +1990,37 @@ def test_persistent_forward_keeps_bits_interpret(case, ctas):
     _check_persistent_forward(case, ctas, interpret=True, detect_races=True)
 
 
+def _persistent_feature(name: str, b: int, s: int, h: int):
+    """``(spec, extras, knobs)`` of a feature the default keeps on the grid."""
+    if name == "window":
+        return _spec(local_window_size=(50, 20)), (), {}
+    if name == "bias":
+        return _spec(causal=True, has_bias=True), (rand((1, h, s, s), jnp.bfloat16),), {}
+    if name == "segments":
+        seg = jnp.broadcast_to((jnp.arange(s) >= s // 2).astype(jnp.int32), (b, s))
+        return _spec(has_segment_ids=True), (seg, seg), {}
+    return _spec(causal=True), (), dict(split_keys=256)  # key chunks
+
+
+@pytest.mark.usefixtures("interpret_mode")
+@pytest.mark.parametrize("feature", sample(["window", "bias", "segments", "key_chunks"], 2))
+def test_persistent_forward_with_features_interpret(feature):
+    """Forced onto the persistent grid, the features ``auto`` keeps on the grid give the
+    grid's bits, without races (their results against float64: the grid's own tests)."""
+    b, h, d = 2, 2, 64
+    sq, skv = (5, 700) if feature == "key_chunks" else (200, 200)
+    q = rand((b, sq, h, d), jnp.bfloat16)
+    k, v = rand((b, skv, h, d), jnp.bfloat16), rand((b, skv, h, d), jnp.bfloat16)
+    spec, extras, knobs = _persistent_feature(feature, b, skv, h)
+    fwd = functools.partial(am.flash_fwd, spec, q, k, v, *extras, interpret=True, **knobs)
+    grid = fwd(persistent=False)
+    with _compat.gpu_interpret_mode(detect_races=True):
+        persistent = fwd(persistent=True, ctas=3)
+    assert _compat.races_detected() is False
+    for x, y in zip(grid, persistent):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("pallas_mode")
 @pytest.mark.parametrize(
