@@ -472,10 +472,11 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # Where the forward runs a persistent grid (``Problem.fwd_ctas``, :func:`_fwd_ctas`): its
 # CTAs step through query tiles, so one tile's epilogue and the next one's first loads
 # overlap instead of each tile paying a CTA's start and end. That fixed cost weighs most
-# against short rows of keys; against long ones the grid's own order measured faster (its
-# running CTAs stay on neighbouring tiles, which share K/V in L2), and at head_dim 256
-# too. A causal grid's tiles differ in length, so there each CTA takes two tiles and the
-# hardware's scheduler still balances the CTAs (benchmarks/archive/fwd-persistent-h200.txt).
+# against short rows of keys; against long ones the grid's own order measured faster
+# (probably because its running CTAs stay on neighbouring tiles, which share K/V in L2),
+# and at head_dim 256 too. A causal grid's tiles differ in length, so there each CTA takes
+# two tiles and the hardware's scheduler still balances the CTAs
+# (benchmarks/archive/fwd-persistent-h200.txt).
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = 2
