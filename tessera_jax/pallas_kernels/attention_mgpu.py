@@ -157,8 +157,6 @@ class Problem:
         each running the query tiles (:attr:`fwd_work` items) of the grid it replaces one
         after the other, so that its memory warpgroup streams the next tile's first K/V
         blocks while the compute warpgroups finish the last; None: one CTA per tile.
-      fwd_q_slots: with :attr:`fwd_ctas`, 2 where a second pair of Q tiles fits shared
-        memory beside the K/V ring (the next item's Q loads while one runs); else 1.
       dkv_paired: the dK/dV kernel's paired schedule (:data:`DKV_PAIRED`; False where the
         warpgroups split roles).
       dq_v_stages: the dQ kernel's V ring slots where fewer than its K slots fit (V is
@@ -221,7 +219,6 @@ class Problem:
     fwd_pipelined: bool = False
     fwd_pingpong: bool = True
     fwd_ctas: int | None = None
-    fwd_q_slots: int = 1
     window: tuple[int, int] | None = None
     kv_lengths: bool = False
     q_lengths: bool = False
@@ -281,10 +278,25 @@ class Problem:
         return -(-self.seq_kv_pad // (self.block_kv * self.kv_split))
 
     @property
+    def q_items(self) -> int:
+        """The forward's work items per head and batch entry: query tiles times key
+        chunks (its grid's ``q_seq`` axis, :func:`_tile_and_chunk`)."""
+        return self.seq_q_pad // TILE * self.kv_chunks
+
+    @property
     def fwd_work(self) -> int:
         """The forward's CTAs without :attr:`fwd_ctas`: (head, query tile, key chunk, batch
         entry) items."""
-        return self.heads_q * self.seq_q_pad // TILE * self.kv_chunks * self.batch
+        return self.heads_q * self.q_items * self.batch
+
+    @property
+    def fwd_q_slots(self) -> int:
+        """Pairs of Q tiles the forward holds: with :attr:`fwd_ctas`, 2 where a second
+        pair fits shared memory beside the K/V ring (the next item's Q loads while one
+        runs, :func:`_fwd_q_slots`); else 1."""
+        if self.fwd_ctas is None:
+            return 1
+        return _fwd_q_slots(self.head_dim, self.block_kv, self.stages, self.bias)
 
     @property
     def part_rows(self) -> int:
@@ -823,6 +835,11 @@ def _slot(step, stages: int):
     return lax.rem(step, jnp.int32(stages))
 
 
+def _advance(base, steps):
+    """Ring steps after ``steps`` that followed ``base`` earlier ones (None: none)."""
+    return steps if base is None else base + steps
+
+
 def _dot(shape, a, b) -> jax.Array:
     """``a @ b`` of two shared-memory refs into a fresh f32 accumulator; ``a`` and ``b`` may
     be equally long lists of refs whose products are summed (a contraction in chunks)."""
@@ -904,7 +921,7 @@ def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
     ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(p.wg_regs[1], action="decrease")
-    _produce(0, n_steps, stages, groups)
+    _produce(None, n_steps, stages, groups)
     _drain(n_steps, stages, groups)
 
 
@@ -914,14 +931,14 @@ def _per_group(stages: int | Sequence[int], groups) -> list[int]:
 
 def _produce(base, n_steps, stages: int | Sequence[int], groups) -> None:
     """:func:`_producer`'s loads of ``n_steps`` steps that follow ``base`` earlier ones on
-    the same rings (a persistent kernel's next work item): step ``n`` fills ring slot
-    ``(base + n) % stages``; ``src`` still takes ``n``."""
+    the same rings (a persistent kernel's next work item; None: none): step ``n`` fills
+    ring slot ``(base + n) % stages``; ``src`` still takes ``n``."""
     per_group = _per_group(stages, groups)
 
     @pl.loop(0, n_steps)
     def _step(step):
         for (consumed, loads), n in zip(groups, per_group):
-            ring_step = step if isinstance(base, int) and base == 0 else base + step
+            ring_step = _advance(base, step)
             slot = _slot(ring_step, n)
 
             @pl.when(ring_step >= n)
@@ -1252,14 +1269,18 @@ def _fwd_kernel(
         q_len = _q_len(p, lengths_ref, b)
         return b, h, tile0, chunk, kv_len, *_cta_kv_ranges(p, tile0, chunk, kv_len, q_len)
 
-    def load_q(k):  # (with a ring of Q tiles: item k's into slot k % q_slots)
+    def q_tile(k):
+        """Item ``k``'s Q tile of this warpgroup and its barrier: slot ``k % q_slots``."""
+        slot = 0 if q_slots == 1 else _slot(k, q_slots)
+        return qo_smem.at[slot, wg], q_bar.at[slot * NUM_COMPUTE_WGS + wg]
+
+    def load_q(b, h, q_base, tile):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], *tile)
+
+    def prefetch_q(k):  # (with two Q slots: item k's while item k - 1 runs)
         b, h, tile0, *_ = item(k)
-        slot = _slot(k, q_slots)
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(tile0 + wg * bq, bq), h],
-            qo_smem.at[slot, wg],
-            q_bar.at[slot * NUM_COMPUTE_WGS + wg],
-        )
+        tile = q_tile(k)
+        load_q(b, h, tile0 + wg * bq, tile)
 
     def schedule():
         # Ping-pong between the two compute warpgroups: one's softmax overlaps the other's
@@ -1272,7 +1293,7 @@ def _fwd_kernel(
     def _compute():
         plgpu.set_max_registers(p.wg_regs[0], action="increase")
         if q_slots > 1:
-            pl.when(n_items > 0)(lambda: load_q(0))
+            pl.when(n_items > 0)(lambda: prefetch_q(0))
 
         def run(k, base):
             """Item ``k``, whose K/V ring steps follow ``base`` earlier ones (None: the
@@ -1281,15 +1302,14 @@ def _fwd_kernel(
             stg = None if stage is None else stage.at[wg]  # the interpreter's A-operand slot
             q_base = tile0 + wg * bq
             ranges = wg_ranges(q_base)
-            qslot = 0 if q_slots == 1 else _slot(k, q_slots)
-            qs, q_ready = qo_smem.at[qslot, wg], q_bar.at[qslot * NUM_COMPUTE_WGS + wg]
+            qs, q_ready = q_tile(k)
             if persistent:  # the last item's stores must have read Q's tile and the lse row
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if q_slots == 1:
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], qs, q_ready)
+                load_q(b, h, q_base, (qs, q_ready))
             plgpu.barrier_wait(q_ready)
             if q_slots > 1:  # the next item's Q streams in while this one runs
-                pl.when(k + 1 < n_items)(lambda: load_q(k + 1))
+                pl.when(k + 1 < n_items)(lambda: prefetch_q(k + 1))
             q_seg = _load_q_segments(p, q_seg_ref, qseg_smem, qseg_bar, b, q_base, wg)
             m = jnp.full((bq,), -jnp.inf, jnp.float32)
             l_ = jnp.zeros((bq,), jnp.float32)
@@ -1297,8 +1317,7 @@ def _fwd_kernel(
             pl.when(wg == 1)(schedule)
 
             def slot_of(j):
-                ring_step = j - cta_first
-                return _slot(ring_step if base is None else base + ring_step, p.stages)
+                return _slot(_advance(base, j - cta_first), p.stages)
 
             def wait_next_k(j):
                 # Each step waits for the next step's K block while its P·V product runs (the
@@ -1457,16 +1476,16 @@ def _fwd_kernel(
                 state = lax.fori_loop(first, lax.min(first + 1, steps), first_step, (m, l_, pr))
                 after_first = first + 1
 
-                def run(start, stop, masked, carry):
+                def span(start, stop, masked, carry):
                     return lax.fori_loop(
                         start, stop, functools.partial(pipelined_step, masked=masked), carry
                     )
 
                 carry = (state, acc)
                 if p.left is not None:
-                    carry = run(after_first, lo, True, carry)
-                carry = run(lax.max(lo, after_first), hi, False, carry)
-                (m, l_, pr), acc = run(lax.max(hi, after_first), steps, True, carry)
+                    carry = span(after_first, lo, True, carry)
+                carry = span(lax.max(lo, after_first), hi, False, carry)
+                (m, l_, pr), acc = span(lax.max(hi, after_first), steps, True, carry)
 
                 def last(j, acc):  # the last seen block's P·V (none if no block is seen)
                     plgpu.barrier_wait(v_bar.at[slot_of(j)])
@@ -1540,7 +1559,7 @@ def _fwd_kernel(
             bias_src = _bias_src(p, bias_ref, b, h, tile0, cta_first, bkv)
             v_loads += _bias_loads(p, bias_smem, bias_bar, bias_src)
             groups = [(k_done, k_loads), (v_done, v_loads)]
-            _produce(0 if base is None else base, cta_steps - cta_first, p.stages, groups)
+            _produce(base, cta_steps - cta_first, p.stages, groups)
             return _advance(base, cta_steps - cta_first)
 
         if persistent:
@@ -1548,11 +1567,6 @@ def _fwd_kernel(
         else:
             steps = feed(0, None)
         _drain(steps, p.stages, [(k_done, None), (v_done, None)])
-
-
-def _advance(base, steps):
-    """Ring steps after an item of ``steps`` that followed ``base`` (None: none)."""
-    return steps if base is None else base + steps
 
 
 def _fwd_items(p: Problem):
@@ -1565,12 +1579,11 @@ def _fwd_items(p: Problem):
         tile, chunk = _tile_and_chunk(p, reverse=p.causal)
         return 1, lambda k: (b, h, tile, chunk)
     cta, ctas = lax.axis_index("cta"), p.fwd_ctas
-    q_items = p.seq_q_pad // TILE * p.kv_chunks
 
     def at(k):
         w = k * jnp.int32(ctas) + cta
         h, r = lax.rem(w, jnp.int32(p.heads_q)), lax.div(w, jnp.int32(p.heads_q))
-        b, i = lax.div(r, jnp.int32(q_items)), lax.rem(r, jnp.int32(q_items))
+        b, i = lax.div(r, jnp.int32(p.q_items)), lax.rem(r, jnp.int32(p.q_items))
         return (b, h, *_tile_and_chunk(p, i, reverse=p.causal))
 
     return _cdiv(jnp.int32(p.fwd_work) - cta, ctas), at
@@ -1579,7 +1592,7 @@ def _fwd_items(p: Problem):
 def _fwd_grid(p: Problem) -> dict:
     if p.fwd_ctas is not None:
         return dict(grid=(p.fwd_ctas,), grid_names=("cta",))
-    grid = (p.heads_q, p.seq_q_pad // TILE * p.kv_chunks, p.batch)
+    grid = (p.heads_q, p.q_items, p.batch)
     return dict(grid=grid, grid_names=("heads", "q_seq", "batch"))
 
 
@@ -2608,8 +2621,7 @@ def flash_fwd(
     sms = device.sm_counts(interpret=interpret).grid
     ctas = _fwd_ctas(p, sms, persistent, ctas)
     if ctas is not None:
-        q_slots = _fwd_q_slots(p.head_dim, p.block_kv, p.stages, p.bias)
-        p = dataclasses.replace(p, fwd_ctas=ctas, fwd_q_slots=q_slots)
+        p = dataclasses.replace(p, fwd_ctas=ctas)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
