@@ -1352,17 +1352,42 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
         (128, dict(has_segment_ids=True), False),
         (64, {}, False),
         (64, dict(has_mask=True), False),
+        (64, dict(causal=True), False),
+        (64, dict(causal=True, fwd_ctas=2), True),  # 128 keys a step on the persistent grid
+        (64, dict(causal=True, fwd_ctas=2, has_kv_lengths=True), True),
+        (64, dict(causal=True, fwd_ctas=2, has_segment_ids=True), False),
+        (64, dict(fwd_ctas=2), False),
     ],
 )
 def test_pipelined_forward_where_it_measured_faster(head_dim, features, pipelined):
-    """The forward takes the pipelined loop only at FWD_PIPELINED's head dims, with every
-    block visible whole."""
+    """The forward takes the pipelined loop only at FWD_PIPELINED's head dims, and at 64
+    causal on the persistent grid, with every block visible whole."""
     q = jnp.zeros((1, 256, 1, head_dim), jnp.bfloat16)
     causal = features.pop("causal", False)
+    ctas = features.pop("fwd_ctas", None)
     spec = _spec(causal=causal, **features)
     bias = jnp.zeros((1, 1, 256, 256)) if spec.has_mask else None
     p = am._with_features(am._fwd_problem(q, q, causal, 0.1), spec, bias)
-    assert am._fwd_pipelined(p) is pipelined
+    assert am._fwd_pipelined(dataclasses.replace(p, fwd_ctas=ctas)) is pipelined
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "seq_kv", "causal", "bias_shape", "block_kv"),
+    [
+        (64, 1024, True, None, 128),  # short causal rows
+        (64, 2048, True, (2, 1, 1, 2048), 128),  # a key-padding mask streamed beside
+        (64, 4096, True, None, 256),
+        (64, 1024, False, None, 256),
+        (128, 1024, True, None, 128),
+        (256, 1024, True, None, 64),
+        (128, 1024, True, (1, 2, 256, 1024), 64),  # a bias tile per block: two slots fit
+    ],
+)
+def test_forward_keys_per_step(head_dim, seq_kv, causal, bias_shape, block_kv):
+    q = jnp.zeros((2, 256, 2, head_dim), jnp.bfloat16)
+    k = jnp.zeros((2, seq_kv, 2, head_dim), jnp.bfloat16)
+    kind = None if bias_shape is None else ("rows" if bias_shape[2] == 1 else "tiles")
+    assert am._fwd_problem(q, k, causal, 0.1, bias=kind).block_kv == block_kv
 
 
 def test_pingpong_off_needs_the_pipelined_loop():
@@ -1957,6 +1982,7 @@ def test_compute_regs_keep_bits():
 # 128 loads the next tile's Q during a tile (two Q slots), 64 after the last one's stores.
 PERSISTENT_CASES = [
     ((2, 200, 328, 2, 1, 128, True, None), 3),
+    ((2, 300, 300, 2, 2, 64, True, None), 3),  # 128 keys a step, pipelined
     ((2, 384, 384, 1, 1, 64, False, None), 2),
     ((2, 200, 328, 2, 2, 64, False, (90, 328)), 3),
 ]
@@ -1991,34 +2017,57 @@ def test_persistent_forward_keeps_bits_interpret(case, ctas):
 
 
 def _persistent_feature(name: str, b: int, s: int, h: int):
-    """``(spec, extras, knobs)`` of a feature the default keeps on the grid."""
+    """``(spec, extras, knobs)`` of one feature on the persistent grid."""
     if name == "window":
         return _spec(local_window_size=(50, 20)), (), {}
     if name == "bias":
         return _spec(causal=True, has_bias=True), (rand((1, h, s, s), jnp.bfloat16),), {}
+    even = jnp.arange(b) % 2 == 0
+    if name == "key_padding":
+        keep = jnp.arange(s)[None, :] < jnp.where(even, s - 70, s)[:, None]
+        return _spec(causal=True, has_mask=True), (keep[:, None, None, :],), {}
+    if name == "q_lengths":
+        return _spec(has_q_lengths=True), (jnp.where(even, s - 50, 7).astype(jnp.int32),), {}
     if name == "segments":
         seg = jnp.broadcast_to((jnp.arange(s) >= s // 2).astype(jnp.int32), (b, s))
         return _spec(has_segment_ids=True), (seg, seg), {}
     return _spec(causal=True), (), dict(split_keys=256)  # key chunks
 
 
-@pytest.mark.usefixtures("interpret_mode")
-@pytest.mark.parametrize("feature", sample(["window", "bias", "segments", "key_chunks"], 2))
-def test_persistent_forward_with_features_interpret(feature):
-    """Forced onto the persistent grid, the features ``auto`` keeps on the grid give the
-    grid's bits, without races (their results against float64: the grid's own tests)."""
-    b, h, d = 2, 2, 64
-    sq, skv = (5, 700) if feature == "key_chunks" else (200, 200)
+PERSISTENT_FEATURES = ["window", "bias", "key_padding", "q_lengths", "segments", "key_chunks"]
+
+
+def _check_persistent_feature(feature, b, s, h, d, *, interpret: bool):
+    """On the persistent grid (forced where ``auto`` keeps the grid), ``feature`` gives
+    the grid's bits (their results against float64: the grid's own tests); in interpret
+    mode without races."""
+    sq, skv = (5, 700) if feature == "key_chunks" else (s, s)
     q = rand((b, sq, h, d), jnp.bfloat16)
     k, v = rand((b, skv, h, d), jnp.bfloat16), rand((b, skv, h, d), jnp.bfloat16)
     spec, extras, knobs = _persistent_feature(feature, b, skv, h)
-    fwd = functools.partial(am.flash_fwd, spec, q, k, v, *extras, interpret=True, **knobs)
+    fwd = functools.partial(am.flash_fwd, spec, q, k, v, *extras, interpret=interpret, **knobs)
     grid = fwd(persistent=False)
-    with _compat.gpu_interpret_mode(detect_races=True):
-        persistent = fwd(persistent=True, ctas=3)
-    assert _compat.races_detected() is False
+    if interpret:
+        with _compat.gpu_interpret_mode(detect_races=True):
+            persistent = fwd(persistent=True, ctas=3)
+        assert _compat.races_detected() is False
+    else:
+        persistent = fwd(persistent=True)
     for x, y in zip(grid, persistent):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.usefixtures("interpret_mode")
+@pytest.mark.parametrize("feature", sample(PERSISTENT_FEATURES, 2))
+def test_persistent_forward_with_features_interpret(feature):
+    _check_persistent_feature(feature, 2, 200, 2, 64, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("pallas_mode")
+@pytest.mark.parametrize("feature", PERSISTENT_FEATURES)
+def test_persistent_forward_with_features(feature):
+    _check_persistent_feature(feature, 4, 1000, 8, 128, interpret=False)
 
 
 @pytest.mark.gpu
@@ -2044,15 +2093,24 @@ def test_persistent_forward_keeps_bits(case, ctas):
         ((16, 2048, 16, 64), (16, 2048, 16, 64), {}, 132),
         ((4, 4096, 16, 128), (4, 4096, 16, 128), {}, None),  # long rows of keys
         ((16, 1024, 16, 256), (16, 1024, 16, 256), {}, None),
-        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_kv_lengths=True), None),
-        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(local_window_size=(64, 0)), None),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_kv_lengths=True), 132),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(local_window_size=(64, 0)), 132),
+        ((8, 2048, 16, 128), (8, 2048, 16, 128), dict(causal=True, has_segment_ids=True), 1024),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_mask=True), 132),  # key padding
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_bias=True), None),  # row per query
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_q_lengths=True), None),
+        ((4, 1, 16, 128), (4, 2048, 16, 128), dict(causal=True), None),  # key chunks
     ],
 )
 def test_persistent_forward_where_it_measured_faster(q_shape, k_shape, features, want):
     q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
     spec = _spec(**features)
     causal = features.get("causal", False)
-    p = am._with_features(am._fwd_problem(q, k, causal, 0.1), spec, None)
+    b, sq, h, _ = q_shape
+    rows = {"has_mask": (b, 1, 1, k_shape[1]), "has_bias": (1, h, sq, k_shape[1])}
+    shape = next((rows[f] for f in rows if f in features), None)
+    bias = None if shape is None else jnp.zeros(shape, jnp.float32)
+    p = am._with_features(am._fwd_problem(q, k, causal, 0.1), spec, bias)
     assert am._fwd_ctas(p, 132, None, None) == want
 
 

@@ -410,6 +410,13 @@ def _check_split_keys(kernel: str, arg: str, split_keys, block_kv: int) -> None:
 # keys 0.84x).
 FWD_BLOCK_KV = {64: 256, 128: 128, 256: 64}
 FWD_BLOCK_KV_CHOICES = (64, 128, 256)
+# Causal attention up to FWD_PERSISTENT_MAX_KEYS keys at head_dim 64 steps 128 keys, on
+# the pipelined loop where it runs the persistent grid (:func:`_fwd_pipelined`); probably
+# because the diagonal block's masked half is a large share of a short row. 256 keys
+# measured 0.69-0.89x cuDNN at 512-2048 keys, 128 keys pipelined 0.84-0.94x; at 4096 keys
+# 256 stays level with cuDNN and 128 is not faster
+# (benchmarks/archive/d64-short-causal-h200.txt).
+FWD_SHORT_CAUSAL_BLOCK_KV = {64: 128}
 
 
 def _fwd_stages(d: int, block_kv: int, bias: str | None = None) -> int:
@@ -448,17 +455,17 @@ def _bias_ring_bytes(bias: str | None) -> int:
     return 0 if bias is None else 1024
 
 
-def _fwd_block_kv(d: int, bias: str | None) -> int | None:
-    """The forward's keys per loop step: :data:`FWD_BLOCK_KV`, or with a bias the longest
-    choice up to it that leaves two ring slots (a bias tile grows with the block); None:
-    none does."""
+def _fwd_block_kv(d: int, bias: str | None, short_causal: bool = False) -> int | None:
+    """The forward's keys per loop step: :data:`FWD_BLOCK_KV` (``short_causal``:
+    :data:`FWD_SHORT_CAUSAL_BLOCK_KV` where it has ``d``), or with a bias the longest choice
+    up to it that leaves two ring slots (a bias tile grows with the block); None: none
+    does."""
+    most = FWD_BLOCK_KV[d]
+    if short_causal:
+        most = FWD_SHORT_CAUSAL_BLOCK_KV.get(d, most)
     if bias is None:
-        return FWD_BLOCK_KV[d]
-    fits = [
-        bkv
-        for bkv in FWD_BLOCK_KV_CHOICES
-        if bkv <= FWD_BLOCK_KV[d] and _fwd_stages(d, bkv, bias) >= 2
-    ]
+        return most
+    fits = [bkv for bkv in FWD_BLOCK_KV_CHOICES if bkv <= most and _fwd_stages(d, bkv, bias) >= 2]
     return max(fits, default=None)
 
 
@@ -466,7 +473,8 @@ def _fwd_block_kv(d: int, bias: str | None) -> int | None:
 # (``Problem.fwd_pipelined``; :func:`_fwd_pipelined`). Measured faster at 256, whether its
 # loop bounds are fixed at compile time or read at run time (causal masks, key lengths; a
 # window's bounds are read the same way, not timed); slower at 64 at every block length
-# (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json).
+# (benchmarks/archive/fwd-pipelined-bounds-h200.txt, results/attention-h200-sweep.json),
+# except causal at 128 keys on the persistent grid (:data:`FWD_SHORT_CAUSAL_BLOCK_KV`).
 # At 128 it is faster than the serial loop without the ping-pong (:data:`FWD_PINGPONG`),
 # level with it; timed there at B4 S4096 H16, non-causal against both and causal against
 # cuDNN only; not with a window or key lengths, nor at decode shapes or short sequences.
@@ -488,7 +496,8 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # (probably because its running CTAs stay on neighbouring tiles, which share K/V in L2),
 # and at head_dim 256 too. A causal grid's tiles differ in length, so there each CTA takes
 # two tiles and the hardware's scheduler still balances the CTAs
-# (benchmarks/archive/fwd-persistent-h200.txt).
+# (benchmarks/archive/fwd-persistent-h200.txt; with the features:
+# fwd-persistent-features-h200.txt).
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = 2
@@ -497,17 +506,18 @@ FWD_CAUSAL_TILES_PER_CTA = 2
 def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -> int | None:
     """The forward's persistent grid (:attr:`Problem.fwd_ctas`), or None for one CTA per
     tile. ``persistent`` None: where :data:`FWD_PERSISTENT_MAX_KEYS` and
-    :data:`FWD_PERSISTENT_HEAD_DIMS` say, for plain and causal attention only (the other
-    features' tiles differ in length by their data); True: wherever the kernel runs.
-    ``ctas`` (which implies ``persistent``) replaces the CTA count: otherwise one CTA per
-    SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
+    :data:`FWD_PERSISTENT_HEAD_DIMS` say, with or without a causal mask, key lengths, a
+    window, segment ids or a key-padding mask; query lengths and a mask or bias of a row
+    per query keep the grid (they measured level or slower on it); True: wherever the
+    kernel runs. ``ctas`` (which implies ``persistent``) replaces the CTA count: otherwise
+    one CTA per SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one
+    per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
-        plain = p.window is None and not (p.kv_lengths or p.q_lengths or p.segments)
         persistent = (
-            plain
-            and p.bias is None
+            not p.q_lengths
+            and p.bias in (None, "rows")
             and p.kv_chunks == 1
             and p.head_dim in FWD_PERSISTENT_HEAD_DIMS
             and p.seq_kv <= FWD_PERSISTENT_MAX_KEYS
@@ -535,7 +545,8 @@ def _fwd_problem(
 ) -> Problem:
     b, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
-    block_kv = _fwd_block_kv(d, bias) if block_kv is None else block_kv
+    if block_kv is None:
+        block_kv = _fwd_block_kv(d, bias, short_causal=causal and skv <= FWD_PERSISTENT_MAX_KEYS)
     stages = _fwd_stages(d, block_kv, bias)
     _check_split_keys("flash_fwd", "split_keys", split_keys, block_kv)
     split = _kv_split(sq, skv, block_kv, split_keys)
@@ -545,9 +556,15 @@ def _fwd_problem(
 
 def _fwd_pipelined(p: Problem) -> bool:
     """Whether the forward of ``p`` takes the pipelined loop where it measured faster:
-    :data:`FWD_PIPELINED`'s head dims, with blocks visible whole (no segment ids or bias:
-    the pipelined step runs a masked block's products one after the other)."""
-    return FWD_PIPELINED[p.head_dim] and not p.every_block_masked
+    :data:`FWD_PIPELINED`'s head dims, and causal on the persistent grid at
+    :data:`FWD_SHORT_CAUSAL_BLOCK_KV`'s block; with blocks visible whole (no segment ids or
+    bias: the pipelined step runs a masked block's products one after the other)."""
+    short_causal = (
+        p.causal
+        and p.fwd_ctas is not None
+        and p.block_kv == FWD_SHORT_CAUSAL_BLOCK_KV.get(p.head_dim)
+    )
+    return (FWD_PIPELINED[p.head_dim] or short_causal) and not p.every_block_masked
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
@@ -2610,6 +2627,8 @@ def flash_fwd(
     ex = spec.split(extras)
     bias = _bias_operand(spec, ex, q, k)
     p = _with_features(_fwd_problem(q, k, causal, scale, block_kv, kind, split_keys), spec, bias)
+    sms = device.sm_counts(interpret=interpret).grid
+    p = dataclasses.replace(p, fwd_ctas=_fwd_ctas(p, sms, persistent, ctas))
     pipelined = _fwd_pipelined(p) if pipelined is None else pipelined
     if pingpong is None:
         pingpong = FWD_PINGPONG[p.head_dim] or not pipelined
@@ -2618,10 +2637,6 @@ def flash_fwd(
     p = dataclasses.replace(
         p, fwd_pipelined=pipelined, fwd_pingpong=pingpong, compute_regs=compute_regs
     )
-    sms = device.sm_counts(interpret=interpret).grid
-    ctas = _fwd_ctas(p, sms, persistent, ctas)
-    if ctas is not None:
-        p = dataclasses.replace(p, fwd_ctas=ctas)
     qp = _pad_seq(q, p.seq_q_pad)
     kp, vp = _pad_seq(k, p.seq_kv_pad), _pad_seq(v, p.seq_kv_pad)
     lengths = _lengths_operand(p, ex.kv_lengths, ex.q_lengths)
