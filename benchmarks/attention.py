@@ -366,6 +366,26 @@ def _feature_kwargs(feature: str, b: int, sq: int, skv: int, h: int, causal: boo
     return {}
 
 
+def prepare_feature(q, k, v, causal: bool, kw: dict):
+    """``(q, k, v, extras, spec)`` the Mosaic GPU kernels take for a feature case's
+    keyword arguments ``kw`` (:func:`_feature_kwargs`'s names)."""
+    return _prepare_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=None,
+        config=None,
+        mask=kw.get("mask"),
+        bias=kw.get("bias"),
+        q_lengths=kw.get("query_seq_lengths"),
+        kv_lengths=kw.get("key_value_seq_lengths"),
+        window=kw.get("local_window_size"),
+        q_seg=kw.get("q_segment_ids"),
+        kv_seg=kw.get("kv_segment_ids"),
+    )
+
+
 def _jax_nn_kwargs(kw: dict, sq: int, skv: int) -> dict:
     """``kw`` for jax.nn.dot_product_attention: segment ids become the mask they mean, and
     so does a window where ``sq != skv`` (jax.nn aligns its window top-left, we
@@ -435,21 +455,7 @@ def run_feature_case(
     elif feature.startswith("decode") and not backward:
         # ts_auto runs the Triton decode forward here; this is the Mosaic GPU one.
         def mosaic(q, k, v, kw):
-            q, k, v, extras, spec = _prepare_attention(
-                q,
-                k,
-                v,
-                causal=causal,
-                scale=None,
-                config=None,
-                mask=kw.get("mask"),
-                bias=kw.get("bias"),
-                q_lengths=None,
-                kv_lengths=None,
-                window=static.get("local_window_size"),
-                q_seg=None,
-                kv_seg=None,
-            )
+            q, k, v, extras, spec = prepare_feature(q, k, v, causal, {**kw, **static})
             return am.flash_fwd(spec, q, k, v, *extras)[0]
 
         fns["mosaic_gpu"] = (mosaic, "auto")

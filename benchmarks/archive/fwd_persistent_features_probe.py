@@ -17,7 +17,6 @@ import numpy as np
 from benchmarks import attention as bench
 from benchmarks._common import normal, time_interleaved
 from tessera_jax.pallas_kernels import attention_mgpu as am
-from tessera_jax.primitives.attention import _prepare as prepare
 
 print(jax.devices()[0].device_kind, flush=True)
 h, d = 16, 128
@@ -26,22 +25,7 @@ for feature in ("kvlen", "qkvlen", "window", "keypad", "mask", "bias", "segments
         for causal in (False, True):
             q, k, v = (normal(i, (b, s, h, d), jnp.bfloat16) for i in range(3))
             kw = bench._feature_kwargs(feature, b, s, s, h, causal)
-            window = kw.pop("local_window_size", None)
-            q_, k_, v_, extras, spec = prepare(
-                q,
-                k,
-                v,
-                causal=causal,
-                scale=None,
-                config=None,
-                mask=kw.get("mask"),
-                bias=kw.get("bias"),
-                q_lengths=kw.get("query_seq_lengths"),
-                kv_lengths=kw.get("key_value_seq_lengths"),
-                window=window,
-                q_seg=kw.get("q_segment_ids"),
-                kv_seg=kw.get("kv_segment_ids"),
-            )
+            q_, k_, v_, extras, spec = bench.prepare_feature(q, k, v, causal, kw)
             tiles = h * b * (s // am.TILE)
             variants = {
                 "grid": dict(persistent=False),
