@@ -508,10 +508,10 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     tile. ``persistent`` None: where :data:`FWD_PERSISTENT_MAX_KEYS` and
     :data:`FWD_PERSISTENT_HEAD_DIMS` say, with or without a causal mask, key lengths, a
     window, segment ids or a key-padding mask; query lengths and a mask or bias of a row
-    per query keep the grid (they measured level or slower on it); True: wherever the
-    kernel runs. ``ctas`` (which implies ``persistent``) replaces the CTA count: otherwise
-    one CTA per SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one
-    per SM)."""
+    per query keep the grid (they measured level or slower on it), and so do key chunks;
+    True: wherever the kernel runs. ``ctas`` (which implies ``persistent``) replaces the
+    CTA count: otherwise one CTA per SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA`
+    tiles (at least one per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
