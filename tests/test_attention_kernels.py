@@ -2026,15 +2026,24 @@ def _persistent_feature(name: str, b: int, s: int, h: int):
     if name == "key_padding":
         keep = jnp.arange(s)[None, :] < jnp.where(even, s - 70, s)[:, None]
         return _spec(causal=True, has_mask=True), (keep[:, None, None, :],), {}
-    if name == "q_lengths":
-        return _spec(has_q_lengths=True), (jnp.where(even, s - 50, 7).astype(jnp.int32),), {}
+    if name in ("q_lengths", "causal_q_lengths"):
+        spec = _spec(causal=name.startswith("causal"), has_q_lengths=True)
+        return spec, (jnp.where(even, s - 50, 7).astype(jnp.int32),), {}
     if name == "segments":
         seg = jnp.broadcast_to((jnp.arange(s) >= s // 2).astype(jnp.int32), (b, s))
         return _spec(has_segment_ids=True), (seg, seg), {}
     return _spec(causal=True), (), dict(split_keys=256)  # key chunks
 
 
-PERSISTENT_FEATURES = ["window", "bias", "key_padding", "q_lengths", "segments", "key_chunks"]
+PERSISTENT_FEATURES = [
+    "window",
+    "bias",
+    "key_padding",
+    "q_lengths",
+    "causal_q_lengths",
+    "segments",
+    "key_chunks",
+]
 
 
 def _check_persistent_feature(feature, b, s, h, d, *, interpret: bool):
@@ -2099,6 +2108,7 @@ def test_persistent_forward_keeps_bits(case, ctas):
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_mask=True), 132),  # key padding
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_bias=True), None),  # row per query
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_q_lengths=True), None),
+        ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(causal=True, has_q_lengths=True), 1024),
         ((4, 1, 16, 128), (4, 2048, 16, 128), dict(causal=True), None),  # key chunks
     ],
 )

@@ -497,7 +497,7 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # and at head_dim 256 too. A causal grid's tiles differ in length, so there each CTA takes
 # two tiles and the hardware's scheduler still balances the CTAs
 # (benchmarks/archive/fwd-persistent-h200.txt; with the features:
-# fwd-persistent-features-h200.txt).
+# fwd-persistent-features-h200.txt, fwd-qlengths-d64-loop-h200.txt).
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = 2
@@ -507,16 +507,16 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     """The forward's persistent grid (:attr:`Problem.fwd_ctas`), or None for one CTA per
     tile. ``persistent`` None: where :data:`FWD_PERSISTENT_MAX_KEYS` and
     :data:`FWD_PERSISTENT_HEAD_DIMS` say, with or without a causal mask, key lengths, a
-    window, segment ids or a key-padding mask; query lengths and a mask or bias of a row
-    per query keep the grid (they measured level or slower on it), and so do key chunks;
-    True: wherever the kernel runs. ``ctas`` (which implies ``persistent``) replaces the
-    CTA count: otherwise one CTA per SM, or causal one per :data:`FWD_CAUSAL_TILES_PER_CTA`
-    tiles (at least one per SM)."""
+    window, segment ids or a key-padding mask, and query lengths if causal; non-causal
+    query lengths and a mask or bias of a row per query keep the grid (they measured level
+    or slower on it), and so do key chunks; True: wherever the kernel runs. ``ctas``
+    (which implies ``persistent``) replaces the CTA count: otherwise one CTA per SM, or
+    causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
         persistent = (
-            not p.q_lengths
+            (p.causal or not p.q_lengths)
             and p.bias in (None, "rows")
             and p.kv_chunks == 1
             and p.head_dim in FWD_PERSISTENT_HEAD_DIMS
