@@ -1384,6 +1384,8 @@ def test_pipelined_forward_where_it_measured_faster(head_dim, features, pipeline
     ],
 )
 def test_forward_keys_per_step(head_dim, seq_kv, causal, bias_shape, block_kv):
+    """FWD_BLOCK_KV per head_dim, FWD_SHORT_CAUSAL_BLOCK_KV on causal rows of up to
+    FWD_PERSISTENT_MAX_KEYS keys, and with a bias the longest block leaving two slots."""
     q = jnp.zeros((2, 256, 2, head_dim), jnp.bfloat16)
     k = jnp.zeros((2, seq_kv, 2, head_dim), jnp.bfloat16)
     kind = None if bias_shape is None else ("rows" if bias_shape[2] == 1 else "tiles")
