@@ -1123,6 +1123,7 @@ PIPELINED_INTERPRET = [
     pytest.param(_pipelined("plain", RAGGED_GQA), id="ragged-gqa-d64"),
     pytest.param(_pipelined("plain", RAGGED_D256), id="ragged-d256"),
     pytest.param(_pipelined("index", *INDEX_MASKS[0].values), id="window-lengths"),
+    pytest.param(_pipelined("index", *INDEX_MASKS[2].values), id="causal-segments"),
     pytest.param(
         _pipelined("mask_bias", *MASK_BIAS[3].values[:4], empty_rows=MASK_BIAS[3].values[4]),
         id="tiles-empty-rows-window-lengths",
@@ -1355,13 +1356,14 @@ def test_mask_and_bias_lower_for_cuda(head_dim, bias_rows):
         (64, dict(causal=True), False),
         (64, dict(causal=True, fwd_ctas=2), True),  # 128 keys a step on the persistent grid
         (64, dict(causal=True, fwd_ctas=2, has_kv_lengths=True), True),
-        (64, dict(causal=True, fwd_ctas=2, has_segment_ids=True), False),
+        (64, dict(causal=True, fwd_ctas=2, has_segment_ids=True), True),
+        (64, dict(causal=True, fwd_ctas=2, has_mask=True), False),
         (64, dict(fwd_ctas=2), False),
     ],
 )
 def test_pipelined_forward_where_it_measured_faster(head_dim, features, pipelined):
-    """The forward takes the pipelined loop only at FWD_PIPELINED's head dims, and at 64
-    causal on the persistent grid, with every block visible whole."""
+    """The forward takes the pipelined loop only at FWD_PIPELINED's head dims with every
+    block visible whole, and at 64 causal on the persistent grid without a bias."""
     q = jnp.zeros((1, 256, 1, head_dim), jnp.bfloat16)
     causal = features.pop("causal", False)
     ctas = features.pop("fwd_ctas", None)

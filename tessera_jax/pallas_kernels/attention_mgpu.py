@@ -556,15 +556,18 @@ def _fwd_problem(
 
 def _fwd_pipelined(p: Problem) -> bool:
     """Whether the forward of ``p`` takes the pipelined loop where it measured faster:
-    :data:`FWD_PIPELINED`'s head dims, and causal on the persistent grid at
-    :data:`FWD_SHORT_CAUSAL_BLOCK_KV`'s block; with blocks visible whole (no segment ids or
-    bias: the pipelined step runs a masked block's products one after the other)."""
+    :data:`FWD_PIPELINED`'s head dims with blocks visible whole (no segment ids or bias:
+    the pipelined step runs a masked block's products one after the other), and causal on
+    the persistent grid at :data:`FWD_SHORT_CAUSAL_BLOCK_KV`'s block, segment ids included
+    (a bias, a mask or a key-padding mask streamed beside: not faster)."""
     short_causal = (
         p.causal
         and p.fwd_ctas is not None
         and p.block_kv == FWD_SHORT_CAUSAL_BLOCK_KV.get(p.head_dim)
     )
-    return (FWD_PIPELINED[p.head_dim] or short_causal) and not p.every_block_masked
+    return (FWD_PIPELINED[p.head_dim] and not p.every_block_masked) or (
+        short_causal and p.bias is None
+    )
 
 
 # The dQ kernel's keys per loop step, by head_dim (the dK/dV kernel's tiles are 64 x 64);
