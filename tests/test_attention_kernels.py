@@ -2103,6 +2103,10 @@ def test_persistent_forward_keeps_bits(case, ctas):
         ((16, 1024, 16, 128), (16, 1024, 16, 128), {}, 132),  # one CTA per SM
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(causal=True), 1024),  # 2 tiles each
         ((1, 1024, 4, 128), (1, 1024, 4, 128), dict(causal=True), 32),  # one wave: a tile each
+        ((32, 512, 16, 64), (32, 512, 16, 64), dict(causal=True), 132),  # short causal rows
+        ((32, 768, 16, 128), (32, 768, 16, 128), dict(causal=True), 132),
+        ((32, 769, 16, 128), (32, 769, 16, 128), dict(causal=True), 1792),
+        ((1, 512, 4, 64), (1, 512, 4, 64), dict(causal=True, has_kv_lengths=True), 16),
         ((16, 2048, 16, 64), (16, 2048, 16, 64), {}, 132),
         ((4, 4096, 16, 128), (4, 4096, 16, 128), {}, None),  # long rows of keys
         ((16, 1024, 16, 256), (16, 1024, 16, 256), {}, None),

@@ -497,10 +497,15 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # and at head_dim 256 too. A causal grid's tiles differ in length, so there each CTA takes
 # two tiles and the hardware's scheduler still balances the CTAs
 # (benchmarks/archive/fwd-persistent-h200.txt; with the features:
-# fwd-persistent-features-h200.txt, fwd-qlengths-d64-loop-h200.txt).
+# fwd-persistent-features-h200.txt, fwd-qlengths-d64-loop-h200.txt). Causal rows of up to
+# FWD_CAUSAL_ONE_WAVE_MAX_KEYS keys run one wave, a CTA per SM, like non-causal ones: their
+# tiles are a few blocks long, so a CTA's fixed cost weighs most, and along a CTA's stride
+# of items their lengths mix (benchmarks/archive/fwd-causal-ctas-h200.txt: faster at 256,
+# 512 and 768 keys, 0.80-0.88x at 1024).
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = 2
+FWD_CAUSAL_ONE_WAVE_MAX_KEYS = 768
 
 
 def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -> int | None:
@@ -511,7 +516,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     query lengths and a mask or bias of a row per query keep the grid (they measured level
     or slower on it), and so do key chunks; True: wherever the kernel runs. ``ctas``
     (which implies ``persistent``) replaces the CTA count: otherwise one CTA per SM, or
-    causal one per :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
+    causal beyond :data:`FWD_CAUSAL_ONE_WAVE_MAX_KEYS` keys one per
+    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
@@ -531,7 +537,9 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
             raise ValueError(f"attention_mgpu.flash_fwd: {ctas=} must be a positive int or None")
         return min(ctas, max(p.fwd_work, 1))
     one_wave = max(1, min(sms, p.fwd_work))
-    return max(one_wave, -(-p.fwd_work // FWD_CAUSAL_TILES_PER_CTA)) if p.causal else one_wave
+    if not p.causal or p.seq_kv <= FWD_CAUSAL_ONE_WAVE_MAX_KEYS:
+        return one_wave
+    return max(one_wave, -(-p.fwd_work // FWD_CAUSAL_TILES_PER_CTA))
 
 
 def _fwd_problem(
