@@ -500,8 +500,8 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # fwd-persistent-features-h200.txt, fwd-qlengths-d64-loop-h200.txt). Causal rows of up to
 # FWD_CAUSAL_ONE_WAVE_MAX_KEYS keys run one wave, a CTA per SM, like non-causal ones: their
 # tiles are a few blocks long, so a CTA's fixed cost weighs most, and along a CTA's stride
-# of items their lengths mix (benchmarks/archive/fwd-causal-ctas-h200.txt: faster at 256,
-# 512 and 768 keys, 0.80-0.88x at 1024).
+# of items their lengths mix (benchmarks/archive/fwd-causal-ctas-h200.txt: 1.05-1.24x at
+# 256 to 768 keys, level at B8 S512, 0.80-0.88x at 1024).
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = 2
