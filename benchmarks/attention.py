@@ -90,6 +90,10 @@ SHAPES = [
     (16, 1024, 16, 128),
     (1, 16384, 16, 128),
     (2, 512, 8, 128),
+    # head_dim 64 causal rows of 512 to 2048 keys: one wave, four tiles a CTA
+    (32, 512, 16, 64),
+    (16, 1024, 16, 64),
+    (8, 2048, 16, 64),
 ]
 BASELINE = "cudnn"
 # The largest f32 score matrix (bytes) of a case whose error is measured against XLA's f32

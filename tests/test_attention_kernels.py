@@ -2093,6 +2093,7 @@ def test_persistent_forward_with_features(feature):
         ((4, 1000, 1000, 8, 8, 128, True, None), 100),
         ((4, 1024, 2048, 8, 2, 64, True, (700, 2048, 5, 1500)), None),
         ((8, 512, 512, 16, 16, 64, True, None), None),  # short causal rows: one wave
+        ((8, 1024, 1024, 16, 16, 64, True, None), None),  # four tiles a CTA
     ],
 )
 def test_persistent_forward_keeps_bits(case, ctas):
@@ -2110,6 +2111,10 @@ def test_persistent_forward_keeps_bits(case, ctas):
         ((32, 769, 16, 128), (32, 769, 16, 128), dict(causal=True), 1792),
         ((1, 512, 4, 64), (1, 512, 4, 64), dict(causal=True, has_kv_lengths=True), 16),
         ((16, 2048, 16, 64), (16, 2048, 16, 64), {}, 132),
+        ((16, 1024, 16, 64), (16, 1024, 16, 64), dict(causal=True), 512),  # 4 tiles each
+        ((8, 1024, 16, 64), (8, 1024, 16, 64), dict(causal=True), 256),
+        ((2, 2048, 16, 64), (2, 2048, 16, 64), dict(causal=True), 256),  # 4 each: < 1.5 waves
+        ((8, 2048, 8, 64), (8, 2048, 8, 64), dict(causal=True, has_segment_ids=True), 256),
         ((4, 4096, 16, 128), (4, 4096, 16, 128), {}, None),  # long rows of keys
         ((16, 1024, 16, 256), (16, 1024, 16, 256), {}, None),
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_kv_lengths=True), 132),

@@ -501,10 +501,16 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # FWD_CAUSAL_ONE_WAVE_MAX_KEYS keys run one wave, a CTA per SM, like non-causal ones: their
 # tiles are a few blocks long, so a CTA's fixed cost weighs most, and along a CTA's stride
 # of items their lengths mix (benchmarks/archive/fwd-causal-ctas-h200.txt: 1.05-1.24x at
-# 256 to 768 keys, level at B8 S512, 0.80-0.88x at 1024).
+# 256 to 768 keys, level at B8 S512, 0.80-0.88x at 1024). Longer causal rows at head_dim 64
+# take four tiles a CTA where that still leaves FWD_CAUSAL_MIN_WAVES waves of CTAs
+# (benchmarks/archive/fwd-causal-ctas4-h200.txt, fwd-causal-ctas4-confirm-h200.txt:
+# 1.02-1.07x over two at 1024 and 2048 items; 0.82x at 512, under one wave); at 128 four
+# ran 0.97-1.00x plain and 1.02-1.04x with key lengths, segment ids or a window, so it
+# keeps two.
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
-FWD_CAUSAL_TILES_PER_CTA = 2
+FWD_CAUSAL_TILES_PER_CTA = {64: 4, 128: 2}
+FWD_CAUSAL_MIN_WAVES = 1.9
 FWD_CAUSAL_ONE_WAVE_MAX_KEYS = 768
 
 
@@ -517,7 +523,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     or slower on it), and so do key chunks; True: wherever the kernel runs. ``ctas``
     (which implies ``persistent``) replaces the CTA count: otherwise one CTA per SM, or
     causal beyond :data:`FWD_CAUSAL_ONE_WAVE_MAX_KEYS` keys one per
-    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles (at least one per SM)."""
+    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles by head_dim, or per two where that many would
+    not fill :data:`FWD_CAUSAL_MIN_WAVES` waves (at least one CTA per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
     if persistent is None:
@@ -539,7 +546,10 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     one_wave = max(1, min(sms, p.fwd_work))
     if not p.causal or p.seq_kv <= FWD_CAUSAL_ONE_WAVE_MAX_KEYS:
         return one_wave
-    return max(one_wave, -(-p.fwd_work // FWD_CAUSAL_TILES_PER_CTA))
+    per_cta = FWD_CAUSAL_TILES_PER_CTA.get(p.head_dim, 2)
+    if -(-p.fwd_work // per_cta) < FWD_CAUSAL_MIN_WAVES * sms:
+        per_cta = 2
+    return max(one_wave, -(-p.fwd_work // per_cta))
 
 
 def _fwd_problem(
