@@ -27,6 +27,7 @@ __all__ = [
     "MGPU_MIXED_FP8",
     "MGPU_PEER_KERNELS",
     "TRITON_LOWERS_WITHOUT_GPU",
+    "TRITON_MISSING",
     "Primitive",
     "ad",
     "apply_primitive",
@@ -38,6 +39,7 @@ __all__ = [
     "gpu_interpret_params",
     "mlir",
     "not_mapped",
+    "pallas_triton",
     "shard_map",
 ]
 
@@ -686,15 +688,30 @@ def scan_carry_count(eqn: Any) -> int:
 
 
 from jax._src.lib.mlir import ir as _ir  # noqa: E402
-from jax._src.lib.triton import dialect as _tt  # noqa: E402
-from jax._src.pallas.triton import lowering as _pallas_triton  # noqa: E402
+
+# Pallas' Triton backend (the norm, decode-attention and tile kernels) is deprecated from
+# jax 0.11. Where a jax no longer has it, ``pallas_triton`` is None and TRITON_MISSING says
+# why: those kernels step aside (their modules' ``MISSING``), ``norms_gpu.row_dot`` sums
+# on the canonical tree in XLA, and the tile language raises at a launch.
+try:
+    from jax._src.lib.triton import dialect as _tt
+    from jax._src.pallas.triton import lowering as _pallas_triton
+    from jax.experimental.pallas import triton as pallas_triton
+except ImportError as e:
+    _tt = _pallas_triton = pallas_triton = None
+    TRITON_MISSING: str | None = f"this jax has no Pallas Triton backend ({e})"
+else:
+    TRITON_MISSING = None
 
 
 def register_triton_gather_lowering(prim: Any) -> None:
     """Lowers ``prim(x, idx, axis=)`` (``take_along_axis``) in Pallas' Triton backend to
     Triton's ``tt.gather``, which moves values between the lanes of a warp with shuffles
     when the gathered axis lies within one warp (else through shared memory). Pallas has
-    no public hook for a primitive's Triton lowering, nor a gather of its own."""
+    no public hook for a primitive's Triton lowering, nor a gather of its own. Without the
+    backend (TRITON_MISSING) there is nothing to register."""
+    if _pallas_triton is None:
+        return
 
     def rule(ctx: Any, x: Any, idx: Any, *, axis: int) -> Any:
         out = _ir.RankedTensorType.get(

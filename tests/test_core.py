@@ -1,5 +1,9 @@
 """The Operator/Kernel machinery and the TESSERA_KERNELS switch."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +12,7 @@ from jax.experimental import pallas as pl
 
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, Kernel, Operator
-from tests._util import rand
+from tests._util import ROOT, rand
 
 # A test operator: reference doubles; its "kernel" is a real pallas_call that doubles and
 # adds 1000 so the test can tell which implementation ran.
@@ -67,13 +71,19 @@ def test_hardware_interpretable_and_reasons():
     op.add_kernel(Kernel("old_gpu", _kernel, lambda s, a: None, hardware=lambda p: "too old"))
     op.add_kernel(Kernel("peer", _kernel, lambda s, a: None, interpretable=False))
     op.add_kernel(Kernel("small", _kernel, lambda s, a: None if s == (("n", 1),) else "n != 1"))
+    op.add_kernel(Kernel("gone", _kernel, lambda s, a: None, missing="no such backend"))
     try:
         with ts.kernel_mode("pallas"):
             assert op.select("cuda", [], {"n": 2})[0] == "peer"
-            assert op.reasons("cuda", [], {"n": 2}) == {"old_gpu": "too old", "small": "n != 1"}
+            assert op.reasons("cuda", [], {"n": 2}) == {
+                "old_gpu": "too old",
+                "small": "n != 1",
+                "gone": "no such backend",
+            }
         with ts.kernel_mode("interpret"):
             assert op.select("cpu", [], {"n": 2})[0] == "old_gpu"  # hardware not asked
             assert op.reasons("cpu", [], {"n": 2})["peer"] == "no interpreter runs it"
+            assert op.reasons("cpu", [], {"n": 2})["gone"] == "no such backend"
         with ts.kernel_mode("pallas"):
             assert op.reasons("cpu", [], {"n": 1})["small"] == "runs on cuda, not cpu"
     finally:
@@ -130,3 +140,76 @@ def test_ts_and_ts_op_export_the_same_operators():
     assert names
     for n in names:
         assert getattr(ts, n) is getattr(ts.op, n), n
+
+
+# A jax without Pallas' Triton backend (deprecated from 0.11): the modules that import it
+# fail to import, as when it is removed.
+_NO_TRITON = """
+import sys
+for m in ("jax.experimental.pallas.triton", "jax._src.pallas.triton", "jax._src.lib.triton"):
+    sys.modules[m] = None
+import jax, jax.numpy as jnp, numpy as np
+import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import norms_gpu
+from tessera_jax.primitives.attention import flash_attention_bwd_op, flash_attention_fwd_op
+from tessera_jax.primitives.matmul import matmul_op
+from tessera_jax.primitives.norms import rmsnorm_op
+from tests._util import rand
+
+assert _compat.pallas_triton is None and "no Pallas Triton backend" in _compat.TRITON_MISSING
+x, w = rand((8, 72)), rand((72,)) + 1.0
+def run():
+    f = lambda x, w: (ts.rmsnorm(x, w) * ts.softmax(x) + ts.log_softmax(x)).sum()
+    return jax.value_and_grad(f, argnums=(0, 1))(x, w)
+with ts.kernel_mode("xla"):
+    want = run()
+for mode in ("auto", "pallas", "interpret"):
+    with ts.kernel_mode(mode):
+        got = run()
+        why = rmsnorm_op.reasons("cuda", [jax.typeof(x), jax.typeof(w)], {"eps": 1e-6})
+        assert why["pallas_rows"] == _compat.TRITON_MISSING, why
+        for op in (flash_attention_fwd_op, flash_attention_bwd_op):
+            (k,) = (k for k in op.kernels if k.name == "triton_decode")
+            assert k.unavailable(mode, "cuda") == _compat.TRITON_MISSING
+        (k,) = (k for k in matmul_op.kernels if k.name == "pallas_portable")
+        portable = None if mode == "interpret" else _compat.TRITON_MISSING  # plain Pallas
+        assert k.unavailable(mode, "cuda") == portable
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+a, b = rand((2, 5, 3, 64), jnp.bfloat16), rand((2, 5, 3, 64), jnp.bfloat16)
+d = norms_gpu.row_dot(a, b, seq_pad=8)
+ref = np.einsum("bshd,bshd->bhs", np.asarray(a, np.float64), np.asarray(b, np.float64))
+assert d.shape == (2, 3, 8) and not np.asarray(d[..., 5:]).any()
+np.testing.assert_allclose(d[..., :5], ref, rtol=1e-5, atol=1e-5)
+assert np.array_equal(d, jax.jit(lambda a, b: norms_gpu.row_dot(a, b, seq_pad=8))(a, b))
+
+import importlib.util
+spec = importlib.util.spec_from_file_location("scale", "examples/kernels/scale.py")
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+try:
+    example.run(x[0], 2.0)
+except NotImplementedError as e:
+    assert "tile kernel 'scale'" in str(e) and _compat.TRITON_MISSING in str(e), e
+else:
+    raise AssertionError("a tile kernel launched without the Triton backend")
+print("ok")
+"""
+
+
+def test_without_pallas_triton():
+    """Under a jax without Pallas' Triton backend the package imports; the norm and decode
+    kernels step aside with that reason (the references run, the same bits as ``xla``
+    mode), ``row_dot`` sums on the canonical tree, and a tile kernel raises at launch."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TRITON],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -51,8 +51,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from tessera_jax import _compat
+from tessera_jax._compat import pallas_triton as plgpu
 from tessera_jax.pallas_kernels import attention_mgpu as _mgpu
 from tessera_jax.pallas_kernels import device
 
@@ -73,6 +74,9 @@ __all__ = [
     "supports",
 ]
 
+# Why the kernels cannot be built in this process (a jax without Pallas' Triton
+# backend), or None.
+MISSING = _compat.TRITON_MISSING
 MIN_ROWS = 16  # a Triton product's narrowest side
 MAX_ROWS = 64
 # Chunks per row: about SPLIT_CHUNKS of at least SPLIT_KEYS_MIN keys. Profiled on the H100

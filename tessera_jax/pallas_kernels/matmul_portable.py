@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tessera_jax import _compat
 from tessera_jax.contracts.matmul import MatmulSpec, epilogue, epilogue_with_derivative
 from tessera_jax.pallas_kernels import device
 from tessera_jax.pallas_kernels import matmul_configs as mc
@@ -178,9 +179,12 @@ def prefer(spec: MatmulSpec, avals: Sequence[Any]) -> bool:
 
 
 def hardware(platform: str) -> str | None:
-    """None if this process's GPUs can run the compiled kernel (compute capability >= 8)."""
+    """None if this process's GPUs can run the compiled kernel (compute capability >= 8).
+    It compiles through Pallas' Triton backend; its interpreter needs none."""
     if platform != "cuda":
         return f"the portable kernel compiles for cuda, not {platform}"
+    if _compat.TRITON_MISSING is not None:
+        return _compat.TRITON_MISSING
     try:
         cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
     except RuntimeError:  # no GPU backend in this process

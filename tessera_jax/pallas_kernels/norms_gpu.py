@@ -20,6 +20,8 @@ length; Mosaic GPU would need a TMA/shared-memory pipeline and a layout for the 
 reduction for no more bandwidth. Everything here also runs in Pallas' interpreter. The
 Triton backend is deprecated from jax 0.11 (it warns at lowering); the kernel bodies are
 jax.numpy on register tiles, so a port changes the loads, stores and launch, not the math.
+Under a jax without it (:data:`MISSING`) the operators run their references and
+:func:`row_dot` sums on the canonical tree in XLA.
 
 The numerics are the operators' own (``primitives/norms.py``, ``primitives/softmax.py``),
 restated here because kernels do not import the operators: softmax's fully ``-inf`` row
@@ -43,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tessera_jax import _compat
+from tessera_jax._compat import pallas_triton as plgpu
 from tessera_jax.pallas_kernels import device
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
@@ -73,6 +75,9 @@ _F32 = np.dtype(np.float32)
 MAX_ROW = 16384
 # Pallas' Triton lowering needs compute capability 8.0 (Ampere) or newer.
 _MIN_COMPUTE_CAPABILITY = 8
+# Why no kernel here can be built in this process at all (a jax without Pallas' Triton
+# backend), or None: the dispatch then runs the references.
+MISSING = _compat.TRITON_MISSING
 # The power of two that brings a finite f32 row's squares into range (primitives/norms.py).
 _OVERFLOW_SCALE = np.float32(2.0**-100)
 # The multiprocessors of an H100 or H200: programs that walk several row blocks are
@@ -560,6 +565,8 @@ def row_dot(
             why = f"{seq_pad=} needs (B, S, H, D) inputs with S <= seq_pad, not {a.shape}"
     if why is not None:
         raise ValueError(f"norms_gpu.row_dot: {why}")
+    if MISSING is not None:
+        return _row_dot_tree(a, b, seq_pad)
     d, shape, heads = a.shape[-1], a.shape[:-1], None
     if seq_pad is not None:
         bsz, seq, h = shape
@@ -570,6 +577,16 @@ def row_dot(
     with _compat.without_gpu_interpret_mode():  # (it may run between Mosaic GPU kernels)
         out = _call(kernel, p, out, [_rows(a), _rows(b)], interpret, "ts_row_dot")
     return out.reshape(shape)
+
+
+def _row_dot_tree(a: jax.Array, b: jax.Array, seq_pad: int | None) -> jax.Array:
+    """:func:`row_dot` without the kernel (:data:`MISSING`): the products in f32 summed on
+    the canonical pairwise tree, whose adds XLA may not reorder, so each row's bits are
+    again the same in every program (not the kernel's bits: another order)."""
+    out = pairwise_tree_sum(a.astype(_F32) * b.astype(_F32), axis=-1)
+    if seq_pad is None:
+        return out
+    return jnp.pad(jnp.swapaxes(out, 1, 2), ((0, 0), (0, 0), (0, seq_pad - out.shape[1])))
 
 
 # --- dispatch vocabulary ------------------------------------------------------------------

@@ -79,6 +79,8 @@ class Kernel:
         Not asked in interpret mode.
       interpretable: whether an interpreter can run the kernel (``TESSERA_KERNELS=
         interpret``); False for kernels built on what no interpreter emulates.
+      missing: why this process cannot build the kernel in any mode (its module's
+        ``MISSING``: a jax without the Pallas backend it is written in), or None.
     """
 
     name: str
@@ -88,6 +90,7 @@ class Kernel:
     platforms: tuple[str, ...] = ("cuda",)
     hardware: Callable[[str], str | None] | None = None
     interpretable: bool = True
+    missing: str | None = None
 
     @classmethod
     def from_module(
@@ -98,7 +101,8 @@ class Kernel:
         prefer: Callable[[Any, Sequence[Any]], bool] | None = None,
     ) -> Kernel:
         """The record of a kernel module that offers the vocabulary by name (``supports``,
-        ``prefer``, ``hardware``, optionally ``PLATFORMS`` and ``INTERPRETABLE``);
+        ``prefer``, ``hardware``, optionally ``PLATFORMS``, ``INTERPRETABLE`` and
+        ``MISSING``);
         ``prefer`` replaces the module's where one module holds kernels measured apart."""
         return cls(
             name=name,
@@ -108,11 +112,14 @@ class Kernel:
             platforms=getattr(module, "PLATFORMS", ("cuda",)),
             hardware=module.hardware,
             interpretable=getattr(module, "INTERPRETABLE", True),
+            missing=getattr(module, "MISSING", None),
         )
 
     def unavailable(self, mode: str, platform: str | None) -> str | None:
         """Why the kernel cannot be lowered in ``mode`` for ``platform`` (None if it can),
         before looking at the case itself."""
+        if self.missing is not None:
+            return self.missing
         if mode == "interpret":
             return None if self.interpretable else "no interpreter runs it"
         if platform not in self.platforms:

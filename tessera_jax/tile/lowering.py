@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tessera_jax import _compat
+from tessera_jax._compat import pallas_triton as plgpu
 from tessera_jax.tile import ops
 
 RUNTIME = "__tessera_tile__"
@@ -654,6 +654,11 @@ def _dyn_index(params, i) -> int:
 
 
 def _pallas(body, ctx, params, kwargs, dyn, pads, interpret, num_warps, num_stages):
+    if _compat.TRITON_MISSING is not None:
+        raise NotImplementedError(
+            f"tile kernel {ctx.name!r}: tile kernels lower through Pallas' Triton backend "
+            f"(interpreted too), and {_compat.TRITON_MISSING}"
+        )
     operands, out_shapes, aliases, slots, out_of = [], [], {}, [], {}
     for i, p in enumerate(params):
         if p.kind == "static":

@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tessera_jax import _compat
+from tessera_jax._compat import pallas_triton as plgpu
 from tessera_jax.numerics.dtypes import as_np_dtype
 
 __all__ = [
