@@ -503,9 +503,9 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # of items their lengths mix (benchmarks/archive/fwd-causal-ctas-h200.txt: 1.05-1.24x at
 # 256 to 768 keys, level at B8 S512, 0.80-0.88x at 1024). Longer causal rows at head_dim 64
 # take four tiles a CTA where that still leaves FWD_CAUSAL_MIN_WAVES waves of CTAs
-# (benchmarks/archive/fwd-causal-ctas4-h200.txt, fwd-causal-ctas4-confirm-h200.txt:
-# 1.02-1.07x over two at 1024 and 2048 items; 0.82x at 512, under one wave); at 128 four
-# ran 0.97-1.00x plain and 1.02-1.04x with key lengths, segment ids or a window, so it
+# (benchmarks/archive/fwd-causal-ctas4-h200.txt and its -confirm and -waves logs: 1.02-1.07x
+# over two at 1024 to 4096 items, 0.82-0.97x at 512 to 896, 1.0-1.7 waves); at 128 four
+# ran 0.96-1.00x plain and 1.02-1.04x with key lengths, segment ids or a window, so it
 # keeps two.
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
