@@ -495,7 +495,7 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # against short rows of keys; against long ones the grid's own order measured faster
 # (probably because its running CTAs stay on neighbouring tiles, which share K/V in L2),
 # and at head_dim 256 too. A causal grid's tiles differ in length, so there each CTA takes
-# two tiles and the hardware's scheduler still balances the CTAs
+# a few tiles (FWD_CAUSAL_TILES_PER_CTA) and the hardware's scheduler still balances them
 # (benchmarks/archive/fwd-persistent-h200.txt; with the features:
 # fwd-persistent-features-h200.txt, fwd-qlengths-d64-loop-h200.txt). Causal rows of up to
 # FWD_CAUSAL_ONE_WAVE_MAX_KEYS keys run one wave, a CTA per SM, like non-causal ones: their
