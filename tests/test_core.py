@@ -155,7 +155,7 @@ from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives.attention import flash_attention_bwd_op, flash_attention_fwd_op
 from tessera_jax.primitives.matmul import matmul_op
 from tessera_jax.primitives.norms import rmsnorm_op
-from tests._util import rand
+from tests._util import assert_close, chosen_kernels, rand
 
 assert _compat.pallas_triton is None and "no Pallas Triton backend" in _compat.TRITON_MISSING
 x, w = rand((8, 72)), rand((72,)) + 1.0
@@ -184,6 +184,21 @@ assert d.shape == (2, 3, 8) and not np.asarray(d[..., 5:]).any()
 np.testing.assert_allclose(d[..., :5], ref, rtol=1e-5, atol=1e-5)
 assert np.array_equal(d, jax.jit(lambda a, b: norms_gpu.row_dot(a, b, seq_pad=8))(a, b))
 
+# The Mosaic attention kernels, whose backward takes its delta from row_dot.
+q, k, v = (rand((1, 128, 2, 64), jnp.bfloat16) for _ in range(3))
+loss = lambda q, k, v: (ts.flash_attention(q, k, v, causal=True).astype(jnp.float32) ** 2).sum()
+grads = jax.grad(loss, argnums=(0, 1, 2))
+with ts.kernel_mode("interpret"):
+    assert set(chosen_kernels(grads, q, k, v)) == {
+        ("flash_attention_fwd", "mosaic_gpu"),
+        ("flash_attention_bwd", "mosaic_gpu"),
+    }
+    got = grads(q, k, v)
+with ts.kernel_mode("xla"):
+    want = grads(q, k, v)
+for g, r in zip(got, want):
+    assert_close(g, r, factor=2)
+
 import importlib.util
 spec = importlib.util.spec_from_file_location("scale", "examples/kernels/scale.py")
 example = importlib.util.module_from_spec(spec)
@@ -201,7 +216,8 @@ print("ok")
 def test_without_pallas_triton():
     """Under a jax without Pallas' Triton backend the package imports; the norm and decode
     kernels step aside with that reason (the references run, the same bits as ``xla``
-    mode), ``row_dot`` sums on the canonical tree, and a tile kernel raises at launch."""
+    mode), ``row_dot`` sums on the canonical tree (the Mosaic attention backward's delta
+    too), and a tile kernel raises at launch."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
