@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -22,6 +23,7 @@ from tessera_jax.primitives._core import OPERATORS
 
 # The repository's root: what a child process puts on its PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "kernels"
 
 # Relative tolerance of ||out - ref|| / ||ref|| against a float64 reference, by the
 # dtype the op computes in. 8-bit formats have 3 (e4m3) or 2 (e5m2) mantissa bits.
@@ -344,12 +346,33 @@ def xla_ordered_sums(f, *args) -> list[str]:
     return found
 
 
+def run_python(child: str, timeout: float | None = None, **env: str):
+    """``python -c child`` in a child process from the repository's root, with it on the
+    PYTHONPATH and ``env`` set; its output captured (a ``CompletedProcess``)."""
+    env = dict(os.environ, **env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", child],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def example(name: str):
+    """The tile-language example ``examples/kernels/<name>.py``, imported as a module."""
+    spec = importlib.util.spec_from_file_location(f"tile_example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def assert_no_serialised_wgmma(child: str, kernels: int) -> None:
     """Compiles in a child process with ptxas's report on (one "Compiling entry function"
     line per kernel, at least ``kernels`` of them) and fails on any C7513 warning."""
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    proc = run_python(child, MOSAIC_GPU_DUMP_PTXAS="1")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "compiled" in proc.stdout, log[-3000:]
     assert log.count("Compiling entry function") >= kernels, log[-3000:]

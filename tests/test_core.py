@@ -1,9 +1,5 @@
 """The Operator/Kernel machinery and the TESSERA_KERNELS switch."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +8,7 @@ from jax.experimental import pallas as pl
 
 import tessera_jax as ts
 from tessera_jax.primitives._core import OPERATORS, Kernel, Operator
-from tests._util import ROOT, rand
+from tests._util import rand, run_python
 
 # A test operator: reference doubles; its "kernel" is a real pallas_call that doubles and
 # adds 1000 so the test can tell which implementation ran.
@@ -155,7 +151,7 @@ from tessera_jax.pallas_kernels import norms_gpu
 from tessera_jax.primitives.attention import flash_attention_bwd_op, flash_attention_fwd_op
 from tessera_jax.primitives.matmul import matmul_op
 from tessera_jax.primitives.norms import rmsnorm_op
-from tests._util import assert_close, chosen_kernels, rand
+from tests._util import assert_close, chosen_kernels, example, rand
 
 assert _compat.pallas_triton is None and "no Pallas Triton backend" in _compat.TRITON_MISSING
 x, w = rand((8, 72)), rand((72,)) + 1.0
@@ -199,12 +195,8 @@ with ts.kernel_mode("xla"):
 for g, r in zip(got, want):
     assert_close(g, r, factor=2)
 
-import importlib.util
-spec = importlib.util.spec_from_file_location("scale", "examples/kernels/scale.py")
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
 try:
-    example.run(x[0], 2.0)
+    example("scale").run(x[0], 2.0)
 except NotImplementedError as e:
     assert "tile kernel 'scale'" in str(e) and _compat.TRITON_MISSING in str(e), e
 else:
@@ -218,14 +210,5 @@ def test_without_pallas_triton():
     kernels step aside with that reason (the references run, the same bits as ``xla``
     mode), ``row_dot`` sums on the canonical tree (the Mosaic attention backward's delta
     too), and a tile kernel raises at launch."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _NO_TRITON],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(_NO_TRITON, timeout=300, JAX_PLATFORMS="cpu")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

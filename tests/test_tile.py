@@ -10,7 +10,6 @@ twins run the same examples compiled by Pallas' Triton backend.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 
 import jax
@@ -21,16 +20,7 @@ import pytest
 import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.tile import lowering as tile_lowering
-from tests._util import ROOT, assert_close, rand
-
-EXAMPLES = ROOT / "examples" / "kernels"
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"tile_example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests._util import assert_close, example, rand
 
 
 def _check(out, ref, dtype=np.float32, factor=4.0):
@@ -42,14 +32,14 @@ def _check(out, ref, dtype=np.float32, factor=4.0):
 
 def test_saxpy():
     n = 1000
-    m = _example("saxpy")
+    m = example("saxpy")
     x, y = rand((n,)), rand((n,))
     _check(m.run(2.5, x, y), m.reference(2.5, x, y))
 
 
 def test_saxpy_issue_form_traced_scalar():
     """The issue's exact launch, with ``a`` a traced 0-d array."""
-    m = _example("saxpy")
+    m = example("saxpy")
     N = 777
     a, X, Y, Out = jnp.float32(-1.25), rand((N,)), rand((N,)), jnp.zeros((N,), jnp.float32)
     out = ts.launch.grid(blocks=(ts.ceil_div(N, 256),), threads=(256,))(m.saxpy)(a, X, Y, Out)
@@ -58,18 +48,18 @@ def test_saxpy_issue_form_traced_scalar():
 
 def test_scale_and_group_sum():
     x = rand((999,))
-    s = _example("scale")
+    s = example("scale")
     _check(s.run(x, 3.0), s.reference(x, 3.0))
-    g = _example("group_sum")
+    g = example("group_sum")
     _check(g.run(x), g.reference(x))  # the GPU-sized default grid (one group here)
     _check(g.run(x, groups=3, threads=128), g.reference(x, groups=3, threads=128))
 
 
 def test_warp_and_cooperative_reductions():
     x = rand((1000,))
-    w = _example("warp_reduce_sum")
+    w = example("warp_reduce_sum")
     _check(w.run(x), w.reference(x))
-    c = _example("cooperative_reduction")
+    c = example("cooperative_reduction")
     _check(c.run(x), c.reference(x), factor=8.0)
 
 
@@ -78,7 +68,7 @@ def test_warp_and_cooperative_reductions():
 )
 def test_gemms_ragged(name, dtype):
     """f32 and bf16 operands, f32 accumulation and output, M/N/K not multiples of the tiles."""
-    m = _example(name)
+    m = example(name)
     a, b = rand((100, 72), dtype), rand((72, 40), dtype)
     out = m.run(a, b, BM=32, BN=32, BK=16, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32
@@ -86,16 +76,16 @@ def test_gemms_ragged(name, dtype):
 
 
 def test_flash_attention_and_fused_mlp():
-    fa = _example("flash_attention")
+    fa = example("flash_attention")
     q, k, v = rand((2, 50, 16)), rand((2, 50, 16)), rand((2, 50, 16))
     _check(fa.run(q, k, v, BQ=16, BKV=16), fa.reference(q, k, v), factor=8.0)
-    mlp = _example("fused_mlp")
+    mlp = example("fused_mlp")
     args = (rand((50, 16)), rand((16, 32)), rand((32,)), rand((32, 16)), rand((16,)))
     _check(mlp.run(*args, BM=16), mlp.reference(*args), factor=8.0)
 
 
 def test_memory_hierarchy_examples():
-    mh = _example("memory_hierarchy")
+    mh = example("memory_hierarchy")
     a = rand((50, 70))
     _check(mh.run_memory_hierarchy(a, T=16), mh.reference_memory_hierarchy(a, T=16))
     out = mh.run_optimized_memory_access(a, TILE_M=16, TILE_N=32, ROWS=4)
@@ -248,7 +238,7 @@ test_deferred_copies_gpu = _gpu_twin(test_deferred_copies)
 def test_double_buffered_gemm_carries_no_tiles():
     """The double-buffered GEMM's K loop carries its accumulator, not its four shared
     tiles: each copy is a load the GPU compiler pipelines, issued where its tile is read."""
-    m = _example("pipelined_gemm")
+    m = example("pipelined_gemm")
     a, b = rand((64, 128), jnp.bfloat16), rand((128, 64), jnp.bfloat16)
     closed = jax.make_jaxpr(lambda a, b: m.run(a, b, BM=32, BN=32, BK=32))(a, b)
 
@@ -380,7 +370,7 @@ def test_autotuned_kernel_tunes_once_per_key(monkeypatch):
     """The first launch for a shape searches (``BM`` here; ``stages`` given), the next one
     reuses the winner; ``ts.autotune.search`` on the launch prunes a tile that cannot fit
     shared memory before compiling it, and a second search comes from the cache."""
-    ax = _example("axpy_tiled")
+    ax = example("axpy_tiled")
     calls = []
     real = ts.autotune.search
     monkeypatch.setattr(ts.autotune, "search", lambda **kw: calls.append(kw) or real(**kw))
@@ -410,7 +400,7 @@ def test_autotune_space_must_name_keyword_only_parameters():
 
 def test_fresh_output_from_a_shape():
     """A ``ts.mut`` given as a ShapeDtypeStruct is an output with no input to alias."""
-    m = _example("saxpy")
+    m = example("saxpy")
     x, y = rand((300,)), rand((300,))
     out = m.saxpy[3, 128](2.0, x, y, jax.ShapeDtypeStruct((300,), jnp.float32))
     _check(out, m.reference(2.0, x, y))
@@ -420,7 +410,7 @@ def test_fresh_output_from_a_shape():
 
 def test_launch_inside_index_launch():
     """Seed 002 §4.4: a kernel launched once per partition of a mesh axis (shard_map)."""
-    m = _example("saxpy")
+    m = example("saxpy")
     mesh = ts.dist.mesh(axes=("dp",))
     x, y = rand((8 * 40,)), rand((8 * 40,))
     spec = ts.ShardSpec((0,), ("dp",))
@@ -441,7 +431,7 @@ def test_vmap_inside_index_launch(monkeypatch):
     """``vmap`` of a launch per partition: the batch (axis 1 of ``X``, with the traced scalar
     ``a`` batched too and ``Y`` shared) is a grid axis; past the grid's limit, or for an
     empty batch, a loop of launches with the same results."""
-    m = _example("saxpy")
+    m = example("saxpy")
     mesh = ts.dist.mesh(axes=("dp",))
     n = 8 * 24
     x, y, a = rand((n, 3)), rand((n,)), rand((3,))
