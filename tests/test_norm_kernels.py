@@ -411,23 +411,27 @@ def test_supports_declines_with_reasons():
 
 
 @pytest.mark.parametrize(
-    "shape, fwd, bwd",
+    "shape, fwd, norm, bwd",
     [
-        ((2**13, 1024), True, True),  # 2^23 elements
-        ((2**12, 1024), True, False),  # the backward kernels lose below 2^23
-        ((2**14, 256), True, False),  # 2^22 elements
-        ((2**16, 128), False, False),  # rows shorter than measured
-        ((2**10, 16384), True, True),  # the longest rows measured
-        ((2**9, 4096), False, False),  # 2^21 elements: unmeasured
+        ((2**13, 1024), True, True, True),  # 2^23 elements
+        ((2**12, 1024), True, True, False),  # the backward kernels lose below 2^23
+        ((2**14, 256), True, True, False),  # 2^22 elements
+        ((2**16, 128), False, False, False),  # rows shorter than measured
+        ((2**10, 16384), True, True, True),  # the longest rows measured
+        ((2**9, 4096), False, True, False),  # 2^21: the norms' forward kernels only
+        ((2**9, 1024), False, True, False),  # 2^19: the smallest measured
+        ((2**8, 1024), False, False, False),  # 2^18 elements: unmeasured
     ],
 )
-def test_auto_mode_prefers_the_measured_range(shape, fwd, bwd):
+def test_auto_mode_prefers_the_measured_range(shape, fwd, norm, bwd):
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
     assert norms_gpu.prefer((), [x]) is fwd
+    assert norms_gpu.prefer_norm((), [x]) is norm
     assert norms_gpu.prefer_bwd((), [x, x]) is bwd
-    fwd_ops = (_norms.rmsnorm_op, _norms.layernorm_op, _softmax.softmax_op)
-    for op in (*fwd_ops, _softmax.log_softmax_op):
+    for op in (_softmax.softmax_op, _softmax.log_softmax_op):
         assert op.kernels[0].prefer is norms_gpu.prefer
+    for op in (_norms.rmsnorm_op, _norms.layernorm_op):
+        assert op.kernels[0].prefer is norms_gpu.prefer_norm
     bwd_ops = (_norms.rmsnorm_bwd_op, _norms.layernorm_bwd_op, _softmax.softmax_bwd_op)
     for op in (*bwd_ops, _softmax.log_softmax_bwd_op):
         assert op.kernels[0].prefer is norms_gpu.prefer_bwd

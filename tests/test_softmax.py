@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import tessera_jax as ts
+from tessera_jax.primitives import softmax as _softmax
 from tests._util import assert_close, f64, rand, sample
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -79,6 +80,39 @@ def test_all_neg_inf_rows_give_zeros_and_zero_gradient(dtype):
     (gl,) = jax.vjp(ts.log_softmax, x)[1](ct)
     assert np.all(np.isfinite(f64(gl)))
     np.testing.assert_array_equal(f64(gl[1]), f64(ct[1]))  # δ − softmax, softmax = 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_stable_exp_forms_agree(x64, dtype):
+    """The CPU's form of the row statistics (selects on the reduced values) and the GPUs'
+    (a maximum from the lowest finite value, a floored sum) agree: on ordinary rows, fully
+    and partly -inf rows, rows holding +inf or NaN and rows of the dtype's extremes: their
+    softmax and log-softmax bit for bit, on the CPU one row at a time (a GPU fuses the two
+    forms differently, and so sums in another order)."""
+    info = jnp.finfo(dtype)
+    x = (rand((8, 33)) * 5).astype(dtype)
+    x = x.at[1].set(-jnp.inf).at[2, :30].set(-jnp.inf).at[3, 4].set(jnp.inf)
+    x = x.at[4, 5].set(jnp.nan).at[5].set(info.min).at[6, :3].set(info.max)
+    for row in range(x.shape[0]):
+        outs = []
+        for form in (_softmax._stable_exp_selects, _softmax._stable_exp_floors):
+            f = jax.jit(lambda r, f=form: f(r, axis=-1))
+            shifted, e, s = f(jax.device_put(x[row : row + 1], jax.devices("cpu")[0]))
+            outs.append((e / s, shifted - jnp.log(s)))
+        for a, b in zip(*outs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_each_platform_lowers_its_form_of_the_statistics():
+    """cuda lowers the select-free form, which XLA's GPU compiler fuses into one kernel a
+    row; the CPU the form with selects."""
+    x = rand((4, 8))
+
+    def selects(platform):
+        text = jax.jit(ts.softmax).trace(x).lower(lowering_platforms=(platform,)).as_text()
+        return text.count("stablehlo.select")
+
+    assert selects("cuda") == 0 and selects("cpu") > 0
 
 
 @pytest.mark.parametrize("axis", sample([0, 1, -1], 2))

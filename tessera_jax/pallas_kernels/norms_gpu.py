@@ -61,6 +61,7 @@ __all__ = [
     "log_softmax_bwd",
     "prefer",
     "prefer_bwd",
+    "prefer_norm",
     "rmsnorm",
     "rmsnorm_bwd",
     "row_dot",
@@ -632,6 +633,12 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # (norms-h100-rows.json), and the forward kernel beside the reference backward is slower
 # than both: XLA's forward+backward takes less than its two halves apart only when it owns
 # both (docs/ARCHITECTURE.md). So the backward kernel stays beside the forward kernel there.
+# rmsnorm's and layernorm's forward kernels also run from 2¹⁹ elements (``prefer_norm``):
+# timed inside one program on an H200 at 2¹⁹ to 2²¹ elements, rows of 256 to 4096
+# (benchmarks/archive/norm-small-h200.txt), rmsnorm's ran 1.10-1.22x jnp where its
+# reference, whose overflow-safe statistics XLA does not fuse into one row kernel, ran
+# 0.68-0.87x, and layernorm's ran 1.06-1.12x (the reference 1.02-1.11x). Softmax's forward
+# reference fuses as jnp's does (primitives/softmax.py) and ran level with the kernel there.
 # Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
@@ -648,6 +655,7 @@ class Preference:
 
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
+prefer_norm = Preference(rows=(256, 16384), min_elements=1 << 19)
 prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
 
 

@@ -533,8 +533,8 @@ def layernorm(
 # --- kernels ------------------------------------------------------------------------------
 # Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
 # backward; ``prefer`` routes a case to them in ``auto`` mode where they measured faster.
-rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm))
-layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
+rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_norm))
+layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm, _gpu.prefer_norm))
 rmsnorm_bwd_op.add_kernel(
     Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_bwd)
 )

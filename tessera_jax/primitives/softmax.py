@@ -49,8 +49,35 @@ _FLOATING = (jnp.floating,)
 
 
 def _stable_exp(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's ``m`` set to 0 and
-    its empty sum to 1."""
+    """``(x - m, exp(x - m), Σ exp(x - m))`` with a fully ``-inf`` row's exponentials 0 and
+    its empty sum a positive number, so that softmax gives zeros there and log-softmax
+    ``-inf``: two forms with the same values.
+
+    On GPUs the maximum is reduced from the dtype's lowest finite value (a fully ``-inf``
+    row's is then finite) and the sum is floored at the smallest normal number (any other
+    row's is at least 1): no select between a reduction and its broadcast, so XLA's GPU
+    compiler fuses the row into one Triton normalization kernel, as it does
+    ``jax.nn.softmax``; selects there split the row into several passes over ``x``
+    (benchmarks/archive/norm-references-h200.txt). On the CPU the selects stay: they keep
+    XLA's CPU backend from fusing the whole row into one loop at some batch sizes only, so
+    a row rounds the same in a batch of 16 to 8192 rows
+    (benchmarks/archive/log-softmax-cpu-fusion-probe.txt; docs/DISTRIBUTION.md).
+    """
+    forms = (_stable_exp_selects, _stable_exp_floors)
+    cpu, default = (functools.partial(f, axis=axis) for f in forms)
+    return jax.lax.platform_dependent(x, cpu=cpu, default=default)
+
+
+def _stable_exp_floors(x: jax.Array, *, axis: int):
+    info = jnp.finfo(x.dtype)
+    m = jnp.max(x, axis=axis, keepdims=True, initial=info.min)
+    shifted = x - m
+    e = jnp.exp(shifted)
+    s = jnp.maximum(jnp.sum(e, axis=axis, keepdims=True), np.asarray(info.tiny, x.dtype))
+    return shifted, e, s
+
+
+def _stable_exp_selects(x: jax.Array, *, axis: int):
     m = jnp.max(x, axis=axis, keepdims=True, initial=-np.inf)
     m = jnp.where(m == -np.inf, jnp.zeros_like(m), m)
     shifted = x - m
