@@ -505,14 +505,16 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # take four tiles a CTA where that still leaves FWD_CAUSAL_MIN_WAVES waves of CTAs
 # (benchmarks/archive/fwd-causal-ctas4-h200.txt and its -confirm and -waves logs: 1.02-1.07x
 # over two at 1024 to 4096 items, 0.82-0.97x at 512 to 896, 1.0-1.7 waves). At 128 four
-# ran 0.96-1.00x plain, so it keeps two, except with a window or segment ids
-# (FWD_CAUSAL_MASKED_TILES_PER_CTA): 1.01-1.05x over two there at 2048 and 4096 items, two
-# rounds each, where key lengths ran 0.96-0.97x at B8 S2048
-# (benchmarks/archive/fwd-causal-ctas4-d128-features-h200.txt).
+# ran 0.96-1.00x plain, so it keeps two, except with a window
+# (FWD_CAUSAL_WINDOW_TILES_PER_CTA): 1.01-1.05x over two at 2048 and 4096 items, two rounds
+# each (benchmarks/archive/fwd-causal-ctas4-d128-features-h200.txt). Segment ids ran
+# 1.01-1.03x there, but jax 0.11's interpreter reports a race in the kernel at head_dim 128
+# with segment ids and four tiles a CTA, not yet understood, so they keep two; key lengths
+# ran 0.96-0.97x at B8 S2048.
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = {64: 4, 128: 2}
-FWD_CAUSAL_MASKED_TILES_PER_CTA = {64: 4, 128: 4}
+FWD_CAUSAL_WINDOW_TILES_PER_CTA = {64: 4, 128: 4}
 FWD_CAUSAL_MIN_WAVES = 1.9
 FWD_CAUSAL_ONE_WAVE_MAX_KEYS = 768
 
@@ -526,8 +528,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     or slower on it), and so do key chunks; True: wherever the kernel runs. ``ctas``
     (which implies ``persistent``) replaces the CTA count: otherwise one CTA per SM, or
     causal beyond :data:`FWD_CAUSAL_ONE_WAVE_MAX_KEYS` keys one per
-    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles by head_dim (with a window or segment ids
-    :data:`FWD_CAUSAL_MASKED_TILES_PER_CTA`), or per two where that many would not fill
+    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles by head_dim (with a window
+    :data:`FWD_CAUSAL_WINDOW_TILES_PER_CTA`), or per two where that many would not fill
     :data:`FWD_CAUSAL_MIN_WAVES` waves (at least one CTA per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
@@ -550,10 +552,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     one_wave = max(1, min(sms, p.fwd_work))
     if not p.causal or p.seq_kv <= FWD_CAUSAL_ONE_WAVE_MAX_KEYS:
         return one_wave
-    masked = p.window is not None or p.segments
-    per_cta = (FWD_CAUSAL_MASKED_TILES_PER_CTA if masked else FWD_CAUSAL_TILES_PER_CTA).get(
-        p.head_dim, 2
-    )
+    table = FWD_CAUSAL_TILES_PER_CTA if p.window is None else FWD_CAUSAL_WINDOW_TILES_PER_CTA
+    per_cta = table.get(p.head_dim, 2)
     if -(-p.fwd_work // per_cta) < FWD_CAUSAL_MIN_WAVES * sms:
         per_cta = 2
     return max(one_wave, -(-p.fwd_work // per_cta))
