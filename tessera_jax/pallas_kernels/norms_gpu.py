@@ -638,7 +638,8 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # (benchmarks/archive/norm-small-h200.txt), rmsnorm's ran 1.10-1.22x jnp where its
 # reference, whose overflow-safe statistics XLA does not fuse into one row kernel, ran
 # 0.68-0.87x, and layernorm's ran 1.06-1.12x (the reference 1.02-1.11x). Softmax's forward
-# reference fuses as jnp's does (primitives/softmax.py) and ran level with the kernel there.
+# reference fuses as jnp's does (primitives/softmax.py): 0.93-1.01x jnp there, the kernel
+# 0.92-1.14x; softmax stays with ``prefer`` (log_softmax was not timed there).
 # Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
