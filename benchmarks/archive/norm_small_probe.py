@@ -1,9 +1,10 @@
 """Probe: the norm kernels against the operators' XLA references and jnp below the arrays
-``auto`` takes the kernels from (norms_gpu.prefer's 2²² elements, prefer_bwd's 2²³), and
-the softmax references at a vocabulary's rows (beyond norms_gpu.MAX_ROW). Calls are timed
-inside one program (benchmarks/_common.time_in_graph: each call's output feeds the next
-call's x), as a model's layers run: at these sizes a call timed from the host measures
-the host's dispatch.
+``auto`` took the kernels from when it ran (norms_gpu.prefer's 2²² elements, prefer_bwd's
+2²³; it led to prefer_norm's 2¹⁹ for rmsnorm's and layernorm's forwards), and the softmax
+references at a vocabulary's rows (beyond norms_gpu.MAX_ROW). Calls are timed inside one
+program (benchmarks/_common.time_in_graph: each call's output feeds the next call's x), as
+a model's layers run: at these sizes a call timed from the host measures the host's
+dispatch.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_small_probe.py
 """
