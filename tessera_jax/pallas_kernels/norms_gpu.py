@@ -635,7 +635,7 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # both (docs/ARCHITECTURE.md). So the backward kernel stays beside the forward kernel there.
 # rmsnorm's and layernorm's forward kernels also run from 2¹⁹ elements (``prefer_norm``):
 # timed inside one program on an H200 at 2¹⁹ to 2²¹ elements, rows of 256 to 4096
-# (benchmarks/archive/norm-small-h200.txt), rmsnorm's ran 1.10-1.22x jnp where its
+# (benchmarks/results/norms-h200-in-graph.json), rmsnorm's ran 1.10-1.22x jnp where its
 # reference, whose overflow-safe statistics XLA does not fuse into one row kernel, ran
 # 0.68-0.87x, and layernorm's ran 1.06-1.12x (the reference 1.02-1.11x). Softmax's forward
 # reference fuses as jnp's does (primitives/softmax.py): 0.93-1.01x jnp there, the kernel
