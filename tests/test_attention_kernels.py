@@ -2085,32 +2085,41 @@ def test_persistent_forward_with_features(feature):
     _check_persistent_feature(feature, 4, 1000, 8, 128, interpret=False)
 
 
-def _check_four_tiles_d128_window(window, b, s, h, *, interpret: bool):
-    """Causal at head_dim 128 with a window, four tiles a CTA (the default grid on a GPU,
-    forced in interpret mode): the bits of one CTA per tile (their results against float64:
-    the grid's own tests, and here in interpret mode)."""
+def _check_four_tiles_d128_masked(window, b, s, h, *, interpret: bool):
+    """Causal at head_dim 128 with segment ids (``window`` None) or a window, four tiles a
+    CTA (the default grid on a GPU, forced in interpret mode): the bits of one CTA per
+    tile (their results against float64: the grid's own tests, and here in interpret
+    mode). With segment ids, jax 0.11's interpreter checks the producer's proxy fence
+    before it refills a slot of key ids (``_fence_before_refill``)."""
     q, k, v = (rand((b, s, h, 128), jnp.bfloat16) for _ in range(3))
-    spec = _spec(causal=True, local_window_size=window)
+    if window is None:
+        seg = jnp.broadcast_to((jnp.arange(s) >= 3 * s // 4).astype(jnp.int32), (b, s))
+        spec, extras = _spec(causal=True, has_segment_ids=True), (seg, seg)
+        opts = dict(causal=True, scale=spec.scale, q_segment_ids=seg, kv_segment_ids=seg)
+    else:
+        spec, extras = _spec(causal=True, local_window_size=window), ()
+        opts = dict(causal=True, scale=spec.scale, local_window_size=window)
     p = am._with_features(am._fwd_problem(q, k, True, spec.scale), spec, None)
     ctas = p.fwd_work // 4
     if not interpret:
         assert am._fwd_ctas(p, device.sm_counts(interpret=False).grid, None, None) == ctas
-    fwd = functools.partial(am.flash_fwd, spec, q, k, v, interpret=interpret)
+    fwd = functools.partial(am.flash_fwd, spec, q, k, v, *extras, interpret=interpret)
     out = _persistent_keeps_bits(fwd, ctas if interpret else None, interpret=interpret)[0]
     if interpret:
-        opts = dict(causal=True, scale=spec.scale, local_window_size=window)
         assert_close(out, np_dense(*(f64(x) for x in (q, k, v)), opts)[0], factor=2)
 
 
 @pytest.mark.usefixtures("interpret_mode")
-def test_persistent_forward_four_tiles_d128_window_interpret():
-    _check_four_tiles_d128_window((100, 0), 1, 512, 2, interpret=True)
+@pytest.mark.parametrize("window", [None, (100, 0)])
+def test_persistent_forward_four_tiles_d128_masked_interpret(window):
+    _check_four_tiles_d128_masked(window, 1, 512, 2, interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("pallas_mode")
-def test_persistent_forward_four_tiles_d128_window():
-    _check_four_tiles_d128_window((300, 0), 8, 1024, 16, interpret=False)  # 2.0 waves
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_persistent_forward_four_tiles_d128_masked(window):
+    _check_four_tiles_d128_masked(window, 8, 1024, 16, interpret=False)  # 2.0 waves
 
 
 @pytest.mark.gpu
@@ -2149,7 +2158,7 @@ def test_persistent_forward_keeps_bits(case, ctas):
         ((16, 1024, 16, 256), (16, 1024, 16, 256), {}, None),
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(has_kv_lengths=True), 132),
         ((16, 1024, 16, 128), (16, 1024, 16, 128), dict(local_window_size=(64, 0)), 132),
-        ((8, 2048, 16, 128), (8, 2048, 16, 128), dict(causal=True, has_segment_ids=True), 1024),
+        ((8, 2048, 16, 128), (8, 2048, 16, 128), dict(causal=True, has_segment_ids=True), 512),
         ((8, 2048, 16, 128), (8, 2048, 16, 128), dict(causal=True, has_kv_lengths=True), 1024),
         (
             (32, 1024, 16, 128),

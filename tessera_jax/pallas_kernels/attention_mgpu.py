@@ -505,16 +505,14 @@ FWD_PINGPONG = {64: True, 128: False, 256: False}
 # take four tiles a CTA where that still leaves FWD_CAUSAL_MIN_WAVES waves of CTAs
 # (benchmarks/archive/fwd-causal-ctas4-h200.txt and its -confirm and -waves logs: 1.02-1.07x
 # over two at 1024 to 4096 items, 0.82-0.97x at 512 to 896, 1.0-1.7 waves). At 128 four
-# ran 0.96-1.00x plain, so it keeps two, except with a window
-# (FWD_CAUSAL_WINDOW_TILES_PER_CTA): 1.01-1.05x over two at 2048 and 4096 items, two rounds
-# each (benchmarks/archive/fwd-causal-ctas4-d128-features-h200.txt). Segment ids ran
-# 1.01-1.03x there, but jax 0.11's interpreter reports a race in the kernel at head_dim 128
-# with segment ids and four tiles a CTA, not yet understood, so they keep two; key lengths
-# ran 0.96-0.97x at B8 S2048.
+# ran 0.96-1.00x plain, so it keeps two, except with a window or segment ids
+# (FWD_CAUSAL_MASKED_TILES_PER_CTA): 1.01-1.05x over two at 2048 and 4096 items, two rounds
+# each (benchmarks/archive/fwd-causal-ctas4-d128-features-h200.txt), where key lengths ran
+# 0.96-0.97x at B8 S2048 and keep two.
 FWD_PERSISTENT_HEAD_DIMS = (64, 128)
 FWD_PERSISTENT_MAX_KEYS = 2048
 FWD_CAUSAL_TILES_PER_CTA = {64: 4, 128: 2}
-FWD_CAUSAL_WINDOW_TILES_PER_CTA = {**FWD_CAUSAL_TILES_PER_CTA, 128: 4}
+FWD_CAUSAL_MASKED_TILES_PER_CTA = {**FWD_CAUSAL_TILES_PER_CTA, 128: 4}
 FWD_CAUSAL_MIN_WAVES = 1.9
 FWD_CAUSAL_ONE_WAVE_MAX_KEYS = 768
 
@@ -528,8 +526,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     or slower on it), and so do key chunks; True: wherever the kernel runs. ``ctas``
     (which implies ``persistent``) replaces the CTA count: otherwise one CTA per SM, or
     causal beyond :data:`FWD_CAUSAL_ONE_WAVE_MAX_KEYS` keys one per
-    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles by head_dim (with a window
-    :data:`FWD_CAUSAL_WINDOW_TILES_PER_CTA`), or per two where that many would not fill
+    :data:`FWD_CAUSAL_TILES_PER_CTA` tiles by head_dim (with a window or segment ids
+    :data:`FWD_CAUSAL_MASKED_TILES_PER_CTA`), or per two where that many would not fill
     :data:`FWD_CAUSAL_MIN_WAVES` waves (at least one CTA per SM)."""
     if persistent is None and ctas is not None:
         persistent = True
@@ -552,7 +550,8 @@ def _fwd_ctas(p: Problem, sms: int, persistent: bool | None, ctas: int | None) -
     one_wave = max(1, min(sms, p.fwd_work))
     if not p.causal or p.seq_kv <= FWD_CAUSAL_ONE_WAVE_MAX_KEYS:
         return one_wave
-    table = FWD_CAUSAL_TILES_PER_CTA if p.window is None else FWD_CAUSAL_WINDOW_TILES_PER_CTA
+    masked = p.window is not None or p.segments
+    table = FWD_CAUSAL_MASKED_TILES_PER_CTA if masked else FWD_CAUSAL_TILES_PER_CTA
     per_cta = table.get(p.head_dim, 2)
     if -(-p.fwd_work // per_cta) < FWD_CAUSAL_MIN_WAVES * sms:
         per_cta = 2
@@ -962,7 +961,8 @@ def _producer(p: Problem, n_steps, stages: int | Sequence[int], groups) -> None:
 
     ``groups``: ``[(consumed_barriers, [(src(step) -> gmem ref, ring, barriers), ...])]``;
     a ring (and its barriers) is a shared-memory ref indexed by the slot, or a function of
-    the slot.
+    the slot. A load may carry a fourth element, True where the compute warpgroups read its
+    ring with generic loads (:func:`_generic_reads`).
     ``stages``: the ring slots, one count for all groups or one per group.
     """
     plgpu.set_max_registers(p.wg_regs[1], action="decrease")
@@ -987,13 +987,35 @@ def _produce(base, n_steps, stages: int | Sequence[int], groups) -> None:
             slot = _slot(ring_step, n)
 
             @pl.when(ring_step >= n)
-            def _wait(consumed=consumed, slot=slot):
+            def _wait(consumed=consumed, slot=slot, loads=loads):
                 plgpu.barrier_wait(consumed.at[slot])
+                if _fence_before_refill(loads):
+                    plgpu.commit_smem()
 
-            for src, ring, bars in loads:
+            for src, ring, bars, *_ in loads:
                 dst = ring(slot) if callable(ring) else ring.at[slot]
                 bar = bars(slot) if callable(bars) else bars.at[slot]
                 plgpu.copy_gmem_to_smem(src(step), dst, bar)
+
+
+# Whether the producer fences the proxies before it refills a slot that was read with generic
+# loads (see _fence_before_refill); False only to time the fence.
+FENCE_GENERIC_REFILLS = True
+
+
+def _generic_reads(loads: list) -> list:
+    """``loads`` (of :func:`_producer`'s groups) marked as read by the compute warpgroups'
+    generic loads (``ld.shared``, not the tensor cores)."""
+    return [(*load[:3], True) for load in loads]
+
+
+def _fence_before_refill(loads) -> bool:
+    """Whether a slot of ``loads`` is refilled after a proxy fence. The consumed barrier
+    orders the compute warpgroups' generic reads of a slot before the producer's wait, but
+    TMA writes through the async proxy: ``commit_smem`` (``fence.proxy.async``) after the
+    wait orders those reads before the refill's writes (the wgmma's operand reads are in the
+    async proxy already). jax 0.11's Mosaic GPU interpreter checks it."""
+    return FENCE_GENERIC_REFILLS and any(len(load) > 3 and load[3] for load in loads)
 
 
 def _drain(n_steps, stages: int | Sequence[int], groups) -> None:
@@ -1128,7 +1150,8 @@ def _kv_segment_loads(p: Problem, kv_seg_ref, kseg_smem, kseg_bar, b, first) -> 
     if not p.segments:
         return []
     rows = kseg_smem.shape[-1]
-    return [(lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)]
+    load = (lambda n: kv_seg_ref.at[b, pl.ds((first + n) * rows, rows)], kseg_smem, kseg_bar)
+    return _generic_reads([load])
 
 
 def _bias_scratch(p: Problem, stages: int, groups: int, n: int) -> list:
@@ -1201,14 +1224,16 @@ def _bias_loads(p: Problem, bias_smem, bias_bar, src) -> list:
     ``src(n, i)`` is its source in global memory."""
     if p.bias is None:
         return []
-    return [
-        (
-            functools.partial(src, i=i),
-            lambda slot, i=i: bias_smem.at[slot, i],
-            lambda slot, i=i: _bias_bar(bias_smem, bias_bar, slot, i),
-        )
-        for i in range(bias_smem.shape[1])
-    ]
+    return _generic_reads(
+        [
+            (
+                functools.partial(src, i=i),
+                lambda slot, i=i: bias_smem.at[slot, i],
+                lambda slot, i=i: _bias_bar(bias_smem, bias_bar, slot, i),
+            )
+            for i in range(bias_smem.shape[1])
+        ]
+    )
 
 
 def _bias_parts(p: Problem) -> int:
@@ -2376,14 +2401,11 @@ def _dkv_kernel(
                 return bias_ref.at[bb, bh, keys]
             return bias_ref.at[bb, bh, pl.ds(q0, bq), keys]
 
-        loads = [
-            (rows_of(q_ref), q_smem, q_bar),
-            (rows_of(do_ref), do_smem, do_bar),
-            (vec_of(lse_ref), lse_smem, lse_bar),
-            (vec_of(delta_ref), delta_smem, delta_bar),
-        ]
+        loads = [(rows_of(q_ref), q_smem, q_bar), (rows_of(do_ref), do_smem, do_bar)]
+        vectors = [(vec_of(lse_ref), lse_smem, lse_bar), (vec_of(delta_ref), delta_smem, delta_bar)]
         if p.segments:
-            loads.append((ids_of, qseg_smem, qseg_bar))
+            vectors.append((ids_of, qseg_smem, qseg_bar))
+        loads += _generic_reads(vectors)
         loads += _bias_loads(p, bias_smem, bias_bar, bias_of)
         _producer(p, tiles * per_tile, s, [(done, loads)])
 
