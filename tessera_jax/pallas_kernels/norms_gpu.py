@@ -212,9 +212,15 @@ def _store(ref, rows, cols, mask, value) -> None:
     plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
 
 
-def _mean(v: jax.Array, d: int) -> jax.Array:
+def _reduce(f, v: jax.Array, axis: int | None) -> jax.Array:
+    """``f`` (``jnp.sum``, ``jnp.max``) over a tile's rows (``axis`` 1, kept), or over a
+    single row held as a vector (``axis`` None, to a scalar: norms_mgpu's layout)."""
+    return f(v, axis=axis, keepdims=axis is not None)
+
+
+def _mean(v: jax.Array, d: int, axis: int | None = 1) -> jax.Array:
     """The row mean over the ``d`` real columns (the padding holds zeros)."""
-    return jnp.sum(v, axis=1, keepdims=True) / np.float32(d)
+    return _reduce(jnp.sum, v, axis) / np.float32(d)
 
 
 def _rsqrt_guarded(s: jax.Array) -> jax.Array:
@@ -223,9 +229,12 @@ def _rsqrt_guarded(s: jax.Array) -> jax.Array:
     return jnp.where(zero, 0.0, jax.lax.rsqrt(jnp.where(zero, 1.0, s)))
 
 
-def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool):
+def _normalise(
+    v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool, axis: int | None = 1
+):
     """``(v·r, r)`` with ``r = 1/sqrt(mean(v²) + eps)``: the operators' ``_normalise``,
-    including the rescaled statistics of a row whose mean square overflows f32.
+    including the rescaled statistics of a row whose mean square overflows f32 (rows along
+    ``axis``, :func:`_reduce`).
 
     ``branch``: only a block holding such a row takes the second mean square, behind a
     branch on the block (the same values). The forward kernels branch: there the second
@@ -233,13 +242,13 @@ def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool)
     which walk and prefetch row blocks, ran slower with the branch
     (``benchmarks/archive/norms-branch-h200.txt``)."""
     rsqrt = _rsqrt_guarded if guard_zero else jax.lax.rsqrt
-    s = _mean(v * v, d) + np.float32(eps)
+    s = _mean(v * v, d, axis) + np.float32(eps)
     big = jnp.isinf(s)
 
     def both():  # both mean squares, each row's picked by a select
         c = _OVERFLOW_SCALE
         vc = v * c
-        sc = _mean(vc * vc, d) + np.float32(eps) * c * c
+        sc = _mean(vc * vc, d, axis) + np.float32(eps) * c * c
         sc = jnp.where(jnp.isinf(sc), jnp.nan, sc)  # a row holding ±inf comes out NaN
         rs = rsqrt(jnp.where(big, sc, 1.0))
         r = rsqrt(jnp.where(big, 1.0, s))
@@ -251,7 +260,8 @@ def _normalise(v: jax.Array, d: int, eps: float, guard_zero: bool, branch: bool)
 
     if not branch:
         return both()
-    return jax.lax.cond(jnp.max(big.astype(jnp.int32)) > 0, both, plain)
+    any_big = big if axis is None else jnp.max(big.astype(jnp.int32)) > 0  # (a row: a scalar)
+    return jax.lax.cond(any_big, both, plain)
 
 
 def _stats(p: Problem, x: jax.Array, mask: jax.Array, op: str, eps: float, branch: bool):
@@ -297,18 +307,23 @@ def _loader(p: Problem, *refs_and_fill):
     return load
 
 
+def _softmax_rows(x: jax.Array, log: bool, axis: int | None = 1) -> jax.Array:
+    """softmax or log_softmax of f32 rows along ``axis`` (:func:`_reduce`)."""
+    m = _reduce(jnp.max, x, axis)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
+    shifted = x - m
+    e = jnp.exp(shifted)
+    s = _reduce(jnp.sum, e, axis)
+    s = jnp.where(s == 0, 1.0, s)
+    return shifted - jnp.log(s) if log else e / s
+
+
 def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
     cols = jnp.arange(p.d_pad)
 
     def block(_, loaded, carry):
         rows, mask, (x,) = loaded
-        m = jnp.max(x, axis=1, keepdims=True)
-        m = jnp.where(m == -jnp.inf, 0.0, m)  # a fully -inf row: zeros (softmax), -inf (log)
-        shifted = x - m
-        e = jnp.exp(shifted)
-        s = jnp.sum(e, axis=1, keepdims=True)
-        s = jnp.where(s == 0, 1.0, s)
-        _store(o_ref, rows, cols, mask, shifted - jnp.log(s) if log else e / s)
+        _store(o_ref, rows, cols, mask, _softmax_rows(x, log))
         return carry
 
     _walk(p, _loader(p, (x_ref, -jnp.inf)), block)
