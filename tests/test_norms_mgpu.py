@@ -1,0 +1,138 @@
+"""The Mosaic GPU row kernels (``pallas_kernels/norms_mgpu.py``) against float64: in the
+Mosaic GPU interpreter on the CPU with race detection, lowered for cuda on this CPU machine,
+and compiled on a GPU (marker ``gpu``). No operator dispatches to them yet, so the tests call
+the kernels directly."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tessera_jax as ts
+from tessera_jax import _compat
+from tessera_jax.pallas_kernels import norms_mgpu
+from tests._util import assert_close, cuda_lowering, f64, mosaic_gpu_calls, rand
+from tests.test_norm_kernels import OPS, _f64, _fwd_spec, _nan_equal_close, _operands, _ts
+
+# (shape, dtype, rows a CTA walks): a ragged last CTA in bf16 (15 rows by 4), rows of a
+# length whose vectors are narrow (384 = 3 elements a thread) in f32, one row a CTA in f16.
+CASES = [((3, 5, 256), jnp.bfloat16, 4), ((7, 384), jnp.float32, 3), ((2, 1024), jnp.float16, 1)]
+
+
+def _kernel(op: str, rows: int, interpret: bool):
+    config = norms_mgpu.MosaicRowConfig(rows=rows)
+    call = functools.partial(getattr(norms_mgpu, op), _fwd_spec(op))
+    return jax.jit(lambda *a: call(*a, interpret=interpret, config=config))
+
+
+def _run(op: str, rows: int, args, *, interpret: bool):
+    """The kernel on ``args``; in the interpreter, with race detection, asserting none."""
+    if not interpret:
+        return _kernel(op, rows, False)(*args)
+    with _compat.gpu_interpret_mode(detect_races=True):
+        out = jax.block_until_ready(_kernel(op, rows, True)(*args))
+        assert not _compat.races_detected()
+    return out
+
+
+def _check_forward(op, shape, dtype, rows, *, interpret: bool):
+    args = _operands(op, shape, dtype)
+    got = _run(op, rows, args, interpret=interpret)
+    with _compat.enable_x64(True):
+        want = _f64(op, *map(f64, args))
+    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    assert_close(got, want, factor=2)
+
+
+def _check_non_finite_rows(op, *, interpret: bool):
+    """A NaN or ``±inf`` row gives a NaN row (softmax: a ``-inf`` element is fine, a fully
+    ``-inf`` row gives zeros / ``-inf``), a row whose squares overflow f32 takes the
+    rescaled statistics: the values of the operator's XLA reference."""
+    x = np.array(rand((6, 128), jnp.float32))
+    x[1, 7], x[2, 3] = np.nan, np.inf
+    x[3, :] = -np.inf if op.endswith("softmax") else 0.0
+    x[4, 5] = -np.inf
+    x[5, :] *= 1e30
+    args = list(_operands(op, (6, 128), jnp.float32))
+    args[0] = jnp.asarray(x, jnp.bfloat16)
+    got = _run(op, 4, args, interpret=interpret)
+    with ts.kernel_mode("xla"):
+        want = jax.jit(functools.partial(_ts, op))(*args)
+    _nan_equal_close(got, want, 2e-2)
+
+
+def _check_rows_keep_their_bits(op, *, interpret: bool):
+    """A row's bits do not depend on how many rows the launch has, nor where the row falls
+    in a CTA's walk (a mesh's shard of rows gets the same bits)."""
+    args = _operands(op, (9, 512), jnp.bfloat16)
+    whole = np.asarray(_run(op, 4, args, interpret=interpret))
+    part = np.asarray(_run(op, 3, (args[0][2:7], *args[1:]), interpret=interpret))
+    np.testing.assert_array_equal(part, whole[2:7])
+
+
+@pytest.mark.parametrize("shape, dtype, rows", CASES[:2])
+@pytest.mark.parametrize("op", OPS)
+def test_forward_interpret(op, shape, dtype, rows):
+    _check_forward(op, shape, dtype, rows, interpret=True)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_rows_interpret(op):
+    _check_non_finite_rows(op, interpret=True)
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "softmax"])
+def test_rows_keep_their_bits_interpret(op):
+    _check_rows_keep_their_bits(op, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, rows", CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_forward(op, shape, dtype, rows):
+    _check_forward(op, shape, dtype, rows, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_rows(op):
+    _check_non_finite_rows(op, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_rows_keep_their_bits(op):
+    _check_rows_keep_their_bits(op, interpret=False)
+
+
+@pytest.mark.parametrize("d", [768, 4096])
+@pytest.mark.parametrize("op", OPS)
+def test_kernels_lower_for_cuda(op, d):
+    """Each kernel goes through Mosaic GPU's lowering (layouts, reductions) on this CPU."""
+    args = _operands(op, (16, d), jnp.bfloat16)
+    text = cuda_lowering(_kernel(op, 4, False), *args)
+    assert len(mosaic_gpu_calls(text)) == 1, op
+
+
+def test_supports_declines_with_reasons():
+    spec = (("eps", 1e-5), ("has_weight", True))
+    x, w = jax.ShapeDtypeStruct((4, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.float32)
+    assert norms_mgpu.supports(spec, [x, w]) is None
+    odd = jax.ShapeDtypeStruct((4, 200), jnp.bfloat16)
+    w_odd = jax.ShapeDtypeStruct((200,), jnp.float32)
+    assert "multiples of 128" in norms_mgpu.supports(spec, [odd, w_odd])
+    wide = jax.ShapeDtypeStruct((4, 32768), jnp.bfloat16)
+    w_wide = jax.ShapeDtypeStruct((32768,), jnp.float32)
+    assert "does not fit" in norms_mgpu.supports(spec, [wide, w_wide])  # norms_gpu's reason
+    f64_x = jax.ShapeDtypeStruct((4, 256), np.float64)
+    assert "bf16, f16 and f32" in norms_mgpu.supports(spec, [f64_x, w])
+
+
+@pytest.mark.parametrize("rows", [0, -1, 2.0, True])
+def test_config_validation(rows):
+    with pytest.raises(ValueError, match=f"MosaicRowConfig: rows={rows!r} must be a positive"):
+        norms_mgpu.MosaicRowConfig(rows=rows)
