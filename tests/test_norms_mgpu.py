@@ -1,7 +1,7 @@
-"""The Mosaic GPU row kernels (``pallas_kernels/norms_mgpu.py``) against float64: in the
-Mosaic GPU interpreter on the CPU with race detection, lowered for cuda on this CPU machine,
-and compiled on a GPU (marker ``gpu``). No operator dispatches to them yet, so the tests call
-the kernels directly."""
+"""The Mosaic GPU row kernels (``pallas_kernels/norms_mgpu.py``), forward and backward,
+against float64: in the Mosaic GPU interpreter on the CPU with race detection, lowered for
+cuda on this CPU machine, and compiled on a GPU (marker ``gpu``). No operator dispatches to
+them yet, so the tests call the kernels directly."""
 
 from __future__ import annotations
 
@@ -48,6 +48,50 @@ def _check_forward(op, shape, dtype, rows, *, interpret: bool):
     assert_close(got, want, factor=2)
 
 
+def _bwd_spec(op: str, d: int) -> tuple:
+    """The backward kernel's bind parameters: the forward's, and the parameter gradients."""
+    if op.endswith("softmax"):
+        return _fwd_spec(op)
+    grads = dict(weight_grad_shape=(d,)) | (dict(bias_grad_shape=(d,)) if op == "layernorm" else {})
+    return tuple(sorted((dict(_fwd_spec(op)) | grads).items()))
+
+
+def _check_backward(op, shape, dtype, rows, *, interpret: bool):
+    """dx (and the f32 weight and bias gradients) against float64: for the norms jax's own
+    derivative of the float64 formula, for softmax the formula of dx from the saved output
+    (a ``y`` given in ``dtype``)."""
+    args, ct = _operands(op, shape, dtype), rand(shape, dtype)
+    config = norms_mgpu.MosaicRowConfig(rows=rows)
+    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), _bwd_spec(op, shape[-1]))
+    if op.endswith("softmax"):
+        with _compat.enable_x64(True):
+            y = _f64(op, f64(args[0])).astype(dtype)
+        operands = (y, ct)
+        y64, g64 = f64(y), f64(ct)
+        if op == "log_softmax":
+            want = (g64 - np.exp(y64) * g64.sum(-1, keepdims=True),)
+        else:
+            want = (y64 * (g64 - (y64 * g64).sum(-1, keepdims=True)),)
+    else:
+        operands = (args[0], args[1], ct)  # x, weight, cotangent
+        with _compat.enable_x64(True):
+            _, pull = jax.vjp(functools.partial(_f64, op), *map(f64, args))
+            want = pull(f64(ct))
+    run = jax.jit(lambda *a: bwd(*a, interpret=interpret, config=config))
+    if interpret:
+        with _compat.gpu_interpret_mode(detect_races=True):
+            got = jax.block_until_ready(run(*operands))
+            assert not _compat.races_detected()
+    else:
+        got = run(*operands)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want)
+    assert got[0].dtype == dtype and got[0].shape == shape
+    for g, w in zip(got, want):
+        # f32 parameter gradients sum over the rows: allow a few roundings per element
+        assert_close(g, w, factor=4 if g.dtype == jnp.bfloat16 else 20)
+
+
 def _check_non_finite_rows(op, *, interpret: bool):
     """A NaN or ``±inf`` row gives a NaN row (softmax: a ``-inf`` element is fine, a fully
     ``-inf`` row gives zeros / ``-inf``), a row whose squares overflow f32 takes the
@@ -80,6 +124,12 @@ def test_forward_interpret(op, shape, dtype, rows):
     _check_forward(op, shape, dtype, rows, interpret=True)
 
 
+@pytest.mark.parametrize("shape, dtype, rows", CASES[:2])
+@pytest.mark.parametrize("op", OPS)
+def test_backward_interpret(op, shape, dtype, rows):
+    _check_backward(op, shape, dtype, rows, interpret=True)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_non_finite_rows_interpret(op):
     _check_non_finite_rows(op, interpret=True)
@@ -98,6 +148,13 @@ def test_forward(op, shape, dtype, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, rows", CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_backward(op, shape, dtype, rows):
+    _check_backward(op, shape, dtype, rows, interpret=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_non_finite_rows(op):
     _check_non_finite_rows(op, interpret=False)
@@ -112,10 +169,16 @@ def test_rows_keep_their_bits(op):
 @pytest.mark.parametrize("d", [768, 4096])
 @pytest.mark.parametrize("op", OPS)
 def test_kernels_lower_for_cuda(op, d):
-    """Each kernel goes through Mosaic GPU's lowering (layouts, reductions) on this CPU."""
+    """Each kernel, forward and backward, goes through Mosaic GPU's lowering (layouts,
+    reductions, loop carries) on this CPU."""
     args = _operands(op, (16, d), jnp.bfloat16)
     text = cuda_lowering(_kernel(op, 4, False), *args)
     assert len(mosaic_gpu_calls(text)) == 1, op
+    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), _bwd_spec(op, d))
+    ct = args[0]
+    operands = (args[0], ct) if op.endswith("softmax") else (args[0], args[1], ct)
+    text = cuda_lowering(bwd, *operands)
+    assert len(mosaic_gpu_calls(text)) == 1, f"{op}_bwd"
 
 
 def test_supports_declines_with_reasons():

@@ -1,13 +1,15 @@
 """Probe: the Mosaic GPU row kernels (pallas_kernels/norms_mgpu.py, not dispatched yet)
 against jnp, the operators' references (ts[xla]) and the Triton kernels (ts[pallas]),
-forward, timed inside one program as norm_small_probe.py does, at rows that auto gives the
-Triton kernels and below. Decides whether the Mosaic kernels can replace the Triton ones
-(Pallas' Triton backend is deprecated), and with how many rows a CTA walks. Correctness
-first: each kernel against jnp at one shape.
+timed inside one program as norm_small_probe.py does, at rows that auto gives the Triton
+kernels and below: the forward, or (argument ``fwdbwd``) forward and backward, the Mosaic
+pair joined by a custom_vjp as the operators join theirs. Decides whether the Mosaic kernels
+can replace the Triton ones (Pallas' Triton backend is deprecated), and with how many rows
+a CTA walks. Correctness first: each forward and backward against jnp's at one shape.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_probe.py
+    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_probe.py [fwd|fwdbwd]
 """
 
+import functools
 import sys
 
 sys.path.insert(0, ".")
@@ -22,35 +24,75 @@ src = open("benchmarks/archive/norm_small_probe.py").read()
 probe = {}
 exec(src[: src.index("for shape in ((512, 1024)")], probe)  # its imports, IMPLS and case()
 case, IMPLS = probe["case"], probe["IMPLS"]
+MODE = sys.argv[1] if len(sys.argv) > 1 else "fwd"
+ROWS = (1, 4, 16)
+OPS = ("rmsnorm", "layernorm", "softmax")
 
 
-def spec(op):
+def spec(op, d=None):
+    """The kernels' bind parameters (with ``d``: the backward's)."""
     if op.endswith("softmax"):
         return (("axis", 1),)
-    kw = dict(eps=nb.EPS, has_weight=True) | (dict(has_bias=True) if op == "layernorm" else {})
+    kw = dict(eps=nb.EPS, has_weight=True)
+    if op == "layernorm":
+        kw["has_bias"] = True
+    if d is not None:
+        kw["weight_grad_shape"] = (d,)
+        if op == "layernorm":
+            kw["bias_grad_shape"] = (d,)
     return tuple(sorted(kw.items()))
 
 
-def mosaic(op, x, *params, rows):
+@functools.cache
+def mosaic(op, rows):
+    """The operator on the Mosaic kernels, differentiable."""
     config = norms_mgpu.MosaicRowConfig(rows=rows)
-    return getattr(norms_mgpu, op)(spec(op), x, *params, config=config)
+    fwd = functools.partial(getattr(norms_mgpu, op), spec(op), config=config)
+
+    @jax.custom_vjp
+    def f(x, *params):
+        return fwd(x, *params)
+
+    def f_fwd(x, *params):
+        y = fwd(x, *params)
+        return y, (y if op.endswith("softmax") else x, params)
+
+    def f_bwd(res, ct):
+        saved, params = res
+        bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), config=config)
+        if op.endswith("softmax"):
+            return (bwd(spec(op), saved, ct),)
+        dx, *dp = bwd(spec(op, saved.shape[-1]), saved, params[0], ct)
+        return (dx, *(g.astype(p.dtype) for g, p in zip(dp, params)))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
 
 
-ROWS = (1, 4, 16)
 for rows in ROWS:
-    IMPLS[f"mgpu[r{rows}]"] = ("xla", lambda op, x, *p, rows=rows: mosaic(op, x, *p, rows=rows))
+    IMPLS[f"mgpu[r{rows}]"] = ("xla", lambda op, x, *p, rows=rows: mosaic(op, rows)(x, *p))
 
-for op in ("rmsnorm", "layernorm", "softmax"):
-    x, *params, _ = nb.operands(op, (300, 4096))
-    want = np.asarray(jax.jit(lambda x, *p, op=op: nb.xla_op(op, x, *p))(x, *params), np.float32)
+for op in OPS:
+    x, *params, ct = nb.operands(op, (300, 4096))
+
+    def vjp(f, x, *params):
+        y, pull = jax.vjp(f, x, *params)
+        return (y, *pull(ct))
+
+    want = jax.jit(functools.partial(vjp, functools.partial(nb.xla_op, op)))(x, *params)
     for rows in ROWS:
-        got = jax.jit(lambda x, *p, op=op, rows=rows: mosaic(op, x, *p, rows=rows))(x, *params)
-        err = np.abs(np.asarray(got, np.float32) - want).max()
-        print(f"{op} mgpu[r{rows}] max abs diff from jnp {err:.4f}", flush=True)
+        got = jax.jit(functools.partial(vjp, mosaic(op, rows)))(x, *params)
+        diffs = [
+            np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)).max()
+            for g, w in zip(got, want)
+        ]
+        print(
+            f"{op} mgpu[r{rows}] max abs diff from jnp (y, grads): {np.round(diffs, 4)}", flush=True
+        )
 
 for shape in ((512, 4096), (4096, 4096), (32768, 4096), (16384, 1024), (8192, 8192), (2048, 16384)):
-    for op in ("rmsnorm", "layernorm", "softmax"):
+    for op in OPS:
         try:
-            case(op, shape, "fwd", tuple(IMPLS))
+            case(op, shape, MODE, tuple(IMPLS))
         except Exception as e:
             print(f"!! {op} {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)

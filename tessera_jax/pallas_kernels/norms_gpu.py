@@ -329,6 +329,13 @@ def _softmax_kernel(x_ref, o_ref, *, p: Problem, log: bool) -> None:
     _walk(p, _loader(p, (x_ref, -jnp.inf)), block)
 
 
+def _softmax_bwd_rows(y: jax.Array, g: jax.Array, log: bool, axis: int | None = 1):
+    """dx of softmax (``y`` its output) or log_softmax along ``axis`` (:func:`_reduce`)."""
+    if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax)
+        return g - jnp.exp(y) * _reduce(jnp.sum, g, axis)
+    return y * (g - _reduce(jnp.sum, y * g, axis))  # dx = y·(g − Σ y·g)
+
+
 def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
     cols = jnp.arange(p.d_pad)
     # log_softmax's padding reads -inf, so that its exp is 0 there
@@ -336,11 +343,7 @@ def _softmax_bwd_kernel(y_ref, g_ref, o_ref, *, p: Problem, log: bool) -> None:
 
     def block(_, loaded, carry):
         rows, mask, (y, g) = loaded
-        if log:  # dx = g − softmax·Σg, softmax = exp(log_softmax)
-            dx = g - jnp.exp(y) * jnp.sum(g, axis=1, keepdims=True)
-        else:  # dx = y·(g − Σ y·g)
-            dx = y * (g - jnp.sum(y * g, axis=1, keepdims=True))
-        _store(o_ref, rows, cols, mask, dx)
+        _store(o_ref, rows, cols, mask, _softmax_bwd_rows(y, g, log))
         return carry
 
     _walk(p, load, block)
@@ -372,6 +375,18 @@ def _norm_kernel(*refs, p: Problem, op: str, eps: float, has_weight: bool, has_b
     _walk(p, _loader(p, (x_ref, 0.0)), block)
 
 
+def _norm_dx(op: str, xhat, r, ct, w, d: int, mask=None, axis: int | None = 1) -> jax.Array:
+    """dx of rmsnorm or layernorm from the statistics ``(x̂, r)`` of :func:`_normalise`, the
+    cotangent and the weight (or None), rows along ``axis``; ``mask`` keeps a tile's padding
+    at zero (None: no padding)."""
+    g = ct if w is None else ct * w
+    u = g - xhat * _mean(xhat * g, d, axis)
+    if op == "layernorm":  # the transpose of the centring x − mean(x)
+        u = u - _mean(u, d, axis)
+        u = u if mask is None else jnp.where(mask, u, 0.0)
+    return r * u
+
+
 def _norm_bwd_kernel(
     *refs, p: Problem, op: str, eps: float, has_weight: bool, want_dw: bool, want_db: bool
 ):
@@ -390,11 +405,7 @@ def _norm_bwd_kernel(
         dw, db = acc
         rows, mask, (x, ct) = loaded
         xhat, r = _stats(p, x, mask, op, eps, branch=False)
-        g = ct if w is None else ct * w
-        u = g - xhat * _mean(xhat * g, p.d)
-        if op == "layernorm":  # the transpose of the centring x − mean(x)
-            u = jnp.where(mask, u - _mean(u, p.d), 0.0)
-        _store(dx_ref, rows, cols, mask, r * u)
+        _store(dx_ref, rows, cols, mask, _norm_dx(op, xhat, r, ct, w, p.d, mask))
         dw = dw + jnp.sum(ct * xhat, axis=0, keepdims=True)
         db = db + jnp.sum(ct, axis=0, keepdims=True)
         return dw, db

@@ -1,6 +1,6 @@
-"""Row-wise softmax, log_softmax, rmsnorm and layernorm forward kernels in Pallas Mosaic GPU:
-the port of :mod:`norms_gpu`'s Triton forwards, for when Pallas' Triton backend (deprecated
-from jax 0.11) is gone.
+"""Row-wise softmax, log_softmax, rmsnorm and layernorm kernels, forward and backward, in
+Pallas Mosaic GPU: the port of :mod:`norms_gpu`'s Triton kernels (all but ``row_dot``), for
+when Pallas' Triton backend (deprecated from jax 0.11) is gone.
 
 Not dispatched yet: no operator registers these kernels until they are measured against
 jnp, the references and the Triton kernels (``benchmarks/archive/norm_mosaic_probe.py``).
@@ -12,10 +12,14 @@ reductions of that vector (warp shuffles, then shared memory between the warps),
 is read once and written once, and its reduction order depends on ``D`` only, not on the
 row count. There is no TMA or shared-memory staging: the design counts on the many CTAs
 resident on a multiprocessor to keep loads in flight (not yet measured). The numerics
-are :mod:`norms_gpu`'s own functions (``_normalise``, ``_softmax_rows``) on a row vector: a
-row whose mean square overflows f32 takes the rescaled statistics behind a branch, ``±inf``
-or NaN gives a NaN row, rmsnorm's zero row gives zeros, softmax's fully ``-inf`` row zeros
-(log_softmax ``-inf``).
+are :mod:`norms_gpu`'s own functions (``_normalise``, ``_softmax_rows``, ``_norm_dx``,
+``_softmax_bwd_rows``) on a row vector: a row whose mean square overflows f32 takes the
+rescaled statistics behind a branch, ``±inf`` or NaN gives a NaN row, rmsnorm's zero row
+gives zeros, softmax's fully ``-inf`` row zeros (log_softmax ``-inf``). The backward
+kernels recompute the statistics from ``x`` (softmax: take the saved output), as
+:mod:`norms_gpu`'s do; the weight and bias gradients are each CTA's column sums over its
+rows, in row order, finished on the canonical pairwise tree, so no atomics and the same
+bits every run.
 
 The strided layout needs ``D`` to be a multiple of 128; other rows are left to the Triton
 kernels or the references (:func:`supports`).
@@ -37,8 +41,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tessera_jax.pallas_kernels import device, norms_gpu
+from tessera_jax.primitives.reductions import pairwise_tree_sum
 
-__all__ = ["MosaicRowConfig", "layernorm", "log_softmax", "rmsnorm", "softmax", "supports"]
+__all__ = [
+    "MosaicRowConfig",
+    "layernorm",
+    "layernorm_bwd",
+    "log_softmax",
+    "log_softmax_bwd",
+    "rmsnorm",
+    "rmsnorm_bwd",
+    "softmax",
+    "softmax_bwd",
+    "supports",
+]
 
 # The strided register layout spreads a row over a warpgroup's 128 threads.
 LANES = 128
@@ -85,53 +101,96 @@ def _vec_size(d: int, itemsize: int) -> int:
     return vec
 
 
-def _load_row(ref, idx, d: int, vec: int, interpret: bool) -> jax.Array:
-    """``ref[idx]`` (a row of ``d``, or the ``(d,)`` parameters) in f32 in the strided
-    layout of ``vec`` elements a thread: the row and an f32 weight must agree on it for an
-    elementwise product, and each dtype's default would pick its own 16-byte vector."""
-    if interpret:  # (the interpreter holds values, not layouts)
-        return ref[idx].astype(jnp.float32)
-    layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
-    return plgpu.load(ref, idx, layout=layout).astype(jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """What a kernel body needs of its launch: ``n`` rows of ``d``, ``rows`` a CTA, and the
+    rows' register layout (``vec`` elements a thread, :func:`_vec_size`)."""
+
+    n: int
+    d: int
+    rows: int
+    vec: int
+    interpret: bool
+
+    @property
+    def layout(self):
+        return plgpu.Layout.WG_STRIDED((self.d,), vec_size=self.vec)
+
+    def load(self, ref, idx) -> jax.Array:
+        """``ref[idx]`` (a row, or the ``(d,)`` parameters) in f32 in the rows' layout:
+        the row and an f32 weight must agree on it for an elementwise product, and each
+        dtype's default would pick its own 16-byte vector."""
+        if self.interpret:  # (the interpreter holds values, not layouts)
+            return ref[idx].astype(jnp.float32)
+        return plgpu.load(ref, idx, layout=self.layout).astype(jnp.float32)
+
+    def zeros(self) -> jax.Array:
+        """An f32 row of zeros in the rows' layout (a loop carry's start)."""
+        zeros = jnp.zeros((self.d,), jnp.float32)
+        return zeros if self.interpret else plgpu.layout_cast(zeros, self.layout)
+
+    def cta(self) -> jax.Array:
+        return lax.axis_index("rows")
+
+    def walk(self, body, carry=None):
+        """``carry = body(r, carry)`` for each of this CTA's rows ``r``, in order (with
+        ``carry`` None, ``body(r)``)."""
+        base = self.cta() * self.rows
+        stop = jnp.minimum(base + self.rows, self.n)
+        if carry is None:
+            pl.loop(base, stop)(body)
+            return None
+        return lax.fori_loop(base, stop, body, carry)
 
 
-def _walk(n: int, rows: int, body) -> None:
-    """``body(r)`` for each of this CTA's rows ``r``, in order."""
-    base = lax.axis_index("rows") * rows
-    pl.loop(base, jnp.minimum(base + rows, n))(body)
-
-
-def _launch(kernel, x: jax.Array, params: Sequence[jax.Array], config, interpret, name):
-    """``kernel(x_ref, *param_refs, o_ref, n=, rows=, load=)`` over ``x``'s rows, one CTA
-    per ``config.rows`` of them; ``load(ref, idx)`` is :func:`_load_row`."""
+def _launch(
+    kernel,
+    x: jax.Array,
+    operands: Sequence[jax.Array],
+    outs: int,
+    partials: int,
+    config,
+    interpret,
+    name,
+):
+    """``kernel(*refs, at=_Launch)`` over the rows of ``x``'s shape, one CTA per
+    ``config.rows`` of them: ``operands`` are ``x``-shaped (flattened to rows here) or
+    ``(D,)`` parameters; the outputs are ``outs`` arrays of ``x``'s shape and dtype, then
+    ``partials`` f32 ``(CTAs, D)`` arrays (a row of per-CTA column sums each)."""
     config = config or MosaicRowConfig()
-    x2 = x.reshape((-1, x.shape[-1]))
-    n, d = x2.shape
-    vec = _vec_size(d, x.dtype.itemsize)
-    load = functools.partial(_load_row, d=d, vec=vec, interpret=interpret)
+    d = x.shape[-1]
+    n = x.size // d
+    at = _Launch(n, d, config.rows, _vec_size(d, x.dtype.itemsize), interpret)
+    ctas = pl.cdiv(n, config.rows)
+    flat = [a.reshape((n, d)) if a.shape == x.shape else a for a in operands]
+    out_type = [jax.ShapeDtypeStruct((n, d), x.dtype)] * outs
+    out_type += [jax.ShapeDtypeStruct((ctas, d), jnp.float32)] * partials
     call = plgpu.kernel(
-        functools.partial(kernel, n=n, rows=config.rows, load=load),
-        out_type=jax.ShapeDtypeStruct(x2.shape, x.dtype),
-        grid=(pl.cdiv(n, config.rows),),
+        functools.partial(kernel, at=at),
+        out_type=out_type,
+        grid=(ctas,),
         grid_names=("rows",),
         kernel_name=name,
     )
-    return device.run_mosaic(call, [x2, *params], interpret=interpret).reshape(x.shape)
+    results = device.run_mosaic(call, flat, interpret=interpret)
+    return [r.reshape(x.shape) for r in results[:outs]] + list(results[outs:])
 
 
-def _softmax_kernel(x_ref, o_ref, *, n: int, rows: int, load, log: bool) -> None:
+def _softmax_kernel(x_ref, o_ref, *, at: _Launch, log: bool) -> None:
     def row(r):
-        x = load(x_ref, r)
-        o_ref[r] = norms_gpu._softmax_rows(x, log, axis=None).astype(o_ref.dtype)
+        o_ref[r] = norms_gpu._softmax_rows(at.load(x_ref, r), log, axis=None).astype(o_ref.dtype)
 
-    _walk(n, rows, row)
+    at.walk(row)
+
+
+def _softmax_name(log: bool, suffix: str = "") -> str:
+    return f"ts_{'log_' if log else ''}softmax{suffix}_mgpu"
 
 
 def _softmax(spec, x, *, interpret, config, log):
     del spec  # supports() admits only the last axis
     kernel = functools.partial(_softmax_kernel, log=log)
-    name = "ts_log_softmax_mgpu" if log else "ts_softmax_mgpu"
-    return _launch(kernel, x, [], config, interpret, name)
+    return _launch(kernel, x, [x], 1, 0, config, interpret, _softmax_name(log))[0]
 
 
 def softmax(spec, x, *, interpret: bool = False, config: MosaicRowConfig | None = None):
@@ -144,35 +203,62 @@ def log_softmax(spec, x, *, interpret: bool = False, config: MosaicRowConfig | N
     return _softmax(spec, x, interpret=interpret, config=config, log=True)
 
 
-def _norm_kernel(
-    *refs, n: int, rows: int, load, op: str, eps: float, weight: bool, bias: bool
-) -> None:
+def _softmax_bwd_kernel(y_ref, g_ref, dx_ref, *, at: _Launch, log: bool) -> None:
+    def row(r):
+        dx = norms_gpu._softmax_bwd_rows(at.load(y_ref, r), at.load(g_ref, r), log, axis=None)
+        dx_ref[r] = dx.astype(dx_ref.dtype)
+
+    at.walk(row)
+
+
+def _softmax_bwd(spec, y, g, *, interpret, config, log):
+    del spec
+    kernel = functools.partial(_softmax_bwd_kernel, log=log)
+    name = _softmax_name(log, "_bwd")
+    return _launch(kernel, y, [y, g], 1, 0, config, interpret, name)[0]
+
+
+def softmax_bwd(spec, y, g, *, interpret: bool = False, config: MosaicRowConfig | None = None):
+    """``ts_softmax_bwd``: ``y·(g − Σ y·g)`` over the last axis, ``y`` softmax's output."""
+    return _softmax_bwd(spec, y, g, interpret=interpret, config=config, log=False)
+
+
+def log_softmax_bwd(spec, y, g, *, interpret: bool = False, config: MosaicRowConfig | None = None):
+    """``ts_log_softmax_bwd``: ``g − exp(y)·Σg`` over the last axis."""
+    return _softmax_bwd(spec, y, g, interpret=interpret, config=config, log=True)
+
+
+def _xhat(at: _Launch, x: jax.Array, op: str, eps: float, branch: bool):
+    """``(x̂, r)`` of one f32 row: :func:`norms_gpu._normalise` of the row (layernorm: of
+    the centred row)."""
+    if op == "layernorm":
+        x = x - norms_gpu._mean(x, at.d, axis=None)
+    return norms_gpu._normalise(x, at.d, eps, guard_zero=op == "rmsnorm", branch=branch, axis=None)
+
+
+def _norm_kernel(*refs, at: _Launch, op: str, eps: float, weight: bool, bias: bool) -> None:
     refs = list(refs)
     x_ref, o_ref = refs.pop(0), refs.pop()
     # The parameters are loaded once per CTA, in f32, in the row's layout.
-    w = load(refs.pop(0), ()) if weight else None
-    b = load(refs.pop(0), ()) if bias else None
-    d = x_ref.shape[-1]
+    w = at.load(refs.pop(0), ()) if weight else None
+    b = at.load(refs.pop(0), ()) if bias else None
 
     def row(r):
-        x = load(x_ref, r)
-        if op == "layernorm":
-            x = x - norms_gpu._mean(x, d, axis=None)
-        y, _ = norms_gpu._normalise(x, d, eps, guard_zero=op == "rmsnorm", branch=True, axis=None)
+        y, _ = _xhat(at, at.load(x_ref, r), op, eps, branch=True)
         if w is not None:
             y = y * w
         if b is not None:
             y = y + b
         o_ref[r] = y.astype(o_ref.dtype)
 
-    _walk(n, rows, row)
+    at.walk(row)
 
 
 def _norm(op, spec, x, *params, interpret, config):
     kw = dict(spec)
     weight, bias = kw["has_weight"], kw.get("has_bias", False)
     kernel = functools.partial(_norm_kernel, op=op, eps=kw["eps"], weight=weight, bias=bias)
-    return _launch(kernel, x, params, config, interpret, f"ts_{op}_mgpu")
+    return _launch(kernel, x, [x, *params], 1, 0, config, interpret, f"ts_{op}_mgpu")[0]
 
 
 def rmsnorm(spec, x, *weight, interpret: bool = False, config: MosaicRowConfig | None = None):
@@ -183,3 +269,59 @@ def rmsnorm(spec, x, *weight, interpret: bool = False, config: MosaicRowConfig |
 def layernorm(spec, x, *params, interpret: bool = False, config: MosaicRowConfig | None = None):
     """``ts_layernorm(x, [weight], [bias])`` with ``(D,)`` weight and bias."""
     return _norm("layernorm", spec, x, *params, interpret=interpret, config=config)
+
+
+def _norm_bwd_kernel(
+    *refs, at: _Launch, op: str, eps: float, weight: bool, want_dw: bool, want_db: bool
+) -> None:
+    """dx of each row, and this CTA's partial column sums of ``ct·x̂`` (dw) and ``ct`` (db)
+    over its rows, in row order."""
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w = at.load(refs.pop(0), ()) if weight else None
+    g_ref, dx_ref = refs.pop(0), refs.pop(0)
+    dw_ref = refs.pop(0) if want_dw else None
+    db_ref = refs.pop(0) if want_db else None
+
+    def row(r, acc):
+        dw, db = acc
+        ct = at.load(g_ref, r)
+        xhat, rs = _xhat(at, at.load(x_ref, r), op, eps, branch=False)
+        dx = norms_gpu._norm_dx(op, xhat, rs, ct, w, at.d, axis=None)
+        dx_ref[r] = dx.astype(dx_ref.dtype)
+        return dw + ct * xhat, db + ct
+
+    dw, db = at.walk(row, (at.zeros(), at.zeros()))
+    if dw_ref is not None:
+        dw_ref[at.cta()] = dw
+    if db_ref is not None:
+        db_ref[at.cta()] = db
+
+
+def _norm_bwd(op, spec, x, *rest, interpret, config):
+    kw = dict(spec)
+    want_dw = kw["weight_grad_shape"] is not None
+    want_db = kw.get("bias_grad_shape") is not None
+    *w, ct = rest
+    kernel = functools.partial(
+        _norm_bwd_kernel,
+        op=op,
+        eps=kw["eps"],
+        weight=kw["has_weight"],
+        want_dw=want_dw,
+        want_db=want_db,
+    )
+    name = f"ts_{op}_bwd_mgpu"
+    dx, *partials = _launch(kernel, x, [x, *w, ct], 1, want_dw + want_db, config, interpret, name)
+    # The column sums of the CTAs' partials, in f32 on the canonical tree, as norms_gpu's.
+    return (dx, *(pairwise_tree_sum(s, axis=0) for s in partials))
+
+
+def rmsnorm_bwd(spec, x, *rest, interpret: bool = False, config: MosaicRowConfig | None = None):
+    """``ts_rmsnorm_bwd(x, [weight], ct) -> (dx, [dweight])``; dweight in f32, ``(D,)``."""
+    return _norm_bwd("rmsnorm", spec, x, *rest, interpret=interpret, config=config)
+
+
+def layernorm_bwd(spec, x, *rest, interpret: bool = False, config: MosaicRowConfig | None = None):
+    """``ts_layernorm_bwd(x, [weight], ct) -> (dx, [dweight], [dbias])``; f32 ``(D,)`` sums."""
+    return _norm_bwd("layernorm", spec, x, *rest, interpret=interpret, config=config)
