@@ -19,8 +19,14 @@ from tests._util import assert_close, cuda_lowering, f64, mosaic_gpu_calls, rand
 from tests.test_norm_kernels import OPS, _f64, _fwd_spec, _nan_equal_close, _operands, _ts
 
 # (shape, dtype, rows a CTA walks): a ragged last CTA in bf16 (15 rows by 4), rows of a
-# length whose vectors are narrow (384 = 3 elements a thread) in f32, one row a CTA in f16.
-CASES = [((3, 5, 256), jnp.bfloat16, 4), ((7, 384), jnp.float32, 3), ((2, 1024), jnp.float16, 1)]
+# length whose vectors are narrow (384 = 3 elements a thread) in f32, a single row (an x of
+# the weight's shape), one row a CTA in f16. The interpreter runs the first three.
+CASES = [
+    ((3, 5, 256), jnp.bfloat16, 4),
+    ((7, 384), jnp.float32, 3),
+    ((256,), jnp.bfloat16, 2),
+    ((2, 1024), jnp.float16, 1),
+]
 
 
 def _kernel(op: str, rows: int, interpret: bool):
@@ -118,13 +124,13 @@ def _check_rows_keep_their_bits(op, *, interpret: bool):
     np.testing.assert_array_equal(part, whole[2:7])
 
 
-@pytest.mark.parametrize("shape, dtype, rows", CASES[:2])
+@pytest.mark.parametrize("shape, dtype, rows", CASES[:3])
 @pytest.mark.parametrize("op", OPS)
 def test_forward_interpret(op, shape, dtype, rows):
     _check_forward(op, shape, dtype, rows, interpret=True)
 
 
-@pytest.mark.parametrize("shape, dtype, rows", CASES[:2])
+@pytest.mark.parametrize("shape, dtype, rows", CASES[:3])
 @pytest.mark.parametrize("op", OPS)
 def test_backward_interpret(op, shape, dtype, rows):
     _check_backward(op, shape, dtype, rows, interpret=True)

@@ -143,6 +143,10 @@ class _Launch:
         return lax.fori_loop(base, stop, body, carry)
 
 
+def _rows(a: jax.Array) -> jax.Array:
+    return a.reshape((-1, a.shape[-1]))
+
+
 def _launch(
     kernel,
     x: jax.Array,
@@ -154,15 +158,14 @@ def _launch(
     name,
 ):
     """``kernel(*refs, at=_Launch)`` over the rows of ``x``'s shape, one CTA per
-    ``config.rows`` of them: ``operands`` are ``x``-shaped (flattened to rows here) or
-    ``(D,)`` parameters; the outputs are ``outs`` arrays of ``x``'s shape and dtype, then
+    ``config.rows`` of them: ``operands`` are ``(rows, D)`` (:func:`_rows`) or ``(D,)``
+    parameters; the outputs are ``outs`` arrays of ``x``'s shape and dtype, then
     ``partials`` f32 ``(CTAs, D)`` arrays (a row of per-CTA column sums each)."""
     config = config or MosaicRowConfig()
     d = x.shape[-1]
     n = x.size // d
     at = _Launch(n, d, config.rows, _vec_size(d, x.dtype.itemsize), interpret)
     ctas = pl.cdiv(n, config.rows)
-    flat = [a.reshape((n, d)) if a.shape == x.shape else a for a in operands]
     out_type = [jax.ShapeDtypeStruct((n, d), x.dtype)] * outs
     out_type += [jax.ShapeDtypeStruct((ctas, d), jnp.float32)] * partials
     call = plgpu.kernel(
@@ -172,7 +175,7 @@ def _launch(
         grid_names=("rows",),
         kernel_name=name,
     )
-    results = device.run_mosaic(call, flat, interpret=interpret)
+    results = device.run_mosaic(call, list(operands), interpret=interpret)
     return [r.reshape(x.shape) for r in results[:outs]] + list(results[outs:])
 
 
@@ -190,7 +193,7 @@ def _softmax_name(log: bool, suffix: str = "") -> str:
 def _softmax(spec, x, *, interpret, config, log):
     del spec  # supports() admits only the last axis
     kernel = functools.partial(_softmax_kernel, log=log)
-    return _launch(kernel, x, [x], 1, 0, config, interpret, _softmax_name(log))[0]
+    return _launch(kernel, x, [_rows(x)], 1, 0, config, interpret, _softmax_name(log))[0]
 
 
 def softmax(spec, x, *, interpret: bool = False, config: MosaicRowConfig | None = None):
@@ -215,7 +218,7 @@ def _softmax_bwd(spec, y, g, *, interpret, config, log):
     del spec
     kernel = functools.partial(_softmax_bwd_kernel, log=log)
     name = _softmax_name(log, "_bwd")
-    return _launch(kernel, y, [y, g], 1, 0, config, interpret, name)[0]
+    return _launch(kernel, y, [_rows(y), _rows(g)], 1, 0, config, interpret, name)[0]
 
 
 def softmax_bwd(spec, y, g, *, interpret: bool = False, config: MosaicRowConfig | None = None):
@@ -258,7 +261,8 @@ def _norm(op, spec, x, *params, interpret, config):
     kw = dict(spec)
     weight, bias = kw["has_weight"], kw.get("has_bias", False)
     kernel = functools.partial(_norm_kernel, op=op, eps=kw["eps"], weight=weight, bias=bias)
-    return _launch(kernel, x, [x, *params], 1, 0, config, interpret, f"ts_{op}_mgpu")[0]
+    operands = [_rows(x), *params]
+    return _launch(kernel, x, operands, 1, 0, config, interpret, f"ts_{op}_mgpu")[0]
 
 
 def rmsnorm(spec, x, *weight, interpret: bool = False, config: MosaicRowConfig | None = None):
@@ -311,8 +315,10 @@ def _norm_bwd(op, spec, x, *rest, interpret, config):
         want_dw=want_dw,
         want_db=want_db,
     )
-    name = f"ts_{op}_bwd_mgpu"
-    dx, *partials = _launch(kernel, x, [x, *w, ct], 1, want_dw + want_db, config, interpret, name)
+    operands = [_rows(x), *w, _rows(ct)]
+    dx, *partials = _launch(
+        kernel, x, operands, 1, want_dw + want_db, config, interpret, f"ts_{op}_bwd_mgpu"
+    )
     # The column sums of the CTAs' partials, in f32 on the canonical tree, as norms_gpu's.
     return (dx, *(pairwise_tree_sum(s, axis=0) for s in partials))
 
