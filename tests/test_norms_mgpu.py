@@ -29,25 +29,26 @@ CASES = [
 ]
 
 
-def _kernel(op: str, rows: int, interpret: bool):
+def _kernel(name: str, spec: tuple, rows: int):
+    """Kernel ``name`` of ``norms_mgpu`` with its bind parameters, ``rows`` a CTA."""
     config = norms_mgpu.MosaicRowConfig(rows=rows)
-    call = functools.partial(getattr(norms_mgpu, op), _fwd_spec(op))
-    return jax.jit(lambda *a: call(*a, interpret=interpret, config=config))
+    return functools.partial(getattr(norms_mgpu, name), spec, config=config)
 
 
-def _run(op: str, rows: int, args, *, interpret: bool):
-    """The kernel on ``args``; in the interpreter, with race detection, asserting none."""
+def _run(call, args, *, interpret: bool):
+    """``call(*args)`` jitted; in the interpreter, with race detection, asserting none."""
+    run = jax.jit(lambda *a: call(*a, interpret=interpret))
     if not interpret:
-        return _kernel(op, rows, False)(*args)
+        return run(*args)
     with _compat.gpu_interpret_mode(detect_races=True):
-        out = jax.block_until_ready(_kernel(op, rows, True)(*args))
+        out = jax.block_until_ready(run(*args))
         assert not _compat.races_detected()
     return out
 
 
 def _check_forward(op, shape, dtype, rows, *, interpret: bool):
     args = _operands(op, shape, dtype)
-    got = _run(op, rows, args, interpret=interpret)
+    got = _run(_kernel(op, _fwd_spec(op), rows), args, interpret=interpret)
     with _compat.enable_x64(True):
         want = _f64(op, *map(f64, args))
     assert got.dtype == args[0].dtype and got.shape == args[0].shape
@@ -67,8 +68,6 @@ def _check_backward(op, shape, dtype, rows, *, interpret: bool):
     derivative of the float64 formula, for softmax the formula of dx from the saved output
     (a ``y`` given in ``dtype``)."""
     args, ct = _operands(op, shape, dtype), rand(shape, dtype)
-    config = norms_mgpu.MosaicRowConfig(rows=rows)
-    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), _bwd_spec(op, shape[-1]))
     if op.endswith("softmax"):
         with _compat.enable_x64(True):
             y = _f64(op, f64(args[0])).astype(dtype)
@@ -83,13 +82,8 @@ def _check_backward(op, shape, dtype, rows, *, interpret: bool):
         with _compat.enable_x64(True):
             _, pull = jax.vjp(functools.partial(_f64, op), *map(f64, args))
             want = pull(f64(ct))
-    run = jax.jit(lambda *a: bwd(*a, interpret=interpret, config=config))
-    if interpret:
-        with _compat.gpu_interpret_mode(detect_races=True):
-            got = jax.block_until_ready(run(*operands))
-            assert not _compat.races_detected()
-    else:
-        got = run(*operands)
+    bwd = _kernel(f"{op}_bwd", _bwd_spec(op, shape[-1]), rows)
+    got = _run(bwd, operands, interpret=interpret)
     got = got if isinstance(got, tuple) else (got,)
     assert len(got) == len(want)
     assert got[0].dtype == dtype and got[0].shape == shape
@@ -109,7 +103,7 @@ def _check_non_finite_rows(op, *, interpret: bool):
     x[5, :] *= 1e30
     args = list(_operands(op, (6, 128), jnp.float32))
     args[0] = jnp.asarray(x, jnp.bfloat16)
-    got = _run(op, 4, args, interpret=interpret)
+    got = _run(_kernel(op, _fwd_spec(op), 4), args, interpret=interpret)
     with ts.kernel_mode("xla"):
         want = jax.jit(functools.partial(_ts, op))(*args)
     _nan_equal_close(got, want, 2e-2)
@@ -119,8 +113,9 @@ def _check_rows_keep_their_bits(op, *, interpret: bool):
     """A row's bits do not depend on how many rows the launch has, nor where the row falls
     in a CTA's walk (a mesh's shard of rows gets the same bits)."""
     args = _operands(op, (9, 512), jnp.bfloat16)
-    whole = np.asarray(_run(op, 4, args, interpret=interpret))
-    part = np.asarray(_run(op, 3, (args[0][2:7], *args[1:]), interpret=interpret))
+    whole = np.asarray(_run(_kernel(op, _fwd_spec(op), 4), args, interpret=interpret))
+    part_args = (args[0][2:7], *args[1:])
+    part = np.asarray(_run(_kernel(op, _fwd_spec(op), 3), part_args, interpret=interpret))
     np.testing.assert_array_equal(part, whole[2:7])
 
 
@@ -178,12 +173,11 @@ def test_kernels_lower_for_cuda(op, d):
     """Each kernel, forward and backward, goes through Mosaic GPU's lowering (layouts,
     reductions, loop carries) on this CPU."""
     args = _operands(op, (16, d), jnp.bfloat16)
-    text = cuda_lowering(_kernel(op, 4, False), *args)
+    text = cuda_lowering(_kernel(op, _fwd_spec(op), 4), *args)
     assert len(mosaic_gpu_calls(text)) == 1, op
-    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), _bwd_spec(op, d))
     ct = args[0]
     operands = (args[0], ct) if op.endswith("softmax") else (args[0], args[1], ct)
-    text = cuda_lowering(bwd, *operands)
+    text = cuda_lowering(_kernel(f"{op}_bwd", _bwd_spec(op, d), 4), *operands)
     assert len(mosaic_gpu_calls(text)) == 1, f"{op}_bwd"
 
 
