@@ -16,10 +16,11 @@ program. :func:`row_dot` (attention's backward Δ = rowsum(dO ∘ O)) is a row k
 Why Triton rather than Mosaic GPU: a row-wise reduction is a register-resident tile, a
 reduction along its minor axis and masked loads and stores of ragged rows, which the
 Triton backend lowers directly (warp shuffles, vectorised masked accesses) for any row
-length; Mosaic GPU would need a TMA/shared-memory pipeline and a layout for the row
-reduction for no more bandwidth. Everything here also runs in Pallas' interpreter. The
-Triton backend is deprecated from jax 0.11 (it warns at lowering); the kernel bodies are
-jax.numpy on register tiles, so a port changes the loads, stores and launch, not the math.
+length. Everything here also runs in Pallas' interpreter. The Triton backend is deprecated
+from jax 0.11 (it warns at lowering); the kernel bodies are jax.numpy on register tiles, so
+a port changes the loads, stores and launch, not the math: :mod:`norms_mgpu` is that port
+for rows of a multiple of 128 elements (one row at a time in Mosaic GPU's strided layout,
+sharing this module's row math), not dispatched until it is measured.
 Under a jax without it (:data:`MISSING`) the operators run their references and
 :func:`row_dot` sums on the canonical tree in XLA.
 
