@@ -258,7 +258,7 @@ def _norm_kernel(*refs, at: _Launch, op: str, eps: float, weight: bool, bias: bo
 
 
 def _norm(op, spec, x, *params, interpret, config):
-    kw = dict(spec)
+    kw = norms_gpu._params(spec)
     weight, bias = kw["has_weight"], kw.get("has_bias", False)
     kernel = functools.partial(_norm_kernel, op=op, eps=kw["eps"], weight=weight, bias=bias)
     operands = [_rows(x), *params]
@@ -303,7 +303,7 @@ def _norm_bwd_kernel(
 
 
 def _norm_bwd(op, spec, x, *rest, interpret, config):
-    kw = dict(spec)
+    kw = norms_gpu._params(spec)
     want_dw = kw["weight_grad_shape"] is not None
     want_db = kw.get("bias_grad_shape") is not None
     *w, ct = rest
