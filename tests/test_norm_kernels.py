@@ -86,6 +86,21 @@ def _chosen(f, *args) -> dict[str, str]:
     return dict(chosen_kernels(f, *args))
 
 
+def _non_finite_operands(op: str, d: int) -> list:
+    """:func:`_operands` of 6 bf16 rows of ``d``: a NaN, a ``+inf``, a row of ``-inf``
+    (softmax) or zeros (the norms), one ``-inf`` element, and a row whose squares overflow
+    f32 (the norms' rescaled statistics)."""
+    x = np.array(rand((6, d), jnp.float32))
+    x[1, 7] = np.nan
+    x[2, 3] = np.inf
+    x[3, :] = -np.inf if op.endswith("softmax") else 0.0
+    x[4, 5] = -np.inf
+    x[5, :] *= 1e30
+    args = list(_operands(op, (6, d), jnp.float32))
+    args[0] = jnp.asarray(x, jnp.bfloat16)
+    return args
+
+
 def _nan_equal_close(out, ref, rtol):
     """Same NaN positions; the other entries within ``rtol`` of the reference."""
     out, ref = f64(out), f64(ref)
@@ -130,14 +145,7 @@ class _NormKernelCases:
     def test_non_finite_rows(self, op):
         """A NaN or ±inf row gives a NaN row (softmax: a -inf element is fine, a fully -inf
         row gives zeros / -inf), as the XLA reference does, in the output and dx."""
-        x = np.array(rand((6, 96), jnp.float32))
-        x[1, 7] = np.nan
-        x[2, 3] = np.inf
-        x[3, :] = -np.inf if op.endswith("softmax") else 0.0
-        x[4, 5] = -np.inf
-        x[5, :] *= 1e30  # rmsnorm/layernorm: squares overflow f32, rescaled statistics
-        args = list(_operands(op, (6, 96), jnp.float32))
-        args[0] = jnp.asarray(x, jnp.bfloat16)
+        args = _non_finite_operands(op, 96)
         ct = rand((6, 96), jnp.bfloat16)
         fn = functools.partial(_ts, op)
 

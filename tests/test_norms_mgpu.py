@@ -16,7 +16,15 @@ import tessera_jax as ts
 from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_mgpu
 from tests._util import assert_close, cuda_lowering, f64, mosaic_gpu_calls, rand
-from tests.test_norm_kernels import OPS, _f64, _fwd_spec, _nan_equal_close, _operands, _ts
+from tests.test_norm_kernels import (
+    OPS,
+    _f64,
+    _fwd_spec,
+    _nan_equal_close,
+    _non_finite_operands,
+    _operands,
+    _ts,
+)
 
 # (shape, dtype, rows a CTA walks): a ragged last CTA in bf16 (15 rows by 4), rows of a
 # length whose vectors are narrow (384 = 3 elements a thread) in f32, a single row (an x of
@@ -96,13 +104,7 @@ def _check_non_finite_rows(op, *, interpret: bool):
     """A NaN or ``±inf`` row gives a NaN row (softmax: a ``-inf`` element is fine, a fully
     ``-inf`` row gives zeros / ``-inf``), a row whose squares overflow f32 takes the
     rescaled statistics: the values of the operator's XLA reference."""
-    x = np.array(rand((6, 128), jnp.float32))
-    x[1, 7], x[2, 3] = np.nan, np.inf
-    x[3, :] = -np.inf if op.endswith("softmax") else 0.0
-    x[4, 5] = -np.inf
-    x[5, :] *= 1e30
-    args = list(_operands(op, (6, 128), jnp.float32))
-    args[0] = jnp.asarray(x, jnp.bfloat16)
+    args = _non_finite_operands(op, 128)
     got = _run(_kernel(op, _fwd_spec(op), 4), args, interpret=interpret)
     with ts.kernel_mode("xla"):
         want = jax.jit(functools.partial(_ts, op))(*args)
