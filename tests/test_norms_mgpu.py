@@ -112,13 +112,28 @@ def _check_non_finite_rows(op, *, interpret: bool):
 
 
 def _check_rows_keep_their_bits(op, *, interpret: bool):
-    """A row's bits do not depend on how many rows the launch has, nor where the row falls
-    in a CTA's walk (a mesh's shard of rows gets the same bits)."""
+    """A row's bits, forward and dx, do not depend on how many rows the launch has, nor
+    where the row falls in a CTA's walk (a mesh's shard of rows gets the same bits); the
+    backward repeats bit for bit."""
     args = _operands(op, (9, 512), jnp.bfloat16)
     whole = np.asarray(_run(_kernel(op, _fwd_spec(op), 4), args, interpret=interpret))
     part_args = (args[0][2:7], *args[1:])
     part = np.asarray(_run(_kernel(op, _fwd_spec(op), 3), part_args, interpret=interpret))
     np.testing.assert_array_equal(part, whole[2:7])
+    # The backward: dx likewise, and every output (the parameter gradients' per-CTA sums
+    # and their tree included) the same bits in a second run.
+    ct = rand((9, 512), jnp.bfloat16)
+    saved = whole if op.endswith("softmax") else args[0]
+    operands = (saved, ct) if op.endswith("softmax") else (saved, args[1], ct)
+    bwd = _kernel(f"{op}_bwd", _bwd_spec(op, 512), 4)
+    runs = [jax.tree.leaves(_run(bwd, operands, interpret=interpret)) for _ in range(2)]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    part_ops = tuple(o[2:7] if o.shape == ct.shape else o for o in operands)
+    part_dx = jax.tree.leaves(
+        _run(_kernel(f"{op}_bwd", _bwd_spec(op, 512), 3), part_ops, interpret=interpret)
+    )[0]
+    np.testing.assert_array_equal(np.asarray(part_dx), np.asarray(runs[0][0])[2:7])
 
 
 @pytest.mark.parametrize("shape, dtype, rows", CASES[:3])
@@ -138,7 +153,7 @@ def test_non_finite_rows_interpret(op):
     _check_non_finite_rows(op, interpret=True)
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "softmax"])
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm", "softmax"])
 def test_rows_keep_their_bits_interpret(op):
     _check_rows_keep_their_bits(op, interpret=True)
 
