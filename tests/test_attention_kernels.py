@@ -2109,6 +2109,23 @@ def _check_four_tiles_d128_masked(window, b, s, h, *, interpret: bool):
         assert_close(out, np_dense(*(f64(x) for x in (q, k, v)), opts)[0], factor=2)
 
 
+def test_generically_read_rings_are_refilled_after_a_proxy_fence():
+    """The key ids' and the bias's rings (read by ``ld.shared``, not the tensor cores) are
+    marked for the producer's proxy fence, and K's ring is not: jax 0.10's interpreter does
+    not check the fence (0.11's does: test_persistent_forward_four_tiles_d128_masked_interpret)."""
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    spec = _spec(causal=True, has_segment_ids=True, has_bias=True)
+    p = am._with_features(am._fwd_problem(q, q, True, 0.1), spec, jnp.zeros((1, 2, 256, 256)))
+    ring = np.zeros((2, 128), np.int32)
+    k_loads = [(lambda n: None, ring, ring)]
+    ids = am._kv_segment_loads(p, None, ring, ring, 0, 0)
+    bias = am._bias_loads(p, np.zeros((2, 2, 64, 128)), ring, lambda n, i: None)
+    assert ids and bias
+    assert not am._fence_before_refill(k_loads)
+    assert am._fence_before_refill(ids) and am._fence_before_refill(bias)
+    assert am._fence_before_refill(k_loads + ids)
+
+
 @pytest.mark.usefixtures("interpret_mode")
 @pytest.mark.parametrize("window", [None, (100, 0)])
 def test_persistent_forward_four_tiles_d128_masked_interpret(window):
