@@ -174,6 +174,8 @@ def _launch(
         grid=(ctas,),
         grid_names=("rows",),
         kernel_name=name,
+        # Lane semantics (the register layouts above): jax 0.11 made Warpgroup the default.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     results = device.run_mosaic(call, list(operands), interpret=interpret)
     return [r.reshape(x.shape) for r in results[:outs]] + list(results[outs:])
