@@ -173,6 +173,12 @@ for mode in ("auto", "pallas", "interpret"):
         assert k.unavailable(mode, "cuda") == portable
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
+# Rows of a multiple of 128 go to the Mosaic ports where a mode takes kernels at all.
+rows = [jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((128,), jnp.float32)]
+for mode, want in (("auto", "reference"), ("pallas", "reference"), ("interpret", "mosaic_rows")):
+    with ts.kernel_mode(mode):  # (this CPU compiles no GPU kernel)
+        assert rmsnorm_op.select("cpu", rows, {"eps": 1e-6})[0] == want, mode
+
 a, b = rand((2, 5, 3, 64), jnp.bfloat16), rand((2, 5, 3, 64), jnp.bfloat16)
 d = norms_gpu.row_dot(a, b, seq_pad=8)
 ref = np.einsum("bshd,bshd->bhs", np.asarray(a, np.float64), np.asarray(b, np.float64))
@@ -208,7 +214,8 @@ print("ok")
 def test_without_pallas_triton():
     """Under a jax without Pallas' Triton backend the package imports; the norm and decode
     kernels step aside with that reason (the references run, the same bits as ``xla``
-    mode), ``row_dot`` sums on the canonical tree (the Mosaic attention backward's delta
-    too), and a tile kernel raises at launch."""
+    mode; rows of a multiple of 128 go to the norms' Mosaic ports), ``row_dot`` sums on the
+    canonical tree (the Mosaic attention backward's delta too), and a tile kernel raises at
+    launch."""
     proc = run_python(_NO_TRITON, timeout=300, JAX_PLATFORMS="cpu")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -19,7 +19,7 @@ import pytest
 
 import tessera_jax as ts
 from tessera_jax import _compat
-from tessera_jax.pallas_kernels import norms_gpu
+from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 from tessera_jax.primitives import norms as _norms
 from tessera_jax.primitives import softmax as _softmax
 from tests._util import (
@@ -419,30 +419,33 @@ def test_supports_declines_with_reasons():
 
 
 @pytest.mark.parametrize(
-    "shape, fwd, norm, bwd",
+    "shape, pair, rms",
     [
-        ((2**13, 1024), True, True, True),  # 2^23 elements
-        ((2**12, 1024), True, True, False),  # the backward kernels lose below 2^23
-        ((2**14, 256), True, True, False),  # 2^22 elements
-        ((2**16, 128), False, False, False),  # rows shorter than measured
-        ((2**10, 16384), True, True, True),  # the longest rows measured
-        ((2**9, 4096), False, True, False),  # 2^21: the norms' forward kernels only
-        ((2**9, 1024), False, True, False),  # 2^19: the smallest measured
-        ((2**8, 1024), False, False, False),  # 2^18 elements: unmeasured
+        ((2**13, 1024), True, True),  # 2^23 elements
+        ((2**12, 1024), False, True),  # the backward kernels lose below 2^23 (rmsnorm's win)
+        ((2**14, 256), False, True),  # 2^22 elements
+        ((2**16, 128), False, False),  # rows shorter than measured
+        ((2**10, 16384), True, True),  # the longest rows measured
+        ((2**9, 4096), False, True),  # 2^21
+        ((2**9, 1024), False, True),  # 2^19: the smallest measured
+        ((2**8, 1024), False, False),  # 2^18 elements: unmeasured
     ],
 )
-def test_auto_mode_prefers_the_measured_range(shape, fwd, norm, bwd):
+def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms):
+    """``auto`` takes an operator's forward and backward Triton kernels by one rule (a forward
+    kernel beside the reference's backward ran slower than either pair); the Mosaic ports,
+    registered second, not at all."""
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
-    assert norms_gpu.prefer((), [x]) is fwd
-    assert norms_gpu.prefer_norm((), [x]) is norm
-    assert norms_gpu.prefer_bwd((), [x, x]) is bwd
-    for op in (_softmax.softmax_op, _softmax.log_softmax_op):
-        assert op.kernels[0].prefer is norms_gpu.prefer
-    for op in (_norms.rmsnorm_op, _norms.layernorm_op):
-        assert op.kernels[0].prefer is norms_gpu.prefer_norm
-    bwd_ops = (_norms.rmsnorm_bwd_op, _norms.layernorm_bwd_op, _softmax.softmax_bwd_op)
-    for op in (*bwd_ops, _softmax.log_softmax_bwd_op):
-        assert op.kernels[0].prefer is norms_gpu.prefer_bwd
+    assert norms_gpu.prefer((), [x]) is pair
+    assert norms_gpu.prefer_rmsnorm((), [x]) is rms
+    ops = (_softmax.softmax_op, _softmax.log_softmax_op, _norms.layernorm_op)
+    ops += (_softmax.softmax_bwd_op, _softmax.log_softmax_bwd_op, _norms.layernorm_bwd_op)
+    for op in (*ops, _norms.rmsnorm_op, _norms.rmsnorm_bwd_op):
+        triton, mosaic = op.kernels
+        want = norms_gpu.prefer if op in ops else norms_gpu.prefer_rmsnorm
+        assert (triton.name, triton.prefer) == ("pallas_rows", want), op.name
+        assert (mosaic.name, mosaic.prefer) == ("mosaic_rows", norms_mgpu.prefer), op.name
+        assert not mosaic.prefer((), [x, x])
 
 
 def test_default_configs_walk_where_measured_faster():

@@ -61,8 +61,7 @@ __all__ = [
     "log_softmax",
     "log_softmax_bwd",
     "prefer",
-    "prefer_bwd",
-    "prefer_norm",
+    "prefer_rmsnorm",
     "rmsnorm",
     "rmsnorm_bwd",
     "row_dot",
@@ -649,25 +648,34 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     return None
 
 
-# Where ``auto`` mode takes the kernels: the cases measured faster than the operators' XLA
-# references on an H100 (bf16; benchmarks/results/norms-h100.json at 8192×2048 and
-# 32768×4096, norms-h100-rows.json at rows of 256 to 16384 elements, 2²² to 2²⁶ in all, and
-# norms-h100-wide-sweep.json, the rmsnorm/layernorm kernels alone at rows of 1024 to 16384).
-# The forward kernels won at every row length measured (rmsnorm's at 16384 once its programs
-# walk their rows, loading the weight once). The backward kernels, which finish the weight
-# gradient with an XLA sum, won from 2²³ elements at rows up to 16384 and lost below.
-# Inside forward+backward programs at 16384-wide rows rmsnorm trails jnp on either path
-# (norms-h100-rows.json), and the forward kernel beside the reference backward is slower
-# than both: XLA's forward+backward takes less than its two halves apart only when it owns
-# both (docs/ARCHITECTURE.md). So the backward kernel stays beside the forward kernel there.
-# rmsnorm's and layernorm's forward kernels also run from 2¹⁹ elements (``prefer_norm``):
-# timed inside one program on an H200 at 2¹⁹ to 2²¹ elements, rows of 256 to 4096
-# (benchmarks/results/norms-h200-in-graph.json), rmsnorm's ran 1.10-1.22x jnp where its
-# reference, whose overflow-safe statistics XLA does not fuse into one row kernel, ran
-# 0.68-0.87x, and layernorm's ran 1.06-1.12x (the reference 1.02-1.11x). Softmax's forward
-# reference fuses as jnp's does (primitives/softmax.py): 0.93-1.01x jnp there, the kernel
-# 0.92-1.14x; softmax stays with ``prefer`` (log_softmax was not timed there).
-# Elsewhere the reference runs until measured.
+# Where ``auto`` mode takes the kernels. It takes an operator's forward and backward kernels
+# together: a forward kernel beside the reference's backward measured slower in a training
+# step than either pair, since XLA's forward+backward takes less than its two halves apart
+# only when it owns both (docs/ARCHITECTURE.md). On an H200, forward and backward timed
+# inside one program with every gradient consumed (benchmarks/archive/
+# norm_mosaic_fallback_probe.py, norm-step-h200.txt) at 2¹⁹ to 2²² elements, rows of 1024 to
+# 4096: a forward kernel beside the reference's backward ran 0.72-0.89x jnp, the references
+# 0.83-1.08x; both rmsnorm kernels ran 1.03-1.23x (both layernorm kernels 0.75-1.05x, both
+# softmax kernels 0.68-0.86x).
+#
+# ``prefer``, from 2²³ elements at rows of 256 to 16384: the backward kernels, which finish
+# the weight gradient with an XLA sum, won there on an H100 and lost below (bf16;
+# benchmarks/results/norms-h100.json at 8192×2048 and 32768×4096, norms-h100-rows.json at
+# rows of 256 to 16384, 2²² to 2²⁶ elements), and the forward kernels won at every row
+# length measured (norms-h100-wide-sweep.json: rmsnorm's at 16384 once its programs walk
+# their rows, loading the weight once). At 16384-wide rows rmsnorm trails jnp on either
+# path, and the forward kernel beside the reference backward is slower than both
+# (norms-h100-rows.json).
+#
+# ``prefer_rmsnorm``, from 2¹⁹ elements, rmsnorm's pair: its reference's overflow-safe
+# statistics are not fused by XLA into one row kernel. Timed forward alone on an H200 at 2¹⁹
+# to 2²¹ elements, rows of 256 to 4096 (benchmarks/results/norms-h200-in-graph.json), its
+# forward kernel ran 1.10-1.22x jnp and the reference 0.68-0.87x; forward and backward (there,
+# and with every gradient in norm-step-h200.txt) both kernels 0.96-1.23x, the lowest at
+# 256-wide rows, and the references 0.73-0.96x. Layernorm's forward kernel there ran
+# 1.06-1.12x jnp, little more than its reference (1.02-1.11x), and softmax's 0.92-1.14x, its
+# reference 0.93-1.01x; in a training step they lose more than that, so both wait for their
+# backward kernels. Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
@@ -682,9 +690,8 @@ class Preference:
         return self.rows[0] <= x.shape[-1] <= self.rows[1] and x.size >= self.min_elements
 
 
-prefer = Preference(rows=(256, 16384), min_elements=1 << 22)
-prefer_norm = Preference(rows=(256, 16384), min_elements=1 << 19)
-prefer_bwd = Preference(rows=(256, 16384), min_elements=1 << 23)
+prefer = Preference(rows=(256, 16384), min_elements=1 << 23)
+prefer_rmsnorm = Preference(rows=(256, 16384), min_elements=1 << 19)
 
 
 def hardware(platform: str) -> str | None:

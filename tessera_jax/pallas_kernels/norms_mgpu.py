@@ -2,8 +2,9 @@
 Pallas Mosaic GPU: the port of :mod:`norms_gpu`'s Triton kernels (all but ``row_dot``), for
 when Pallas' Triton backend (deprecated from jax 0.11) is gone.
 
-Not dispatched yet: no operator registers these kernels until they are measured against
-jnp, the references and the Triton kernels (``benchmarks/archive/norm_mosaic_probe.py``).
+The operators register these kernels after the Triton ones, so they run where those cannot:
+a jax without Pallas' Triton backend; there ``auto`` mode does not take them yet
+(:func:`prefer`), ``pallas`` and ``interpret`` modes do.
 
 A CTA is one warpgroup that walks ``MosaicRowConfig.rows`` rows in order. Each row goes from
 global memory straight into registers, spread over the warpgroup's 128 threads in the
@@ -45,10 +46,12 @@ from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 __all__ = [
     "MosaicRowConfig",
+    "hardware",
     "layernorm",
     "layernorm_bwd",
     "log_softmax",
     "log_softmax_bwd",
+    "prefer",
     "rmsnorm",
     "rmsnorm_bwd",
     "softmax",
@@ -90,6 +93,28 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
             f"up to {MAX_ROW}"
         )
     return None
+
+
+def prefer(spec: Any, avals: Sequence[Any]) -> bool:
+    """``auto`` mode's rule: never yet (``pallas`` mode runs the kernels on request).
+
+    On an H200 under a jax without the Triton backend (benchmarks/archive/
+    norm_mosaic_fallback_probe.py, norm-mosaic-fallback-h200.txt), forward and backward timed
+    inside one program with every gradient consumed: at 2²¹ elements the forward kernel beside
+    the reference's backward ran 0.67-0.84x jnp and both kernels 0.56-0.89x, where the
+    references ran 0.81-1.09x. The forward kernels alone ran within 12% of the Triton ones at
+    2²¹ to 2²⁷ elements, rows of 1024 to 16384, but for layernorm's 16384-wide rows (0.63x;
+    benchmarks/archive/norm-mosaic-h200.txt), and forward with backward 0.71-1.02x the Triton
+    pairs; the pairs wait for a measurement against the references at 2²³ elements and up,
+    where the Triton pairs win, timed from the host (``benchmarks/norms.py``: timed inside
+    one program, XLA's own row programs there ran up to 2.8x slower than from the host)."""
+    del spec, avals
+    return False
+
+
+def hardware(platform: str) -> str | None:
+    """None if this machine's ``platform`` devices can run the compiled kernels, else why not."""
+    return device.hopper_only(platform, "a Mosaic GPU kernel")
 
 
 def _vec_size(d: int, itemsize: int) -> int:

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera_jax.pallas_kernels import norms_gpu as _gpu
+from tessera_jax.pallas_kernels import norms_mgpu as _mgpu
 from tessera_jax.primitives._core import (
     Kernel,
     Operator,
@@ -532,12 +533,16 @@ def layernorm(
 
 # --- kernels ------------------------------------------------------------------------------
 # Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
-# backward; ``prefer`` routes a case to them in ``auto`` mode where they measured faster.
-rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_norm))
-layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm, _gpu.prefer_norm))
+# backward; ``auto`` mode takes an operator's forward and backward kernels together, where
+# the pair measured faster (norms_gpu.prefer, prefer_rmsnorm).
+rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_rmsnorm))
+layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
 rmsnorm_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_bwd)
+    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm)
 )
-layernorm_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd, _gpu.prefer_bwd)
-)
+layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd))
+# Their Mosaic GPU ports, which run where those cannot (a jax without Pallas' Triton backend).
+rmsnorm_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.rmsnorm))
+layernorm_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.layernorm))
+rmsnorm_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.rmsnorm_bwd))
+layernorm_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.layernorm_bwd))

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera_jax.pallas_kernels import norms_gpu as _gpu
+from tessera_jax.pallas_kernels import norms_mgpu as _mgpu
 from tessera_jax.primitives._core import (
     Kernel,
     Operator,
@@ -247,13 +248,15 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 # --- kernels ------------------------------------------------------------------------------
-# Row-wise Pallas kernels over the last axis, forward and backward; ``prefer`` routes a case
-# to them in ``auto`` mode where they measured faster than XLA.
+# Row-wise Pallas kernels over the last axis, forward and backward; ``auto`` mode takes an
+# operator's forward and backward kernels together, where the pair measured faster than XLA
+# (norms_gpu.prefer).
 softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax))
 log_softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax))
-softmax_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd, _gpu.prefer_bwd)
-)
-log_softmax_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd, _gpu.prefer_bwd)
-)
+softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd))
+log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd))
+# Their Mosaic GPU ports, which run where those cannot (a jax without Pallas' Triton backend).
+softmax_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.softmax))
+log_softmax_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.log_softmax))
+softmax_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.softmax_bwd))
+log_softmax_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.log_softmax_bwd))
