@@ -419,33 +419,64 @@ def test_supports_declines_with_reasons():
 
 
 @pytest.mark.parametrize(
-    "shape, pair, rms",
+    "shape, pair, rms, softmax_alone",
     [
-        ((2**13, 1024), True, True),  # 2^23 elements
-        ((2**12, 1024), False, True),  # the backward kernels lose below 2^23 (rmsnorm's win)
-        ((2**14, 256), False, True),  # 2^22 elements
-        ((2**16, 128), False, False),  # rows shorter than measured
-        ((2**10, 16384), True, True),  # the longest rows measured
-        ((2**9, 4096), False, True),  # 2^21
-        ((2**9, 1024), False, True),  # 2^19: the smallest measured
-        ((2**8, 1024), False, False),  # 2^18 elements: unmeasured
+        ((2**13, 1024), True, True, True),  # 2^23 elements
+        ((2**12, 1024), False, True, True),  # the backward kernels lose below 2^23
+        ((2**14, 256), False, True, True),  # 2^22 elements
+        ((2**16, 128), False, False, False),  # rows shorter than measured
+        ((2**10, 16384), True, True, True),  # the longest rows measured
+        ((2**9, 4096), False, True, False),  # 2^21
+        ((2**9, 1024), False, True, False),  # 2^19: the smallest measured
+        ((2**8, 1024), False, False, False),  # 2^18 elements: unmeasured
     ],
 )
-def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms):
-    """``auto`` takes an operator's forward and backward Triton kernels by one rule (a forward
-    kernel beside the reference's backward ran slower than either pair); the Mosaic ports,
-    registered second, not at all."""
+def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_alone):
+    """Where a backward follows, ``auto`` takes an operator's forward and backward Triton
+    kernels by one rule (a forward kernel beside the reference's backward ran slower than
+    either pair); a forward alone by its own measurements; the Mosaic ports, registered
+    second, not at all."""
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
+    alone, diff = (("axis", 1),), (("axis", 1), ("differentiated", True))
     assert norms_gpu.prefer((), [x]) is pair
     assert norms_gpu.prefer_rmsnorm((), [x]) is rms
-    ops = (_softmax.softmax_op, _softmax.log_softmax_op, _norms.layernorm_op)
-    ops += (_softmax.softmax_bwd_op, _softmax.log_softmax_bwd_op, _norms.layernorm_bwd_op)
-    for op in (*ops, _norms.rmsnorm_op, _norms.rmsnorm_bwd_op):
+    assert norms_gpu.prefer_softmax(alone, [x]) is softmax_alone
+    assert norms_gpu.prefer_softmax(diff, [x]) is pair
+    assert norms_gpu.prefer_layernorm(alone, [x]) is rms
+    assert norms_gpu.prefer_layernorm(diff, [x]) is pair
+    rules = {
+        _softmax.softmax_op: norms_gpu.prefer_softmax,
+        _softmax.log_softmax_op: norms_gpu.prefer_softmax,
+        _norms.layernorm_op: norms_gpu.prefer_layernorm,
+        _norms.rmsnorm_op: norms_gpu.prefer_rmsnorm,
+        _norms.rmsnorm_bwd_op: norms_gpu.prefer_rmsnorm,
+    }
+    ops = (_softmax.softmax_bwd_op, _softmax.log_softmax_bwd_op, _norms.layernorm_bwd_op)
+    for op in (*ops, *rules):
         triton, mosaic = op.kernels
-        want = norms_gpu.prefer if op in ops else norms_gpu.prefer_rmsnorm
+        want = rules.get(op, norms_gpu.prefer)
         assert (triton.name, triton.prefer) == ("pallas_rows", want), op.name
         assert (mosaic.name, mosaic.prefer) == ("mosaic_rows", norms_mgpu.prefer), op.name
-        assert not mosaic.prefer((), [x, x])
+        assert not mosaic.prefer(diff, [x, x]) and not mosaic.prefer(alone, [x, x])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm"])
+def test_forward_under_differentiation_says_so(op):
+    """The JVP rule binds the forward with ``differentiated=True`` (which ``auto`` reads);
+    a forward alone carries nothing, and vmap and second derivatives keep the flag."""
+    x, *params = _operands(op, (4, 256), jnp.float32)
+    f = lambda x: _ts(op, x, *params).sum()
+
+    def flags(g):
+        jaxpr = jax.make_jaxpr(g)(x).jaxpr
+        return [
+            e.params.get("differentiated") for e in jaxpr.eqns if e.primitive.name == f"ts_{op}"
+        ]
+
+    assert flags(f) == [None]
+    assert set(flags(jax.grad(f))) == {True}
+    assert set(flags(jax.vmap(jax.grad(f)))) == {True}
+    assert set(flags(jax.grad(lambda x: jax.grad(f)(x).sum()))) == {True}
 
 
 def test_default_configs_walk_where_measured_faster():

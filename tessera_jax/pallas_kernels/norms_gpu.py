@@ -53,6 +53,7 @@ from tessera_jax.pallas_kernels import device
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 __all__ = [
+    "ForwardPreference",
     "Preference",
     "RowConfig",
     "hardware",
@@ -61,7 +62,9 @@ __all__ = [
     "log_softmax",
     "log_softmax_bwd",
     "prefer",
+    "prefer_layernorm",
     "prefer_rmsnorm",
+    "prefer_softmax",
     "rmsnorm",
     "rmsnorm_bwd",
     "row_dot",
@@ -648,9 +651,10 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     return None
 
 
-# Where ``auto`` mode takes the kernels. It takes an operator's forward and backward kernels
-# together: a forward kernel beside the reference's backward measured slower in a training
-# step than either pair, since XLA's forward+backward takes less than its two halves apart
+# Where ``auto`` mode takes the kernels. Where a backward follows (a forward bound by the
+# operator's JVP rule), it takes an operator's forward and backward kernels together: a
+# forward kernel beside the reference's backward measured slower in a training step than
+# either pair, since XLA's forward+backward takes less than its two halves apart
 # only when it owns both (docs/ARCHITECTURE.md). On an H200, forward and backward timed
 # inside one program with every gradient consumed (benchmarks/archive/
 # norm_mosaic_fallback_probe.py, norm-step-h200.txt) at 2¹⁹ to 2²² elements, rows of 1024 to
@@ -672,10 +676,13 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # to 2²¹ elements, rows of 256 to 4096 (benchmarks/results/norms-h200-in-graph.json), its
 # forward kernel ran 1.10-1.22x jnp and the reference 0.68-0.87x; forward and backward (there,
 # and with every gradient in norm-step-h200.txt) both kernels 0.96-1.23x, the lowest at
-# 256-wide rows, and the references 0.73-0.96x. Layernorm's forward kernel there ran
-# 1.06-1.12x jnp, little more than its reference (1.02-1.11x), and softmax's 0.92-1.14x, its
-# reference 0.93-1.01x; in a training step they lose more than that, so both wait for their
-# backward kernels. Elsewhere the reference runs until measured.
+# 256-wide rows, and the references 0.73-0.96x.
+#
+# A forward that no backward follows (inference) takes its kernel by the forward kernel's own
+# measurements (``ForwardPreference.alone``): layernorm's from 2¹⁹ elements, where it ran
+# 1.06-1.12x jnp on the H200 (norms-h200-in-graph.json; its reference 1.02-1.11x), and
+# softmax's from 2²², where it won on the H100 (softmax's ran 0.92-1.14x at 2¹⁹ to 2²¹ on
+# the H200, its reference 0.93-1.01x). Elsewhere the reference runs until measured.
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """``auto`` mode's rule for one kernel: ``x``'s rows of ``rows[0]`` to ``rows[1]``
@@ -690,8 +697,26 @@ class Preference:
         return self.rows[0] <= x.shape[-1] <= self.rows[1] and x.size >= self.min_elements
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardPreference:
+    """``auto`` mode's rule for a forward kernel whose operator's JVP rule binds it with
+    ``differentiated=True``: ``differentiated`` (its backward kernel's rule) there, else
+    ``alone``."""
+
+    alone: Preference
+    differentiated: Preference
+
+    def __call__(self, spec: Any, avals: Sequence[Any]) -> bool:
+        rule = self.differentiated if _params(spec).get("differentiated") else self.alone
+        return rule(spec, avals)
+
+
 prefer = Preference(rows=(256, 16384), min_elements=1 << 23)
 prefer_rmsnorm = Preference(rows=(256, 16384), min_elements=1 << 19)
+prefer_layernorm = ForwardPreference(alone=prefer_rmsnorm, differentiated=prefer)
+prefer_softmax = ForwardPreference(
+    alone=Preference(rows=(256, 16384), min_elements=1 << 22), differentiated=prefer
+)
 
 
 def hardware(platform: str) -> str | None:

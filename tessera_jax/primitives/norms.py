@@ -37,7 +37,10 @@ order and vmap of these adjoint primitives go.
 Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec,
 x, [weight], [bias], *, interpret)`` for the forward and ``fn(spec, x, [weight],
 ct, *, interpret)`` for the backward, ``spec`` the frozen bind parameters; their
-``supports`` declines weights that are not ``(D,)`` (a vmapped weight).
+``supports`` declines weights that are not ``(D,)`` (a vmapped weight). ``ts_layernorm``
+bound by its JVP rule carries ``differentiated=True``: a backward follows, and ``auto``
+mode takes the forward kernel only beside the backward kernel
+(``norms_gpu.ForwardPreference``; rmsnorm's kernels share one rule, so it carries none).
 """
 
 from __future__ import annotations
@@ -214,8 +217,9 @@ ad.primitive_jvps[rmsnorm_op.prim] = _rmsnorm_jvp
 # --- layernorm ----------------------------------------------------------------------------
 
 
-def layernorm_reference(x, *rest, eps, has_weight, has_bias):
+def layernorm_reference(x, *rest, eps, has_weight, has_bias, differentiated=False):
     """The XLA lowering of ``ts_layernorm`` (and the test oracle of its kernels)."""
+    del differentiated  # (auto mode's kernel choice)
     c = compute_dtype(x.dtype)
     w, b = _split(rest, has_weight, has_bias)
     xhat, _ = _ln_stats(x.astype(c), eps)
@@ -227,12 +231,15 @@ layernorm_op = Operator(
 )
 
 
-def _layernorm_jvp(primals, tangents, *, eps, has_weight, has_bias):
+def _layernorm_jvp(primals, tangents, *, eps, has_weight, has_bias, differentiated=False):
+    del differentiated
     x, *rest = primals
     tx, *trest = tangents
     w, _ = _split(rest, has_weight, has_bias)
     tw, tb = _split(trest, has_weight, has_bias)
-    y = layernorm_op.bind(*primals, eps=eps, has_weight=has_weight, has_bias=has_bias)
+    y = layernorm_op.bind(
+        *primals, eps=eps, has_weight=has_weight, has_bias=has_bias, differentiated=True
+    )
     if not _nonzero(tx):  # x is not differentiated: only x̂·tw + tb, in jax.numpy
         return y, _param_tangents(x, _ln_stats, eps, tw, tb, y.dtype)
     params = [w] if has_weight else []
@@ -533,10 +540,12 @@ def layernorm(
 
 # --- kernels ------------------------------------------------------------------------------
 # Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
-# backward; ``auto`` mode takes an operator's forward and backward kernels together, where
-# the pair measured faster (norms_gpu.prefer, prefer_rmsnorm).
+# backward; where a backward follows, ``auto`` mode takes an operator's forward and backward
+# kernels together, where the pair measured faster (norms_gpu.prefer, prefer_rmsnorm).
 rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_rmsnorm))
-layernorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm))
+layernorm_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm, _gpu.prefer_layernorm)
+)
 rmsnorm_bwd_op.add_kernel(
     Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm)
 )

@@ -20,7 +20,10 @@ which derivatives of any order go.
 
 Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec, x,
 *, interpret)`` and, for the backward, ``fn(spec, y, ct, *, interpret)``; ``spec``
-holds ``axis``, a non-negative int (the kernels take the last axis).
+holds ``axis``, a non-negative int (the kernels take the last axis), and
+``differentiated``, True where the JVP rule bound the forward: a backward follows, and
+``auto`` mode takes the forward kernel only beside the backward kernel
+(``norms_gpu.ForwardPreference``).
 """
 
 from __future__ import annotations
@@ -87,15 +90,17 @@ def _stable_exp_selects(x: jax.Array, *, axis: int):
     return shifted, e, jnp.where(s == 0, jnp.ones_like(s), s)
 
 
-def softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
+def softmax_reference(x: jax.Array, *, axis: int, differentiated: bool = False) -> jax.Array:
     """The XLA lowering of ``ts_softmax`` (and the test oracle of its kernels)."""
+    del differentiated  # (auto mode's kernel choice)
     xc = x.astype(compute_dtype(x.dtype))
     _, e, s = _stable_exp(xc, axis)
     return (e / s).astype(x.dtype)
 
 
-def log_softmax_reference(x: jax.Array, *, axis: int) -> jax.Array:
+def log_softmax_reference(x: jax.Array, *, axis: int, differentiated: bool = False) -> jax.Array:
     """The XLA lowering of ``ts_log_softmax``."""
+    del differentiated  # (auto mode's kernel choice)
     xc = x.astype(compute_dtype(x.dtype))
     shifted, _, s = _stable_exp(xc, axis)
     return (shifted - jnp.log(s)).astype(x.dtype)
@@ -149,15 +154,17 @@ log_softmax_bwd_op = Operator(
 )
 
 
-def _softmax_jvp(primals, tangents, *, axis):
+def _softmax_jvp(primals, tangents, *, axis, differentiated=False):
+    del differentiated
     (x,), (t,) = primals, tangents
-    y = softmax_op.bind(x, axis=axis)
+    y = softmax_op.bind(x, axis=axis, differentiated=True)
     return y, softmax_bwd_op.bind(y, ad.instantiate_zeros(t), axis=axis)
 
 
-def _log_softmax_jvp(primals, tangents, *, axis):
+def _log_softmax_jvp(primals, tangents, *, axis, differentiated=False):
+    del differentiated
     (x,), (t,) = primals, tangents
-    y = log_softmax_op.bind(x, axis=axis)
+    y = log_softmax_op.bind(x, axis=axis, differentiated=True)
     return y, log_softmax_tangent_op.bind(y, ad.instantiate_zeros(t), axis=axis)
 
 
@@ -183,9 +190,9 @@ def _jvp_via_reference(op: Operator):
 
 
 def _axis_batcher(op: Operator):
-    def rule(args, dims, *, axis):
+    def rule(args, dims, *, axis, **params):
         (x,), (d,) = args, dims
-        return op.bind(x, axis=axis + (axis >= d)), d
+        return op.bind(x, axis=axis + (axis >= d), **params), d
 
     return rule
 
@@ -248,11 +255,13 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 # --- kernels ------------------------------------------------------------------------------
-# Row-wise Pallas kernels over the last axis, forward and backward; ``auto`` mode takes an
-# operator's forward and backward kernels together, where the pair measured faster than XLA
-# (norms_gpu.prefer).
-softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax))
-log_softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax))
+# Row-wise Pallas kernels over the last axis, forward and backward; where a backward follows,
+# ``auto`` mode takes an operator's forward and backward kernels together, where the pair
+# measured faster than XLA (norms_gpu.prefer; a forward alone: norms_gpu.prefer_softmax).
+softmax_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax, _gpu.prefer_softmax))
+log_softmax_op.add_kernel(
+    Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax, _gpu.prefer_softmax)
+)
 softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd))
 log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd))
 # Their Mosaic GPU ports, which run where those cannot (a jax without Pallas' Triton backend).
