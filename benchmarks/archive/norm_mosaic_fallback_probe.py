@@ -4,17 +4,20 @@ over. The Triton modules are blocked as tests/test_core.py's no-Triton test bloc
 Checks which kernels ``auto`` and ``pallas`` mode pick and the values against jnp, then
 times jnp, ts[xla], ts[auto] and ts[pallas] (the Mosaic forward and backward) inside one
 program, forward and backward with every gradient consumed (x's, the weight's and the
-bias's: a training step needs them all), at the shapes norm_mosaic_probe.py timed. Decides
-``norms_mgpu.prefer`` and ``prefer_bwd``. With the argument ``triton`` the Triton backend
-stays and the same step is timed where ``auto`` takes the Triton forward kernels beside the
-references' backward (norms_gpu.prefer_norm's 2¹⁹ elements to prefer_bwd's 2²³).
+bias's: a training step needs them all), at the shapes norm_mosaic_probe.py timed. It
+decided ``norms_mgpu.prefer``. With the argument ``triton`` the Triton backend stays and
+the same step is timed at 2¹⁹ to 2²² elements, where ``auto`` took the Triton forward
+kernels beside the references' backward when it ran (forward kernels from 2¹⁹, backward
+kernels from 2²³; it led to norms_gpu's pair rules). With ``fwd`` the forward alone is
+timed (``auto``'s rules for a forward that no backward follows).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_fallback_probe.py [triton]
+    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_fallback_probe.py [triton] [fwd]
 """
 
 import sys
 
-TRITON = sys.argv[1:] == ["triton"]
+TRITON = "triton" in sys.argv[1:]
+FWD = "fwd" in sys.argv[1:]
 for m in ("jax.experimental.pallas.triton", "jax._src.pallas.triton", "jax._src.lib.triton"):
     if not TRITON:
         sys.modules[m] = None
@@ -49,6 +52,10 @@ def step(op_fn, op, x, *params_ct):
     return out
 
 
+def forward(op_fn, op, x, *params_ct):
+    return op_fn(op, x, *params_ct[:-1])
+
+
 def grads(op_fn, op, x, *params_ct):
     *params, ct = params_ct
     y, pull = jax.vjp(lambda x, *p: op_fn(op, x, *p), x, *params)
@@ -81,11 +88,12 @@ def case(op, shape):
         (rand(10 + i, shape, base[0].dtype, scale=2.0), *base[1:]) for i in range(1, n)
     ]
     sets = tuple(tuple(s) for s in sets)
-    fns = {name: functools.partial(step, fn, op) for name, (_, fn) in IMPLS.items()}
+    wrap = forward if FWD else step
+    fns = {name: functools.partial(wrap, fn, op) for name, (_, fn) in IMPLS.items()}
     jit = lambda name, f: nb.in_mode(IMPLS[name][0], f, (sets,))
     ms = time_in_graph(fns, sets, chain, jit=jit, repeats=5, target_ms=30, warmup_ms=100)
     row = " ".join(f"{n} {ms[n] * 1e3:7.2f}us x{ms['jnp'] / ms[n]:.3f}" for n in IMPLS)
-    print(f"step {op:11s} {shape[0]:>5d}x{shape[1]:<6d} {row}", flush=True)
+    print(f"{'fwd' if FWD else 'step'} {op:11s} {shape[0]:>5d}x{shape[1]:<6d} {row}", flush=True)
 
 
 SHAPES = ((512, 4096), (4096, 4096), (32768, 4096), (16384, 1024), (2048, 16384))
