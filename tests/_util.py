@@ -246,12 +246,14 @@ def sampled_tests(names: list[str], k: int):
     return mark
 
 
-def chosen_kernels(f, *args, ops=None) -> list[tuple[str, str]]:
+def chosen_kernels(f, *args, ops=None, platform=None) -> list[tuple[str, str]]:
     """``(operator, implementation)`` for each ts primitive (of ``ops``, names; default
     every operator) in ``f``'s program, gradients and inner jaxprs included, in the kernel
-    mode in force — by the rule the lowering itself uses."""
-    platform = jax.devices()[0].platform
-    platform = "cuda" if platform == "gpu" else platform
+    mode in force — by the rule the lowering itself uses, for ``platform`` (default: the
+    default device's)."""
+    if platform is None:
+        platform = jax.devices()[0].platform
+        platform = "cuda" if platform == "gpu" else platform
     by_prim = {op.prim: op for name, op in OPERATORS.items() if ops is None or name in ops}
     found = []
 

@@ -22,6 +22,7 @@ from tessera_jax import _compat
 from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 from tessera_jax.primitives import norms as _norms
 from tessera_jax.primitives import softmax as _softmax
+from tessera_jax.primitives._core import Kernel
 from tests._util import (
     assert_close,
     assert_same_bits_with_x64,
@@ -477,6 +478,26 @@ def test_forward_under_differentiation_says_so(op):
     assert set(flags(jax.grad(f))) == {True}
     assert set(flags(jax.vmap(jax.grad(f)))) == {True}
     assert set(flags(jax.grad(lambda x: jax.grad(f)(x).sum()))) == {True}
+
+
+@pytest.mark.parametrize("where", [pytest.param("gpu", marks=pytest.mark.gpu), "cpu"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
+def test_auto_mode_takes_a_forward_alone_or_a_pair(op, where, monkeypatch):
+    """At 2^22 elements ``auto`` takes each forward kernel alone; under differentiation only
+    rmsnorm's, beside its backward kernel (the others' pairs start at 2^23). On the CPU:
+    the choice the lowering would make for a GPU (every kernel available)."""
+    if where == "cpu":
+        monkeypatch.setattr(Kernel, "unavailable", lambda self, mode, platform: None)
+    x, *params = _operands(op, (4096, 1024), jnp.bfloat16)
+    f = functools.partial(_ts, op)
+    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum())
+    with ts.kernel_mode("auto"):
+        alone = dict(chosen_kernels(f, x, *params, platform="cuda"))
+        both = dict(chosen_kernels(step, x, *params, platform="cuda"))
+    assert alone == {op: "pallas_rows"}
+    kernel = "pallas_rows" if op == "rmsnorm" else "reference"
+    bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
+    assert (both[op], both[bwd]) == (kernel, kernel), both
 
 
 def test_default_configs_walk_where_measured_faster():
