@@ -1,7 +1,8 @@
 """The Mosaic GPU row kernels (``pallas_kernels/norms_mgpu.py``), forward and backward,
 against float64: in the Mosaic GPU interpreter on the CPU with race detection, lowered for
-cuda on this CPU machine, and compiled on a GPU (marker ``gpu``). No operator dispatches to
-them yet, so the tests call the kernels directly."""
+cuda on this CPU machine, and compiled on a GPU (marker ``gpu``). The operators take them
+only where the Triton kernels cannot run (tests/test_core.py's jax without Triton runs one
+through its operator), so these tests call the kernels directly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Probe: the Mosaic GPU row kernels (pallas_kernels/norms_mgpu.py, not dispatched yet)
+"""Probe: the Mosaic GPU row kernels (pallas_kernels/norms_mgpu.py, not dispatched when it ran)
 against jnp, the operators' references (ts[xla]) and the Triton kernels (ts[pallas]),
 timed inside one program as norm_small_probe.py does, at rows that auto gives the Triton
 kernels and below: the forward, or (argument ``fwdbwd``) forward and backward, the Mosaic

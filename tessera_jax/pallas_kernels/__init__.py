@@ -9,9 +9,9 @@
   a long cache) in Pallas' Triton backend, registered ahead of the Hopper forward there.
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
 * :mod:`.norms_gpu`: row-wise softmax, log_softmax, rmsnorm and layernorm, forward and backward.
-* :mod:`.norms_mgpu`: the same kernels (not ``row_dot``) in Mosaic GPU, for when Pallas'
-  Triton backend is gone; not dispatched yet, so no ``prefer`` or ``hardware`` until they
-  are measured.
+* :mod:`.norms_mgpu`: the same kernels (not ``row_dot``) in Mosaic GPU, registered after
+  them for when Pallas' Triton backend is gone (``pallas`` and ``interpret`` modes; ``auto``
+  not yet).
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).
 
 Every kernel module offers the same vocabulary (``fn(spec, *operands, interpret)``,

@@ -20,9 +20,10 @@ length. Everything here also runs in Pallas' interpreter. The Triton backend is 
 from jax 0.11 (it warns at lowering); the kernel bodies are jax.numpy on register tiles, so
 a port changes the loads, stores and launch, not the math: :mod:`norms_mgpu` is that port
 for rows of a multiple of 128 elements (one row at a time in Mosaic GPU's strided layout,
-sharing this module's row math), not dispatched until it is measured.
-Under a jax without it (:data:`MISSING`) the operators run their references and
-:func:`row_dot` sums on the canonical tree in XLA.
+sharing this module's row math), which the operators register after these kernels.
+Under a jax without it (:data:`MISSING`) the operators run their references (or, in
+``pallas`` and ``interpret`` modes, the Mosaic ports) and :func:`row_dot` sums on the
+canonical tree in XLA.
 
 The numerics are the operators' own (``primitives/norms.py``, ``primitives/softmax.py``),
 restated here because kernels do not import the operators: softmax's fully ``-inf`` row

@@ -550,8 +550,7 @@ rmsnorm_bwd_op.add_kernel(
     Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm)
 )
 layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd))
-# Their Mosaic GPU ports, which run where those cannot (a jax without Pallas' Triton backend).
-rmsnorm_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.rmsnorm))
-layernorm_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.layernorm))
-rmsnorm_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.rmsnorm_bwd))
-layernorm_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.layernorm_bwd))
+# Their Mosaic GPU ports (named as the operators), which run where those cannot (a jax
+# without Pallas' Triton backend).
+for _op in (rmsnorm_op, layernorm_op, rmsnorm_bwd_op, layernorm_bwd_op):
+    _op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name)))

@@ -264,8 +264,7 @@ log_softmax_op.add_kernel(
 )
 softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.softmax_bwd))
 log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_softmax_bwd))
-# Their Mosaic GPU ports, which run where those cannot (a jax without Pallas' Triton backend).
-softmax_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.softmax))
-log_softmax_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.log_softmax))
-softmax_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.softmax_bwd))
-log_softmax_bwd_op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, _mgpu.log_softmax_bwd))
+# Their Mosaic GPU ports (named as the operators), which run where those cannot (a jax
+# without Pallas' Triton backend).
+for _op in (softmax_op, log_softmax_op, softmax_bwd_op, log_softmax_bwd_op):
+    _op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name)))
