@@ -178,6 +178,11 @@ rows = [jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((128,)
 for mode, want in (("auto", "reference"), ("pallas", "reference"), ("interpret", "mosaic_rows")):
     with ts.kernel_mode(mode):  # (this CPU compiles no GPU kernel)
         assert rmsnorm_op.select("cpu", rows, {"eps": 1e-6})[0] == want, mode
+x128, w128 = rand((8, 128)), rand((128,)) + 1.0
+with ts.kernel_mode("interpret"):  # through the operator, in the Mosaic GPU interpreter
+    got = jax.jit(ts.rmsnorm)(x128, w128)
+with ts.kernel_mode("xla"):
+    assert_close(got, jax.jit(ts.rmsnorm)(x128, w128), factor=2)
 
 a, b = rand((2, 5, 3, 64), jnp.bfloat16), rand((2, 5, 3, 64), jnp.bfloat16)
 d = norms_gpu.row_dot(a, b, seq_pad=8)
