@@ -37,6 +37,7 @@ __all__ = [
     "gpu_interpret_forced",
     "gpu_interpret_mode",
     "gpu_interpret_params",
+    "mgpu_load",
     "mlir",
     "not_mapped",
     "pallas_triton",
@@ -68,6 +69,17 @@ from jax._src.dispatch import apply_primitive  # noqa: E402
 from jax.experimental.custom_partitioning import custom_partitioning  # noqa: E402
 
 shard_map = jax.shard_map
+
+
+def mgpu_load(ref: Any, *, layout: Any) -> Any:
+    """``plgpu.load`` of a whole reference (index it first, ``ref.at[idx]``) into ``layout``:
+    jax 0.10 requires the separate index argument that 0.11 deprecates."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if JAX_VERSION >= (0, 11):
+        return plgpu.load(ref, layout=layout)
+    return plgpu.load(ref, (), layout=layout)
+
 
 # The batch-dimension marker of an unbatched operand in a batching rule
 # (``batching.not_mapped`` was removed from the public module; it is None).

@@ -3,8 +3,9 @@ Pallas Mosaic GPU: the port of :mod:`norms_gpu`'s Triton kernels (all but ``row_
 when Pallas' Triton backend (deprecated from jax 0.11) is gone.
 
 The operators register these kernels after the Triton ones, so they run where those cannot:
-a jax without Pallas' Triton backend; there ``auto`` mode does not take them yet
-(:func:`prefer`), ``pallas`` and ``interpret`` modes do.
+a jax without Pallas' Triton backend. There ``auto`` mode takes them by :data:`PREFER`
+(softmax and log_softmax, and layernorm at rows up to 4096, from 2²³ elements; rmsnorm's
+pair measured slower than its reference), ``pallas`` and ``interpret`` modes always.
 
 A CTA is one warpgroup that walks ``MosaicRowConfig.rows`` rows in order. Each row goes from
 global memory straight into registers, spread over the warpgroup's 128 threads in the
@@ -41,10 +42,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from tessera_jax import _compat
 from tessera_jax.pallas_kernels import device, norms_gpu
 from tessera_jax.primitives.reductions import pairwise_tree_sum
 
 __all__ = [
+    "PREFER",
     "MosaicRowConfig",
     "hardware",
     "layernorm",
@@ -95,21 +98,38 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     return None
 
 
-def prefer(spec: Any, avals: Sequence[Any]) -> bool:
-    """``auto`` mode's rule: never yet (``pallas`` mode runs the kernels on request).
-
-    On an H200 under a jax without the Triton backend (benchmarks/archive/
-    norm_mosaic_fallback_probe.py, norm-mosaic-fallback-h200.txt), forward and backward timed
-    inside one program with every gradient consumed: at 2²¹ elements the forward kernel beside
-    the reference's backward ran 0.67-0.84x jnp and both kernels 0.56-0.89x, where the
-    references ran 0.81-1.09x. The forward kernels alone ran within 12% of the Triton ones at
-    2²¹ to 2²⁷ elements, rows of 1024 to 16384, but for layernorm's 16384-wide rows (0.63x;
-    benchmarks/archive/norm-mosaic-h200.txt), and forward with backward 0.71-1.02x the Triton
-    pairs; the pairs wait for a measurement against the references at 2²³ elements and up,
-    where the Triton pairs win, timed from the host (``benchmarks/norms.py``: timed inside
-    one program, XLA's own row programs there ran up to 2.8x slower than from the host)."""
+def _never(spec: Any, avals: Sequence[Any]) -> bool:
     del spec, avals
     return False
+
+
+# ``auto`` mode's rules, from an H200 under a jax without the Triton backend. Timed from the
+# host (benchmarks/results/norms-mosaic-h200.json: ``benchmarks/norms.py`` with the Triton
+# modules blocked; bf16 at 8192×2048, 32768×4096 and 4096×16384, 2²⁴ to 2²⁷ elements), the
+# softmax and log_softmax kernels ran 1.01-2.37x jnp forward and their pairs 1.29-2.44x,
+# layernorm's forward 1.08-1.26x and its pair 1.49-1.65x at rows of 2048 and 4096 but 0.66x
+# at 16384 (its backward holds x, the cotangent and two column sums a thread), and rmsnorm's
+# forward 0.99-1.22x but its pair 0.25-0.98x. The references ran 0.63-1.08x at 2²⁶ and up;
+# at 2²⁴ host timing is loose (one reference program ran 0.64x and 0.85x jnp in one run).
+# Below 2²³ elements, timed inside one program with every gradient consumed at 2²¹
+# (benchmarks/archive/norm-mosaic-fallback-h200.txt), a forward kernel beside the reference's
+# backward ran 0.67-0.84x jnp and the pairs 0.56-0.89x, where the references ran 0.81-1.09x.
+# (Timed inside one program at 2²⁴ elements and up, XLA's own row programs ran up to 2.8x
+# slower than from the host, so the large cases are host-timed.) rmsnorm carries no
+# ``differentiated`` flag, so its forward goes with its backward: the reference.
+prefer = norms_gpu.Preference(rows=(2048, MAX_ROW), min_elements=1 << 23)
+_layernorm_pair = norms_gpu.Preference(rows=(2048, 4096), min_elements=1 << 23)
+# Each kernel's rule, by the name of the operator it implements.
+PREFER = {
+    "softmax": prefer,
+    "log_softmax": prefer,
+    "softmax_bwd": prefer,
+    "log_softmax_bwd": prefer,
+    "layernorm": norms_gpu.ForwardPreference(alone=prefer, differentiated=_layernorm_pair),
+    "layernorm_bwd": _layernorm_pair,
+    "rmsnorm": _never,
+    "rmsnorm_bwd": _never,
+}
 
 
 def hardware(platform: str) -> str | None:
@@ -147,7 +167,7 @@ class _Launch:
         dtype's default would pick its own 16-byte vector."""
         if self.interpret:  # (the interpreter holds values, not layouts)
             return ref[idx].astype(jnp.float32)
-        return plgpu.load(ref, idx, layout=self.layout).astype(jnp.float32)
+        return _compat.mgpu_load(ref.at[idx], layout=self.layout).astype(jnp.float32)
 
     def zeros(self) -> jax.Array:
         """An f32 row of zeros in the rows' layout (a loop carry's start)."""
