@@ -435,8 +435,8 @@ def test_supports_declines_with_reasons():
 def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_alone):
     """Where a backward follows, ``auto`` takes an operator's forward and backward Triton
     kernels by one rule (a forward kernel beside the reference's backward ran slower than
-    either pair); a forward alone by its own measurements; the Mosaic ports, registered
-    second, not at all."""
+    either pair); a forward alone by its own measurements. The Mosaic ports come second,
+    each with its own rule."""
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
     alone, diff = (("axis", 1),), (("axis", 1), ("differentiated", True))
     assert norms_gpu.prefer((), [x]) is pair
@@ -457,8 +457,55 @@ def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_a
         triton, mosaic = op.kernels
         want = rules.get(op, norms_gpu.prefer)
         assert (triton.name, triton.prefer) == ("pallas_rows", want), op.name
-        assert (mosaic.name, mosaic.prefer) == ("mosaic_rows", norms_mgpu.prefer), op.name
-        assert not mosaic.prefer(diff, [x, x]) and not mosaic.prefer(alone, [x, x])
+        assert (mosaic.name, mosaic.prefer) == ("mosaic_rows", norms_mgpu.PREFER[op.name])
+
+
+@pytest.mark.parametrize(
+    "shape, softmax, layernorm_pair",
+    [
+        ((2**12, 2048), True, True),  # 2^23 elements
+        ((2**11, 2048), False, False),  # 2^22: the pairs lost at 2^21
+        ((2**13, 1024), False, False),  # rows shorter than measured
+        ((2**13, 4096), True, True),
+        ((2**11, 8192), True, False),  # layernorm's pair lost at 16384-wide rows
+        ((2**10, 16384), True, False),
+    ],
+)
+def test_auto_mode_takes_mosaic_kernels_where_measured(shape, softmax, layernorm_pair):
+    """Without the Triton kernels ``auto`` takes the Mosaic ports by their own measurements:
+    softmax's and log_softmax's from 2^23 elements at rows of 2048 to 16384, layernorm's
+    forward there too but its pair only at rows up to 4096, rmsnorm's never (its pair lost
+    to the reference and it carries no ``differentiated`` flag)."""
+    x = jax.core.ShapedArray(shape, jnp.bfloat16)
+    alone, diff = (("axis", 1),), (("axis", 1), ("differentiated", True))
+    rule = norms_mgpu.PREFER
+    for name in ("softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd"):
+        assert rule[name](alone, [x]) is rule[name](diff, [x]) is softmax, name
+    assert rule["layernorm"](alone, [x]) is softmax
+    assert rule["layernorm"](diff, [x]) is rule["layernorm_bwd"](diff, [x, x]) is layernorm_pair
+    assert not rule["rmsnorm"](alone, [x]) and not rule["rmsnorm_bwd"](alone, [x, x])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
+def test_auto_mode_without_triton_takes_mosaic_forward_and_backward_together(op, monkeypatch):
+    """Where only the Mosaic ports can run (as under a jax without Pallas' Triton backend),
+    ``auto`` at 2^23 elements takes an operator's forward and backward ports together or
+    neither (rmsnorm: neither), as the lowering would choose for a GPU."""
+
+    def unavailable(self, mode, platform):
+        return "no Triton backend" if self.name == "pallas_rows" else None
+
+    monkeypatch.setattr(Kernel, "unavailable", unavailable)
+    x, *params = _operands(op, (4096, 2048), jnp.bfloat16)
+    f = functools.partial(_ts, op)
+    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum())
+    with ts.kernel_mode("auto"):
+        alone = dict(chosen_kernels(f, x, *params, platform="cuda"))
+        both = dict(chosen_kernels(step, x, *params, platform="cuda"))
+    kernel = "reference" if op == "rmsnorm" else "mosaic_rows"
+    bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
+    assert alone == {op: kernel}
+    assert (both[op], both[bwd]) == (kernel, kernel), both
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm"])

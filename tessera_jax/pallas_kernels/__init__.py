@@ -10,8 +10,7 @@
 * :mod:`.allreduce_mgpu`: the deterministic all-reduce over NVLink (one Mosaic GPU kernel).
 * :mod:`.norms_gpu`: row-wise softmax, log_softmax, rmsnorm and layernorm, forward and backward.
 * :mod:`.norms_mgpu`: the same kernels (not ``row_dot``) in Mosaic GPU, registered after
-  them for when Pallas' Triton backend is gone (``pallas`` and ``interpret`` modes; ``auto``
-  not yet).
+  them for when Pallas' Triton backend is gone.
 * :mod:`.device`: what the kernels ask of the GPU (SM count, Hopper or not).
 
 Every kernel module offers the same vocabulary (``fn(spec, *operands, interpret)``,

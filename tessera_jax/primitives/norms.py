@@ -553,4 +553,6 @@ layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layerno
 # Their Mosaic GPU ports (named as the operators), which run where those cannot (a jax
 # without Pallas' Triton backend).
 for _op in (rmsnorm_op, layernorm_op, rmsnorm_bwd_op, layernorm_bwd_op):
-    _op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name)))
+    _op.add_kernel(
+        Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name), _mgpu.PREFER[_op.name])
+    )

@@ -267,4 +267,6 @@ log_softmax_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.log_s
 # Their Mosaic GPU ports (named as the operators), which run where those cannot (a jax
 # without Pallas' Triton backend).
 for _op in (softmax_op, log_softmax_op, softmax_bwd_op, log_softmax_bwd_op):
-    _op.add_kernel(Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name)))
+    _op.add_kernel(
+        Kernel.from_module("mosaic_rows", _mgpu, getattr(_mgpu, _op.name), _mgpu.PREFER[_op.name])
+    )
