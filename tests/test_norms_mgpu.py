@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import tessera_jax as ts
 from tessera_jax import _compat
-from tessera_jax.pallas_kernels import norms_mgpu
+from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 from tests._util import assert_close, cuda_lowering, f64, mosaic_gpu_calls, rand
 from tests.test_norm_kernels import (
     OPS,
@@ -217,3 +218,50 @@ def test_supports_declines_with_reasons():
 def test_config_validation(rows):
     with pytest.raises(ValueError, match=f"MosaicRowConfig: rows={rows!r} must be a positive"):
         norms_mgpu.MosaicRowConfig(rows=rows)
+
+
+@pytest.mark.parametrize(
+    "op, weight, want",
+    [
+        ("rmsnorm", True, ()),  # x's gradient alone
+        ("rmsnorm", False, ()),
+        ("layernorm", True, ("weight",)),
+        ("layernorm", True, ("bias",)),
+        ("layernorm", False, ("bias",)),
+    ],
+)
+def test_backward_returns_the_gradients_asked_for_interpret(op, weight, want):
+    """The backward returns dx and only the parameter gradients its bind asks for (the
+    others are neither carried nor written), each against float64, with the default tiling;
+    each such kernel lowers for cuda."""
+    d = 256
+    x, w, *b = _operands(op, (5, d), jnp.float32)
+    ct = rand(x.shape, x.dtype)
+    kw = dict(eps=1e-5, has_weight=weight) | (dict(has_bias=True) if op == "layernorm" else {})
+    kw |= {f"{p}_grad_shape": (d,) if p in want else None for p in ("weight", "bias")}
+    if op == "rmsnorm":
+        del kw["bias_grad_shape"]
+    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), tuple(sorted(kw.items())))
+    operands = (x, w, ct) if weight else (x, ct)
+    got = _run(bwd, operands, interpret=True)
+    assert len(mosaic_gpu_calls(cuda_lowering(bwd, *operands))) == 1  # and it lowers
+    params = [w if weight else jnp.ones_like(w), *b]
+    with _compat.enable_x64(True):
+        _, pull = jax.vjp(functools.partial(_f64, op), *map(f64, [x, *params]))
+        dx, dw, *db = pull(f64(ct))
+    want_grads = [dx] + [dw] * ("weight" in want) + db * ("bias" in want)
+    assert len(got) == len(want_grads)
+    for g, r in zip(got, want_grads):
+        assert_close(g, r, factor=20)
+
+
+def test_default_tiling_launches_about_a_wave_for_column_sums():
+    """Without a config, kernels that write column sums walk enough rows a CTA for about
+    one wave of resident CTAs (wider rows: fewer fit); the others walk 4 rows a CTA."""
+    default, sms = norms_mgpu.MosaicRowConfig.default, norms_gpu._SMS
+    assert default(32768, 4096, partials=False).rows == 4
+    for n, d, per_sm in ((32768, 4096, 4), (8192, 8192, 4), (4096, 16384, 4), (65536, 1024, 16)):
+        rows = default(n, d, partials=True).rows
+        assert pl.cdiv(n, rows) <= sms * per_sm < pl.cdiv(n, rows - 1), (n, d)
+    assert default(16384, 2048, partials=True).rows == pl.cdiv(16384, sms * 8)
+    assert default(3, 256, partials=True).rows == 1

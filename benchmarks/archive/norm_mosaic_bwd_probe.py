@@ -3,8 +3,9 @@ wide rows (rmsnorm's pair 0.25x jnp at 4096x16384 host-timed, norm-mosaic-host-h
 On one H200: ptxas's spill report for each backward kernel (Mosaic GPU prints it with
 ``MOSAIC_GPU_DUMP_PTXAS=1``) at rows of 4096, 8192 and 16384, then the backward kernel
 alone, host-timed, with 4, 16 and 64 rows a CTA (fewer CTAs: fewer rows of f32 column
-sums written for the tree), beside the Triton backward (``norms_gpu``), dx's bits compared
-across the row counts.
+sums written for the tree) and with the default tiling (``mgpu[default]``, which this probe
+led to: about a wave of resident CTAs), beside the Triton backward (``norms_gpu``), dx's
+bits compared across the row counts.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_bwd_probe.py 2>&1 \\
         | grep -E "^(=====|bwd)|bytes stack frame"
@@ -26,7 +27,7 @@ from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 
 EPS = 1e-5
 SHAPES = ((32768, 4096), (8192, 8192), (4096, 16384))
-ROWS = (4, 16, 64)
+ROWS = (4, 16, 64, None)  # None: MosaicRowConfig.default
 
 
 def spec(op, d):
@@ -51,11 +52,11 @@ for op in ("rmsnorm", "layernorm"):
         s = spec(op, shape[-1])
         fns = {}
         for rows in ROWS:
-            cfg = norms_mgpu.MosaicRowConfig(rows=rows)
+            cfg = rows and norms_mgpu.MosaicRowConfig(rows=rows)
             f = jax.jit(functools.partial(getattr(norms_mgpu, f"{op}_bwd"), s, config=cfg))
             print(f"===== {op} {shape} rows={rows}", flush=True)
             jax.block_until_ready(f(x, w, ct))  # compile: ptxas reports here
-            fns[f"mgpu[r{rows}]"] = f
+            fns[f"mgpu[r{rows}]" if rows else "mgpu[default]"] = f
         fns["triton"] = jax.jit(functools.partial(getattr(norms_gpu, f"{op}_bwd"), s))
         outs = {k: f(x, w, ct) for k, f in fns.items()}
         ref = outs["triton"]

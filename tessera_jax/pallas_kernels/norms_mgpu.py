@@ -82,6 +82,34 @@ class MosaicRowConfig:
         if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 1:
             raise ValueError(f"MosaicRowConfig: rows={self.rows!r} must be a positive int")
 
+    @staticmethod
+    def default(n: int, d: int, *, partials: bool) -> MosaicRowConfig:
+        """The tiling of ``n`` rows of ``d`` elements when none is given.
+
+        A kernel without column sums walks 4 rows a CTA (the forwards: 1 or 4 ran alike,
+        16 slower; benchmarks/archive/norm-mosaic-h200.txt). A backward that writes f32
+        column sums for the weight and bias writes a row of them per CTA, and the tree
+        reads them back: walking few rows a CTA, that traffic rivals the rows' own (two
+        partial rows of 4-byte sums against six bytes an element for every four rows of
+        layernorm's), while too few CTAs leave the multiprocessors idle. So it launches
+        about one wave of the CTAs that fit at once, their registers the limit
+        (:func:`_resident_ctas`), each walking its share of the rows. On an H200 the
+        rmsnorm and layernorm backward at 4096- and 8192-wide rows ran 1.2-1.5x faster
+        with 256 to 512 CTAs than with 4 rows a CTA, and at 1024- and 2048-wide rows with
+        fewer than a wave slower (benchmarks/archive/norm-mosaic-bwd-h200.txt). The
+        sums' bits depend on the rows a CTA, so on the shape and the GPU's
+        multiprocessor count (fixed at an H100's or H200's, as norms_gpu's backward)."""
+        if not partials:
+            return MosaicRowConfig()
+        return MosaicRowConfig(rows=max(1, pl.cdiv(n, norms_gpu._SMS * _resident_ctas(d))))
+
+
+def _resident_ctas(d: int) -> int:
+    """CTAs of one warpgroup a multiprocessor holds at once for a backward at rows of ``d``:
+    its 64K registers over about 3·d/128 live f32 a thread for x, the cotangent and the
+    sums, and at least 4 (wider rows spill beyond the register limit)."""
+    return max(4, min(16, MAX_ROW // d))
+
 
 def supports(spec: Any, avals: Sequence[Any]) -> str | None:
     """None if a kernel here can run the case, else why not: :func:`norms_gpu.supports`'s
@@ -206,9 +234,9 @@ def _launch(
     ``config.rows`` of them: ``operands`` are ``(rows, D)`` (:func:`_rows`) or ``(D,)``
     parameters; the outputs are ``outs`` arrays of ``x``'s shape and dtype, then
     ``partials`` f32 ``(CTAs, D)`` arrays (a row of per-CTA column sums each)."""
-    config = config or MosaicRowConfig()
     d = x.shape[-1]
     n = x.size // d
+    config = config or MosaicRowConfig.default(n, d, partials=partials > 0)
     at = _Launch(n, d, config.rows, _vec_size(d, x.dtype.itemsize), interpret)
     ctas = pl.cdiv(n, config.rows)
     out_type = [jax.ShapeDtypeStruct((n, d), x.dtype)] * outs
@@ -335,18 +363,21 @@ def _norm_bwd_kernel(
     db_ref = refs.pop(0) if want_db else None
 
     def row(r, acc):
-        dw, db = acc
         ct = at.load(g_ref, r)
         xhat, rs = _xhat(at, at.load(x_ref, r), op, eps, branch=False)
         dx = norms_gpu._norm_dx(op, xhat, rs, ct, w, at.d, axis=None)
         dx_ref[r] = dx.astype(dx_ref.dtype)
-        return dw + ct * xhat, db + ct
+        # Only the sums asked for are carried (each is d/128 registers a thread).
+        sums, out = iter(acc), []
+        if want_dw:
+            out.append(next(sums) + ct * xhat)
+        if want_db:
+            out.append(next(sums) + ct)
+        return tuple(out)
 
-    dw, db = at.walk(row, (at.zeros(), at.zeros()))
-    if dw_ref is not None:
-        dw_ref[at.cta()] = dw
-    if db_ref is not None:
-        db_ref[at.cta()] = db
+    sums = at.walk(row, (at.zeros(),) * (want_dw + want_db))
+    for ref, total in zip((r for r in (dw_ref, db_ref) if r is not None), sums):
+        ref[at.cta()] = total
 
 
 def _norm_bwd(op, spec, x, *rest, interpret, config):
