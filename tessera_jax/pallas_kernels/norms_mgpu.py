@@ -106,8 +106,9 @@ class MosaicRowConfig:
 
 def _resident_ctas(d: int) -> int:
     """CTAs of one warpgroup a multiprocessor holds at once for a backward at rows of ``d``:
-    its 64K registers over about 3·d/128 live f32 a thread for x, the cotangent and the
-    sums, and at least 4 (wider rows spill beyond the register limit)."""
+    its 64K registers over about 4·d/128 live f32 a thread (x, the cotangent, the weight and
+    the sums), at most 16 (2048 threads) and at least 4 (wider rows spill beyond the
+    register limit)."""
     return max(4, min(16, MAX_ROW // d))
 
 
