@@ -474,8 +474,8 @@ def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_a
 def test_auto_mode_takes_mosaic_kernels_where_measured(shape, softmax, layernorm_pair):
     """Without the Triton kernels ``auto`` takes the Mosaic ports by their own measurements:
     softmax's and log_softmax's from 2^23 elements at rows of 2048 to 16384, layernorm's
-    forward there too but its pair only at rows up to 4096, rmsnorm's never (its pair lost
-    to the reference and it carries no ``differentiated`` flag)."""
+    forward there too but its pair only at rows up to 4096, rmsnorm's forward where no
+    backward follows (its pair lost to the reference)."""
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
     alone, diff = (("axis", 1),), (("axis", 1), ("differentiated", True))
     rule = norms_mgpu.PREFER
@@ -483,14 +483,16 @@ def test_auto_mode_takes_mosaic_kernels_where_measured(shape, softmax, layernorm
         assert rule[name](alone, [x]) is rule[name](diff, [x]) is softmax, name
     assert rule["layernorm"](alone, [x]) is softmax
     assert rule["layernorm"](diff, [x]) is rule["layernorm_bwd"](diff, [x, x]) is layernorm_pair
-    assert not rule["rmsnorm"](alone, [x]) and not rule["rmsnorm_bwd"](alone, [x, x])
+    assert rule["rmsnorm"](alone, [x]) is softmax
+    assert not rule["rmsnorm"](diff, [x]) and not rule["rmsnorm_bwd"](alone, [x, x])
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
 def test_auto_mode_without_triton_takes_mosaic_forward_and_backward_together(op, monkeypatch):
     """Where only the Mosaic ports can run (as under a jax without Pallas' Triton backend),
-    ``auto`` at 2^23 elements takes an operator's forward and backward ports together or
-    neither (rmsnorm: neither), as the lowering would choose for a GPU."""
+    ``auto`` at 2^23 elements takes each forward port alone, and under differentiation an
+    operator's forward and backward ports together or neither (rmsnorm: neither), as the
+    lowering would choose for a GPU."""
 
     def unavailable(self, mode, platform):
         return "no Triton backend" if self.name == "pallas_rows" else None
@@ -504,11 +506,11 @@ def test_auto_mode_without_triton_takes_mosaic_forward_and_backward_together(op,
         both = dict(chosen_kernels(step, x, *params, platform="cuda"))
     kernel = "reference" if op == "rmsnorm" else "mosaic_rows"
     bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
-    assert alone == {op: kernel}
+    assert alone == {op: "mosaic_rows"}
     assert (both[op], both[bwd]) == (kernel, kernel), both
 
 
-@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
 def test_forward_under_differentiation_says_so(op):
     """The JVP rule binds the forward with ``differentiated=True`` (which ``auto`` reads);
     a forward alone carries nothing, and vmap and second derivatives keep the flag."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -702,10 +702,10 @@ class Preference:
 class ForwardPreference:
     """``auto`` mode's rule for a forward kernel whose operator's JVP rule binds it with
     ``differentiated=True``: ``differentiated`` (its backward kernel's rule) there, else
-    ``alone``."""
+    ``alone``. Each is a rule ``(spec, avals) -> bool`` (a :class:`Preference`)."""
 
-    alone: Preference
-    differentiated: Preference
+    alone: Callable[[Any, Sequence[Any]], bool]
+    differentiated: Callable[[Any, Sequence[Any]], bool]
 
     def __call__(self, spec: Any, avals: Sequence[Any]) -> bool:
         rule = self.differentiated if _params(spec).get("differentiated") else self.alone

@@ -4,8 +4,9 @@ when Pallas' Triton backend (deprecated from jax 0.11) is gone.
 
 The operators register these kernels after the Triton ones, so they run where those cannot:
 a jax without Pallas' Triton backend. There ``auto`` mode takes them by :data:`PREFER`
-(softmax and log_softmax, and layernorm at rows up to 4096, from 2²³ elements; rmsnorm's
-pair measured slower than its reference), ``pallas`` and ``interpret`` modes always.
+(from 2²³ elements: softmax and log_softmax, layernorm's pair at rows up to 4096, the
+rmsnorm forward where no backward follows: its pair measured slower than its reference),
+``pallas`` and ``interpret`` modes always.
 
 A CTA is one warpgroup that walks ``MosaicRowConfig.rows`` rows in order. Each row goes from
 global memory straight into registers, spread over the warpgroup's 128 threads in the
@@ -144,8 +145,8 @@ def _never(spec: Any, avals: Sequence[Any]) -> bool:
 # (benchmarks/archive/norm-mosaic-fallback-h200.txt), a forward kernel beside the reference's
 # backward ran 0.67-0.84x jnp and the pairs 0.56-0.89x, where the references ran 0.81-1.09x.
 # (Timed inside one program at 2²⁴ elements and up, XLA's own row programs ran up to 2.8x
-# slower than from the host, so the large cases are host-timed.) rmsnorm carries no
-# ``differentiated`` flag, so its forward goes with its backward: the reference.
+# slower than from the host, so the large cases are host-timed.) So rmsnorm's forward runs
+# alone only (``differentiated``: the reference pair, as for layernorm's wide rows).
 prefer = norms_gpu.Preference(rows=(2048, MAX_ROW), min_elements=1 << 23)
 _layernorm_pair = norms_gpu.Preference(rows=(2048, 4096), min_elements=1 << 23)
 # Each kernel's rule, by the name of the operator it implements.
@@ -156,7 +157,7 @@ PREFER = {
     "log_softmax_bwd": prefer,
     "layernorm": norms_gpu.ForwardPreference(alone=prefer, differentiated=_layernorm_pair),
     "layernorm_bwd": _layernorm_pair,
-    "rmsnorm": _never,
+    "rmsnorm": norms_gpu.ForwardPreference(alone=prefer, differentiated=_never),
     "rmsnorm_bwd": _never,
 }
 

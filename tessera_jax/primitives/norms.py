@@ -37,10 +37,11 @@ order and vmap of these adjoint primitives go.
 Kernels (``pallas_kernels/norms_gpu.py``, registered at the bottom): ``fn(spec,
 x, [weight], [bias], *, interpret)`` for the forward and ``fn(spec, x, [weight],
 ct, *, interpret)`` for the backward, ``spec`` the frozen bind parameters; their
-``supports`` declines weights that are not ``(D,)`` (a vmapped weight). ``ts_layernorm``
-bound by its JVP rule carries ``differentiated=True``: a backward follows, and ``auto``
-mode takes the forward kernel only beside the backward kernel
-(``norms_gpu.ForwardPreference``; rmsnorm's kernels share one rule, so it carries none).
+``supports`` declines weights that are not ``(D,)`` (a vmapped weight). ``ts_rmsnorm`` and
+``ts_layernorm`` bound by their JVP rules carry ``differentiated=True``: a backward
+follows, and ``auto`` mode takes the forward kernel only beside the backward kernel
+(``norms_gpu.ForwardPreference``; the Triton rmsnorm kernels share one rule either way,
+the Mosaic port's forward runs alone only).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def _affine(xhat, x, w, b, c):
 # --- rmsnorm ------------------------------------------------------------------------------
 
 
-def rmsnorm_reference(x, *rest, eps, has_weight):
+def rmsnorm_reference(x, *rest, eps, has_weight, differentiated=False):
     """The XLA lowering of ``ts_rmsnorm`` (and the test oracle of its kernels)."""
+    del differentiated  # (auto mode's kernel choice)
     c = compute_dtype(x.dtype)
     w, _ = _split(rest, has_weight, False)
     xhat, _ = _rms_stats(x.astype(c), eps)
@@ -186,12 +188,13 @@ def rmsnorm_reference(x, *rest, eps, has_weight):
 rmsnorm_op = Operator("rmsnorm", reference=rmsnorm_reference, abstract_eval=lambda x, *_, **__: x)
 
 
-def _rmsnorm_jvp(primals, tangents, *, eps, has_weight):
+def _rmsnorm_jvp(primals, tangents, *, eps, has_weight, differentiated=False):
+    del differentiated
     x, *rest = primals
     tx, *trest = tangents
     w, _ = _split(rest, has_weight, False)
     tw, _ = _split(trest, has_weight, False)
-    y = rmsnorm_op.bind(*primals, eps=eps, has_weight=has_weight)
+    y = rmsnorm_op.bind(*primals, eps=eps, has_weight=has_weight, differentiated=True)
     if not _nonzero(tx):  # x is not differentiated: only x̂·tw, in jax.numpy
         return y, _param_tangents(x, _rms_stats, eps, tw, None, y.dtype)
     params = [w] if has_weight else []
