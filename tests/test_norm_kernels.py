@@ -420,19 +420,20 @@ def test_supports_declines_with_reasons():
 
 
 @pytest.mark.parametrize(
-    "shape, pair, rms, softmax_alone",
+    "shape, pair, rms, rms_pair, softmax_alone",
     [
-        ((2**13, 1024), True, True, True),  # 2^23 elements
-        ((2**12, 1024), False, True, True),  # the backward kernels lose below 2^23
-        ((2**14, 256), False, True, True),  # 2^22 elements
-        ((2**16, 128), False, False, False),  # rows shorter than measured
-        ((2**10, 16384), True, True, True),  # the longest rows measured
-        ((2**9, 4096), False, True, False),  # 2^21
-        ((2**9, 1024), False, True, False),  # 2^19: the smallest measured
-        ((2**8, 1024), False, False, False),  # 2^18 elements: unmeasured
+        ((2**13, 1024), True, True, True, True),  # 2^23 elements
+        ((2**12, 1024), False, True, True, True),  # the backward kernels lose below 2^23
+        ((2**14, 256), False, True, True, True),  # 2^22 elements
+        ((2**16, 128), False, False, False, False),  # rows shorter than measured
+        ((2**10, 16384), True, True, False, True),  # rmsnorm's pair loses at 16384
+        ((2**11, 8192), True, True, True, True),
+        ((2**9, 4096), False, True, True, False),  # 2^21
+        ((2**9, 1024), False, True, True, False),  # 2^19: the smallest measured
+        ((2**8, 1024), False, False, False, False),  # 2^18 elements: unmeasured
     ],
 )
-def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_alone):
+def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, rms_pair, softmax_alone):
     """Where a backward follows, ``auto`` takes an operator's forward and backward Triton
     kernels by one rule (a forward kernel beside the reference's backward ran slower than
     either pair); a forward alone by its own measurements. The Mosaic ports come second,
@@ -440,7 +441,8 @@ def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_a
     x = jax.core.ShapedArray(shape, jnp.bfloat16)
     alone, diff = (("axis", 1),), (("axis", 1), ("differentiated", True))
     assert norms_gpu.prefer((), [x]) is pair
-    assert norms_gpu.prefer_rmsnorm((), [x]) is rms
+    assert norms_gpu.prefer_rmsnorm(alone, [x]) is rms
+    assert norms_gpu.prefer_rmsnorm(diff, [x]) is norms_gpu.prefer_rmsnorm_bwd((), [x]) is rms_pair
     assert norms_gpu.prefer_softmax(alone, [x]) is softmax_alone
     assert norms_gpu.prefer_softmax(diff, [x]) is pair
     assert norms_gpu.prefer_layernorm(alone, [x]) is rms
@@ -450,7 +452,7 @@ def test_auto_mode_takes_kernel_pairs_where_measured(shape, pair, rms, softmax_a
         _softmax.log_softmax_op: norms_gpu.prefer_softmax,
         _norms.layernorm_op: norms_gpu.prefer_layernorm,
         _norms.rmsnorm_op: norms_gpu.prefer_rmsnorm,
-        _norms.rmsnorm_bwd_op: norms_gpu.prefer_rmsnorm,
+        _norms.rmsnorm_bwd_op: norms_gpu.prefer_rmsnorm_bwd,
     }
     ops = (_softmax.softmax_bwd_op, _softmax.log_softmax_bwd_op, _norms.layernorm_bwd_op)
     for op in (*ops, *rules):

@@ -65,6 +65,7 @@ __all__ = [
     "prefer",
     "prefer_layernorm",
     "prefer_rmsnorm",
+    "prefer_rmsnorm_bwd",
     "prefer_softmax",
     "rmsnorm",
     "rmsnorm_bwd",
@@ -672,12 +673,15 @@ def supports(spec: Any, avals: Sequence[Any]) -> str | None:
 # path, and the forward kernel beside the reference backward is slower than both
 # (norms-h100-rows.json).
 #
-# ``prefer_rmsnorm``, from 2¹⁹ elements, rmsnorm's pair: its reference's overflow-safe
-# statistics are not fused by XLA into one row kernel. Timed forward alone on an H200 at 2¹⁹
-# to 2²¹ elements, rows of 256 to 4096 (benchmarks/results/norms-h200-in-graph.json), its
-# forward kernel ran 1.10-1.22x jnp and the reference 0.68-0.87x; forward and backward (there,
-# and with every gradient in norm-step-h200.txt) both kernels 0.96-1.23x, the lowest at
-# 256-wide rows, and the references 0.73-0.96x.
+# ``prefer_rmsnorm``, from 2¹⁹ elements: its reference's overflow-safe statistics are not
+# fused by XLA into one row kernel. Timed forward alone on an H200 at 2¹⁹ to 2²¹ elements,
+# rows of 256 to 4096 (benchmarks/results/norms-h200-in-graph.json), its forward kernel ran
+# 1.10-1.22x jnp and the reference 0.68-0.87x; forward and backward (there, and with every
+# gradient in norm-step-h200.txt) both kernels 0.96-1.23x, the lowest at 256-wide rows, and
+# the references 0.73-0.96x. The pair (``prefer_rmsnorm_bwd``) stops at rows of 8192: at
+# 16384 it ran 0.75x jnp where the references ran 0.81x (H200, norms-h200.json at
+# 4096×16384; on an H100 0.78x and 0.82x against 0.83x and 0.85x, norms-h100-rows.json),
+# while the forward kernel alone there ran 1.32x (H100: 0.97x, the reference 0.76x).
 #
 # A forward that no backward follows (inference) takes its kernel by the forward kernel's own
 # measurements (``ForwardPreference.alone``): layernorm's from 2¹⁹ elements, where it ran
@@ -713,8 +717,10 @@ class ForwardPreference:
 
 
 prefer = Preference(rows=(256, 16384), min_elements=1 << 23)
-prefer_rmsnorm = Preference(rows=(256, 16384), min_elements=1 << 19)
-prefer_layernorm = ForwardPreference(alone=prefer_rmsnorm, differentiated=prefer)
+_from_2_19 = Preference(rows=(256, 16384), min_elements=1 << 19)
+prefer_rmsnorm_bwd = Preference(rows=(256, 8192), min_elements=1 << 19)
+prefer_rmsnorm = ForwardPreference(alone=_from_2_19, differentiated=prefer_rmsnorm_bwd)
+prefer_layernorm = ForwardPreference(alone=_from_2_19, differentiated=prefer)
 prefer_softmax = ForwardPreference(
     alone=Preference(rows=(256, 16384), min_elements=1 << 22), differentiated=prefer
 )

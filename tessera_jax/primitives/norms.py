@@ -40,8 +40,7 @@ ct, *, interpret)`` for the backward, ``spec`` the frozen bind parameters; their
 ``supports`` declines weights that are not ``(D,)`` (a vmapped weight). ``ts_rmsnorm`` and
 ``ts_layernorm`` bound by their JVP rules carry ``differentiated=True``: a backward
 follows, and ``auto`` mode takes the forward kernel only beside the backward kernel
-(``norms_gpu.ForwardPreference``; the Triton rmsnorm kernels share one rule either way,
-the Mosaic port's forward runs alone only).
+(``norms_gpu.ForwardPreference``).
 """
 
 from __future__ import annotations
@@ -544,13 +543,13 @@ def layernorm(
 # --- kernels ------------------------------------------------------------------------------
 # Row-wise Pallas kernels (one read of x, one write of y; statistics in f32), forward and
 # backward; where a backward follows, ``auto`` mode takes an operator's forward and backward
-# kernels together, where the pair measured faster (norms_gpu.prefer, prefer_rmsnorm).
+# kernels together, where the pair measured faster (norms_gpu.prefer, prefer_rmsnorm_bwd).
 rmsnorm_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm, _gpu.prefer_rmsnorm))
 layernorm_op.add_kernel(
     Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm, _gpu.prefer_layernorm)
 )
 rmsnorm_bwd_op.add_kernel(
-    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm)
+    Kernel.from_module("pallas_rows", _gpu, _gpu.rmsnorm_bwd, _gpu.prefer_rmsnorm_bwd)
 )
 layernorm_bwd_op.add_kernel(Kernel.from_module("pallas_rows", _gpu, _gpu.layernorm_bwd))
 # Their Mosaic GPU ports (named as the operators), which run where those cannot (a jax
