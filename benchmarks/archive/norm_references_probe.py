@@ -6,7 +6,10 @@ baseline, the reference as the operator lowers it, and candidate forms, each tim
 process (benchmarks/_common.time_interleaved) with the kernels its compiled program launches
 (fusion kinds from the optimized HLO) and whether its output has the reference's bits.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_references_probe.py
+    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_references_probe.py [op ...]
+
+With operators named, only their forward cases run (the ``chain`` rmsnorm forms were added
+after the logged run).
 """
 
 import re
@@ -95,6 +98,33 @@ def rms_rowscale(x, w):
     return (y * nb._row(w, x)).astype(x.dtype)
 
 
+def _rms_chain(x, w, *, eps_inside: bool):
+    """The row-scale form as two normalisation diamonds, the shape XLA's softmax rewriter
+    fuses into one Triton kernel: the first mean square picks each row's scale cs (1, or
+    c where it overflowed), the output is ``(v·cs)·rsqrt(mean((v·cs)²) + eps·cs²)``
+    (``(v·c)·rs`` where the reference computes ``(v·rs)·c``). ``eps_inside`` adds
+    ``eps·cs²`` to every square before the sum (no op between two row statistics; other
+    bits)."""
+    v = x.astype(F32)
+    c = np.float32(pn._OVERFLOW_SCALE)
+    cs = jnp.where(jnp.isinf(jnp.mean(v * v, -1, keepdims=True) + EPS), c, np.float32(1))
+    vc = v * cs
+    if eps_inside:
+        sc = jnp.mean(vc * vc + EPS * cs * cs, -1, keepdims=True)
+    else:
+        sc = jnp.mean(vc * vc, -1, keepdims=True) + EPS * cs * cs
+    sc = jnp.where(jnp.isinf(sc), jnp.full_like(sc, jnp.nan), sc)
+    return (vc * jax.lax.rsqrt(sc) * nb._row(w, x)).astype(x.dtype)
+
+
+def rms_chain(x, w):
+    return _rms_chain(x, w, eps_inside=False)
+
+
+def rms_chain_in(x, w):
+    return _rms_chain(x, w, eps_inside=True)
+
+
 def rms_fast(x, w):
     """One mean square, the output from it: what jnp does (no overflow path; a bound)."""
     v = x.astype(F32)
@@ -110,7 +140,13 @@ def ts_fwd(op):
 FORMS = {
     "softmax": {"init": sm_init, "init_m": sm_init_only_m},
     "log_softmax": {"init": lsm_init},
-    "rmsnorm": {"variadic": rms_variadic, "rowscale": rms_rowscale, "fast": rms_fast},
+    "rmsnorm": {
+        "variadic": rms_variadic,
+        "rowscale": rms_rowscale,
+        "chain": rms_chain,
+        "chain_in": rms_chain_in,
+        "fast": rms_fast,
+    },
     "layernorm": {},
 }
 SHAPES = ((512, 1024), (4096, 1024), (16384, 1024), (1024, 4096), (2048, 32000), (256, 128256))
@@ -152,12 +188,14 @@ def bwd_case(op, shape):
         )
 
 
+OPS = sys.argv[1:] or nb.OPS  # e.g. ``rmsnorm``: its forward cases only
 print(jax.devices()[0].device_kind, jax.__version__, flush=True)
 for shape in SHAPES:
-    for op in nb.OPS:
+    for op in OPS:
         if shape[1] > 32000 and op in ("rmsnorm", "layernorm"):
             continue
         fwd_case(op, shape)
-for shape in ((4096, 1024), (1024, 4096), (2048, 32000)):
-    for op in nb.OPS:
-        bwd_case(op, shape)
+if not sys.argv[1:]:
+    for shape in ((4096, 1024), (1024, 4096), (2048, 32000)):
+        for op in nb.OPS:
+            bwd_case(op, shape)
