@@ -39,9 +39,9 @@ CASES = [
 ]
 
 
-def _kernel(name: str, spec: tuple, rows: int):
+def _kernel(name: str, spec: tuple, rows: int, **config):
     """Kernel ``name`` of ``norms_mgpu`` with its bind parameters, ``rows`` a CTA."""
-    config = norms_mgpu.MosaicRowConfig(rows=rows)
+    config = norms_mgpu.MosaicRowConfig(rows=rows, **config)
     return functools.partial(getattr(norms_mgpu, name), spec, config=config)
 
 
@@ -218,6 +218,28 @@ def test_supports_declines_with_reasons():
 def test_config_validation(rows):
     with pytest.raises(ValueError, match=f"MosaicRowConfig: rows={rows!r} must be a positive"):
         norms_mgpu.MosaicRowConfig(rows=rows)
+    with pytest.raises(TypeError, match="MosaicRowConfig: params_per_row=1 must be a bool"):
+        norms_mgpu.MosaicRowConfig(params_per_row=1)
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_params_per_row_keeps_the_bits_interpret(op):
+    """The weight and bias loaded for each row give the bits of loading them once per CTA,
+    forward and backward (parameter gradients too); that form lowers for cuda as well."""
+    args = _operands(op, (7, 256), jnp.bfloat16)
+    ct = rand((7, 256), jnp.bfloat16)
+    for name, spec, operands in (
+        (op, _fwd_spec(op), args),
+        (f"{op}_bwd", _bwd_spec(op, 256), (args[0], args[1], ct)),
+    ):
+        once, per_row = (
+            _run(_kernel(name, spec, 3, params_per_row=p), operands, interpret=True)
+            for p in (False, True)
+        )
+        for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_row)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        text = cuda_lowering(_kernel(name, spec, 3, params_per_row=True), *operands)
+        assert len(mosaic_gpu_calls(text)) == 1, name
 
 
 @pytest.mark.parametrize(

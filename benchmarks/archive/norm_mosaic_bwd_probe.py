@@ -5,10 +5,12 @@ On one H200: ptxas's spill report for each backward kernel (Mosaic GPU prints it
 alone, host-timed, with 4, 16 and 64 rows a CTA (fewer CTAs: fewer rows of f32 column
 sums written for the tree) and with the default tiling (``mgpu[default]``, which this probe
 led to: about a wave of resident CTAs), beside the Triton backward (``norms_gpu``), dx's
-bits compared across the row counts.
+bits compared across the row counts. With ``fwd`` the forward kernels instead, by rows a CTA. Either
+way ``+pp`` marks a config that loads the weight and bias for each row
+(``MosaicRowConfig.params_per_row``, which holds fewer registers across the walk).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_bwd_probe.py 2>&1 \\
-        | grep -E "^(=====|bwd)|bytes stack frame"
+    PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_bwd_probe.py [fwd] 2>&1 \\
+        | grep -E "^(=====|bwd|fwd)|bytes stack frame"
 """
 
 import functools
@@ -27,40 +29,59 @@ from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 
 EPS = 1e-5
 SHAPES = ((32768, 4096), (8192, 8192), (4096, 16384))
-ROWS = (4, 16, 64, None)  # None: MosaicRowConfig.default
+MODE = "fwd" if sys.argv[1:] == ["fwd"] else "bwd"
+# (rows a CTA, params_per_row); rows None: MosaicRowConfig.default's
+CONFIGS = ((4, False), (16, False), (64, False), (None, False), (None, True))
+if MODE == "fwd":
+    CONFIGS = ((1, False), (4, False), (4, True), (16, True))
 
 
 def spec(op, d):
-    kw = dict(eps=EPS, has_weight=True, weight_grad_shape=(d,))
+    kw = dict(eps=EPS, has_weight=True)
     if op == "layernorm":
-        kw.update(has_bias=True, bias_grad_shape=(d,))
+        kw["has_bias"] = True
+    if MODE == "bwd":
+        kw["weight_grad_shape"] = (d,)
+        if op == "layernorm":
+            kw["bias_grad_shape"] = (d,)
     return tuple(sorted(kw.items()))
 
 
-def operands(shape):
+def operands(op, shape):
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], shape, jnp.bfloat16)
     w = (1 + 0.1 * jax.random.normal(k[1], shape[-1:], jnp.float32)).astype(jnp.bfloat16)
-    ct = jax.random.normal(k[2], shape, jnp.bfloat16)
-    return x, w, ct
+    if MODE == "bwd":
+        return x, w, jax.random.normal(k[2], shape, jnp.bfloat16)
+    b = jax.random.normal(k[2], shape[-1:], jnp.bfloat16)
+    return (x, w, b) if op == "layernorm" else (x, w)
+
+
+def config(rows, pp, n, d):
+    if rows is None:
+        rows = norms_mgpu.MosaicRowConfig.default(n, d, partials=MODE == "bwd").rows
+    return norms_mgpu.MosaicRowConfig(rows=rows, params_per_row=pp)
 
 
 print(jax.devices()[0].device_kind, jax.__version__)
 for op in ("rmsnorm", "layernorm"):
+    name = op if MODE == "fwd" else f"{op}_bwd"
     for shape in SHAPES:
-        x, w, ct = operands(shape)
+        args = operands(op, shape)
         s = spec(op, shape[-1])
         fns = {}
-        for rows in ROWS:
-            cfg = rows and norms_mgpu.MosaicRowConfig(rows=rows)
-            f = jax.jit(functools.partial(getattr(norms_mgpu, f"{op}_bwd"), s, config=cfg))
-            print(f"===== {op} {shape} rows={rows}", flush=True)
-            jax.block_until_ready(f(x, w, ct))  # compile: ptxas reports here
-            fns[f"mgpu[r{rows}]" if rows else "mgpu[default]"] = f
-        fns["triton"] = jax.jit(functools.partial(getattr(norms_gpu, f"{op}_bwd"), s))
-        outs = {k: f(x, w, ct) for k, f in fns.items()}
-        ref = outs["triton"]
-        same = all(np.array_equal(outs[k][0], outs["mgpu[r4]"][0]) for k in fns if "mgpu" in k)
+        for rows, pp in CONFIGS:
+            cfg = config(rows, pp, *shape)
+            f = jax.jit(functools.partial(getattr(norms_mgpu, name), s, config=cfg))
+            tag = "default" if rows is None else f"r{rows}"
+            key = f"mgpu[{tag}{'+pp' if pp else ''}]"
+            print(f"===== {name} {shape} {key} rows={cfg.rows}", flush=True)
+            jax.block_until_ready(f(*args))  # compile: ptxas reports here
+            fns[key] = f
+        fns["triton"] = jax.jit(functools.partial(getattr(norms_gpu, name), s))
+        outs = {k: jax.tree.leaves(f(*args)) for k, f in fns.items()}
+        ref, first = outs["triton"], outs[next(iter(fns))]
+        same = all(np.array_equal(outs[k][0], first[0]) for k in fns if "mgpu" in k)
         errs = {
             k: max(
                 float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -68,9 +89,9 @@ for op in ("rmsnorm", "layernorm"):
             )
             for k, o in outs.items()
         }
-        times = time_interleaved(fns, (x, w, ct), repeats=3, target_ms=30)
+        times = time_interleaved(fns, args, repeats=3, target_ms=30)
         base = times["triton"]
         row = "  ".join(
             f"{k} {t * 1e3:8.1f}us x{base / t:.3f} err {errs[k]:.1e}" for k, t in times.items()
         )
-        print(f"bwd {op:9s} {shape[0]}x{shape[1]:<6d} {row}  dx_same_bits={same}", flush=True)
+        print(f"{MODE} {op:9s} {shape[0]}x{shape[1]:<6d} {row}  same_bits={same}", flush=True)

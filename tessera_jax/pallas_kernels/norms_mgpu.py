@@ -75,13 +75,21 @@ class MosaicRowConfig:
 
     Attributes:
       rows: rows each CTA (one warpgroup) walks in order.
+      params_per_row: load the weight and bias (rmsnorm's, layernorm's) for each row rather
+        than once per CTA: d/128 fewer f32 registers a thread held across the walk for each,
+        for one more read of them a row, from the caches. The same bits either way.
     """
 
     rows: int = 4
+    params_per_row: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 1:
             raise ValueError(f"MosaicRowConfig: rows={self.rows!r} must be a positive int")
+        if not isinstance(self.params_per_row, bool):
+            raise TypeError(
+                f"MosaicRowConfig: params_per_row={self.params_per_row!r} must be a bool"
+            )
 
     @staticmethod
     def default(n: int, d: int, *, partials: bool) -> MosaicRowConfig:
@@ -186,6 +194,7 @@ class _Launch:
     rows: int
     vec: int
     interpret: bool
+    params_per_row: bool = False
 
     @property
     def layout(self):
@@ -198,6 +207,19 @@ class _Launch:
         if self.interpret:  # (the interpreter holds values, not layouts)
             return ref[idx].astype(jnp.float32)
         return _compat.mgpu_load(ref.at[idx], layout=self.layout).astype(jnp.float32)
+
+    def params(self, *refs):
+        """A function of no arguments giving the ``(d,)`` parameters of ``refs`` (None
+        stays None) as :meth:`load` gives them: loaded here, once per CTA, or at each call
+        (each row) with ``params_per_row``."""
+
+        def load():
+            return tuple(None if r is None else self.load(r, ()) for r in refs)
+
+        if self.params_per_row:
+            return load
+        held = load()
+        return lambda: held
 
     def zeros(self) -> jax.Array:
         """An f32 row of zeros in the rows' layout (a loop carry's start)."""
@@ -239,7 +261,8 @@ def _launch(
     d = x.shape[-1]
     n = x.size // d
     config = config or MosaicRowConfig.default(n, d, partials=partials > 0)
-    at = _Launch(n, d, config.rows, _vec_size(d, x.dtype.itemsize), interpret)
+    vec = _vec_size(d, x.dtype.itemsize)
+    at = _Launch(n, d, config.rows, vec, interpret, config.params_per_row)
     ctas = pl.cdiv(n, config.rows)
     out_type = [jax.ShapeDtypeStruct((n, d), x.dtype)] * outs
     out_type += [jax.ShapeDtypeStruct((ctas, d), jnp.float32)] * partials
@@ -319,12 +342,11 @@ def _xhat(at: _Launch, x: jax.Array, op: str, eps: float, branch: bool):
 def _norm_kernel(*refs, at: _Launch, op: str, eps: float, weight: bool, bias: bool) -> None:
     refs = list(refs)
     x_ref, o_ref = refs.pop(0), refs.pop()
-    # The parameters are loaded once per CTA, in f32, in the row's layout.
-    w = at.load(refs.pop(0), ()) if weight else None
-    b = at.load(refs.pop(0), ()) if bias else None
+    params = at.params(refs.pop(0) if weight else None, refs.pop(0) if bias else None)
 
     def row(r):
         y, _ = _xhat(at, at.load(x_ref, r), op, eps, branch=True)
+        w, b = params()
         if w is not None:
             y = y * w
         if b is not None:
@@ -359,7 +381,7 @@ def _norm_bwd_kernel(
     over its rows, in row order."""
     refs = list(refs)
     x_ref = refs.pop(0)
-    w = at.load(refs.pop(0), ()) if weight else None
+    params = at.params(refs.pop(0) if weight else None)
     g_ref, dx_ref = refs.pop(0), refs.pop(0)
     dw_ref = refs.pop(0) if want_dw else None
     db_ref = refs.pop(0) if want_db else None
@@ -367,6 +389,7 @@ def _norm_bwd_kernel(
     def row(r, acc):
         ct = at.load(g_ref, r)
         xhat, rs = _xhat(at, at.load(x_ref, r), op, eps, branch=False)
+        (w,) = params()
         dx = norms_gpu._norm_dx(op, xhat, rs, ct, w, at.d, axis=None)
         dx_ref[r] = dx.astype(dx_ref.dtype)
         # Only the sums asked for are carried (each is d/128 registers a thread).
