@@ -218,28 +218,32 @@ def test_supports_declines_with_reasons():
 def test_config_validation(rows):
     with pytest.raises(ValueError, match=f"MosaicRowConfig: rows={rows!r} must be a positive"):
         norms_mgpu.MosaicRowConfig(rows=rows)
-    with pytest.raises(TypeError, match="MosaicRowConfig: params_per_row=1 must be a bool"):
-        norms_mgpu.MosaicRowConfig(params_per_row=1)
+    for knob in ("params_per_row", "sums_in_smem"):
+        with pytest.raises(TypeError, match=f"MosaicRowConfig: {knob}=1 must be a bool"):
+            norms_mgpu.MosaicRowConfig(**{knob: 1})
 
 
 @pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
-def test_params_per_row_keeps_the_bits_interpret(op):
-    """The weight and bias loaded for each row give the bits of loading them once per CTA,
-    forward and backward (parameter gradients too); that form lowers for cuda as well."""
+def test_config_knobs_keep_the_bits_interpret(op):
+    """The weight and bias loaded for each row (forward and backward), and the backward's
+    column sums kept in shared memory, give the bits of the default forms (the parameter
+    gradients too); those forms lower for cuda as well."""
     args = _operands(op, (7, 256), jnp.bfloat16)
     ct = rand((7, 256), jnp.bfloat16)
-    for name, spec, operands in (
-        (op, _fwd_spec(op), args),
-        (f"{op}_bwd", _bwd_spec(op, 256), (args[0], args[1], ct)),
+    bwd = (f"{op}_bwd", _bwd_spec(op, 256), (args[0], args[1], ct))
+    for name, spec, operands, knobs in (
+        (op, _fwd_spec(op), args, dict(params_per_row=True)),
+        (*bwd, dict(params_per_row=True)),
+        (*bwd, dict(sums_in_smem=True)),
+        (*bwd, dict(params_per_row=True, sums_in_smem=True)),
     ):
-        once, per_row = (
-            _run(_kernel(name, spec, 3, params_per_row=p), operands, interpret=True)
-            for p in (False, True)
+        base, other = (
+            _run(_kernel(name, spec, 3, **k), operands, interpret=True) for k in ({}, knobs)
         )
-        for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_row)):
+        for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        text = cuda_lowering(_kernel(name, spec, 3, params_per_row=True), *operands)
-        assert len(mosaic_gpu_calls(text)) == 1, name
+        text = cuda_lowering(_kernel(name, spec, 3, **knobs), *operands)
+        assert len(mosaic_gpu_calls(text)) == 1, (name, knobs)
 
 
 @pytest.mark.parametrize(

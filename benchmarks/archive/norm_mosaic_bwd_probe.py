@@ -7,7 +7,8 @@ sums written for the tree) and with the default tiling (``mgpu[default]``, which
 led to: about a wave of resident CTAs), beside the Triton backward (``norms_gpu``), dx's
 bits compared across the row counts. With ``fwd`` the forward kernels instead, by rows a CTA. Either
 way ``+pp`` marks a config that loads the weight and bias for each row
-(``MosaicRowConfig.params_per_row``, which holds fewer registers across the walk).
+(``MosaicRowConfig.params_per_row``) and ``+smem`` one that keeps the backward's column sums
+in shared memory (``sums_in_smem``): both hold fewer registers across the walk.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/archive/norm_mosaic_bwd_probe.py [fwd] 2>&1 \\
         | grep -E "^(=====|bwd|fwd)|bytes stack frame"
@@ -30,10 +31,11 @@ from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
 EPS = 1e-5
 SHAPES = ((32768, 4096), (8192, 8192), (4096, 16384))
 MODE = "fwd" if sys.argv[1:] == ["fwd"] else "bwd"
-# (rows a CTA, params_per_row); rows None: MosaicRowConfig.default's
-CONFIGS = ((4, False), (16, False), (64, False), (None, False), (None, True))
+# (rows a CTA, params_per_row, sums_in_smem); rows None: MosaicRowConfig.default's
+CONFIGS = [(4, False, False), (16, False, False), (64, False, False)]
+CONFIGS += [(None, pp, smem) for smem in (False, True) for pp in (False, True)]
 if MODE == "fwd":
-    CONFIGS = ((1, False), (4, False), (4, True), (16, True))
+    CONFIGS = [(1, False, False), (4, False, False), (4, True, False), (16, True, False)]
 
 
 def spec(op, d):
@@ -57,10 +59,10 @@ def operands(op, shape):
     return (x, w, b) if op == "layernorm" else (x, w)
 
 
-def config(rows, pp, n, d):
+def config(rows, pp, smem, n, d):
     if rows is None:
         rows = norms_mgpu.MosaicRowConfig.default(n, d, partials=MODE == "bwd").rows
-    return norms_mgpu.MosaicRowConfig(rows=rows, params_per_row=pp)
+    return norms_mgpu.MosaicRowConfig(rows=rows, params_per_row=pp, sums_in_smem=smem)
 
 
 print(jax.devices()[0].device_kind, jax.__version__)
@@ -70,11 +72,11 @@ for op in ("rmsnorm", "layernorm"):
         args = operands(op, shape)
         s = spec(op, shape[-1])
         fns = {}
-        for rows, pp in CONFIGS:
-            cfg = config(rows, pp, *shape)
+        for rows, pp, smem in CONFIGS:
+            cfg = config(rows, pp, smem, *shape)
             f = jax.jit(functools.partial(getattr(norms_mgpu, name), s, config=cfg))
             tag = "default" if rows is None else f"r{rows}"
-            key = f"mgpu[{tag}{'+pp' if pp else ''}]"
+            key = f"mgpu[{tag}{'+pp' if pp else ''}{'+smem' if smem else ''}]"
             print(f"===== {name} {shape} {key} rows={cfg.rows}", flush=True)
             jax.block_until_ready(f(*args))  # compile: ptxas reports here
             fns[key] = f

@@ -78,18 +78,21 @@ class MosaicRowConfig:
       params_per_row: load the weight and bias (rmsnorm's, layernorm's) for each row rather
         than once per CTA: d/128 fewer f32 registers a thread held across the walk for each,
         for one more read of them a row, from the caches. The same bits either way.
+      sums_in_smem: the backward keeps its column sums (the weight's and bias's partial
+        gradients) in shared memory, 4·d bytes a CTA each, rather than in registers carried
+        across the walk (d/128 f32 a thread each). The same bits either way.
     """
 
     rows: int = 4
     params_per_row: bool = False
+    sums_in_smem: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 1:
             raise ValueError(f"MosaicRowConfig: rows={self.rows!r} must be a positive int")
-        if not isinstance(self.params_per_row, bool):
-            raise TypeError(
-                f"MosaicRowConfig: params_per_row={self.params_per_row!r} must be a bool"
-            )
+        for knob in ("params_per_row", "sums_in_smem"):
+            if not isinstance(value := getattr(self, knob), bool):
+                raise TypeError(f"MosaicRowConfig: {knob}={value!r} must be a bool")
 
     @staticmethod
     def default(n: int, d: int, *, partials: bool) -> MosaicRowConfig:
@@ -195,6 +198,7 @@ class _Launch:
     vec: int
     interpret: bool
     params_per_row: bool = False
+    sums_in_smem: bool = False
 
     @property
     def layout(self):
@@ -257,18 +261,22 @@ def _launch(
     """``kernel(*refs, at=_Launch)`` over the rows of ``x``'s shape, one CTA per
     ``config.rows`` of them: ``operands`` are ``(rows, D)`` (:func:`_rows`) or ``(D,)``
     parameters; the outputs are ``outs`` arrays of ``x``'s shape and dtype, then
-    ``partials`` f32 ``(CTAs, D)`` arrays (a row of per-CTA column sums each)."""
+    ``partials`` f32 ``(CTAs, D)`` arrays (a row of per-CTA column sums each), and with
+    ``config.sums_in_smem`` as many ``(D,)`` f32 shared-memory refs after them."""
     d = x.shape[-1]
     n = x.size // d
     config = config or MosaicRowConfig.default(n, d, partials=partials > 0)
     vec = _vec_size(d, x.dtype.itemsize)
-    at = _Launch(n, d, config.rows, vec, interpret, config.params_per_row)
+    smem = config.sums_in_smem and partials > 0
+    at = _Launch(n, d, config.rows, vec, interpret, config.params_per_row, smem)
     ctas = pl.cdiv(n, config.rows)
     out_type = [jax.ShapeDtypeStruct((n, d), x.dtype)] * outs
     out_type += [jax.ShapeDtypeStruct((ctas, d), jnp.float32)] * partials
     call = plgpu.kernel(
         functools.partial(kernel, at=at),
         out_type=out_type,
+        # (with sums_in_smem, a (d,) f32 sum for each partial output)
+        scratch_types=[plgpu.SMEM((d,), jnp.float32)] * partials if smem else [],
         grid=(ctas,),
         grid_names=("rows",),
         kernel_name=name,
@@ -383,8 +391,9 @@ def _norm_bwd_kernel(
     x_ref = refs.pop(0)
     params = at.params(refs.pop(0) if weight else None)
     g_ref, dx_ref = refs.pop(0), refs.pop(0)
-    dw_ref = refs.pop(0) if want_dw else None
-    db_ref = refs.pop(0) if want_db else None
+    # Only the sums asked for are kept (each d/128 registers a thread, or shared memory).
+    outs = [refs.pop(0) for _ in range(want_dw + want_db)]
+    smem = refs if at.sums_in_smem else []
 
     def row(r, acc):
         ct = at.load(g_ref, r)
@@ -392,16 +401,21 @@ def _norm_bwd_kernel(
         (w,) = params()
         dx = norms_gpu._norm_dx(op, xhat, rs, ct, w, at.d, axis=None)
         dx_ref[r] = dx.astype(dx_ref.dtype)
-        # Only the sums asked for are carried (each is d/128 registers a thread).
-        sums, out = iter(acc), []
-        if want_dw:
-            out.append(next(sums) + ct * xhat)
-        if want_db:
-            out.append(next(sums) + ct)
-        return tuple(out)
+        terms = ([ct * xhat] if want_dw else []) + ([ct] if want_db else [])
+        if not smem:
+            return tuple(a + t for a, t in zip(acc, terms))
+        for ref, t in zip(smem, terms):  # each thread updates its own elements
+            ref[...] = at.load(ref, ()) + t
+        return acc
 
-    sums = at.walk(row, (at.zeros(),) * (want_dw + want_db))
-    for ref, total in zip((r for r in (dw_ref, db_ref) if r is not None), sums):
+    if smem:
+        for ref in smem:
+            ref[...] = at.zeros()
+        at.walk(row, ())
+        sums = [at.load(ref, ()) for ref in smem]
+    else:
+        sums = at.walk(row, (at.zeros(),) * len(outs))
+    for ref, total in zip(outs, sums):
         ref[at.cta()] = total
 
 
