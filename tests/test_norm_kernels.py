@@ -489,6 +489,19 @@ def test_auto_mode_takes_mosaic_kernels_where_measured(shape, softmax, layernorm
     assert not rule["rmsnorm"](diff, [x]) and not rule["rmsnorm_bwd"](alone, [x, x])
 
 
+def _auto_choices(op: str, shape) -> tuple[dict, tuple[str, str]]:
+    """What ``auto`` mode lowers ``op`` to for a GPU on bf16 ``shape``: the forward alone
+    ({operator: implementation}), and the forward and backward of a training step."""
+    x, *params = _operands(op, shape, jnp.bfloat16)
+    f = functools.partial(_ts, op)
+    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum())
+    with ts.kernel_mode("auto"):
+        alone = dict(chosen_kernels(f, x, *params, platform="cuda"))
+        both = dict(chosen_kernels(step, x, *params, platform="cuda"))
+    bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
+    return alone, (both[op], both[bwd])
+
+
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
 def test_auto_mode_without_triton_takes_mosaic_forward_and_backward_together(op, monkeypatch):
     """Where only the Mosaic ports can run (as under a jax without Pallas' Triton backend),
@@ -500,16 +513,10 @@ def test_auto_mode_without_triton_takes_mosaic_forward_and_backward_together(op,
         return "no Triton backend" if self.name == "pallas_rows" else None
 
     monkeypatch.setattr(Kernel, "unavailable", unavailable)
-    x, *params = _operands(op, (4096, 2048), jnp.bfloat16)
-    f = functools.partial(_ts, op)
-    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum())
-    with ts.kernel_mode("auto"):
-        alone = dict(chosen_kernels(f, x, *params, platform="cuda"))
-        both = dict(chosen_kernels(step, x, *params, platform="cuda"))
+    alone, pair = _auto_choices(op, (4096, 2048))
     kernel = "reference" if op == "rmsnorm" else "mosaic_rows"
-    bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
     assert alone == {op: "mosaic_rows"}
-    assert (both[op], both[bwd]) == (kernel, kernel), both
+    assert pair == (kernel, kernel)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "layernorm", "rmsnorm"])
@@ -539,16 +546,10 @@ def test_auto_mode_takes_a_forward_alone_or_a_pair(op, where, monkeypatch):
     the choice the lowering would make for a GPU (every kernel available)."""
     if where == "cpu":
         monkeypatch.setattr(Kernel, "unavailable", lambda self, mode, platform: None)
-    x, *params = _operands(op, (4096, 1024), jnp.bfloat16)
-    f = functools.partial(_ts, op)
-    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum())
-    with ts.kernel_mode("auto"):
-        alone = dict(chosen_kernels(f, x, *params, platform="cuda"))
-        both = dict(chosen_kernels(step, x, *params, platform="cuda"))
+    alone, pair = _auto_choices(op, (4096, 1024))
     assert alone == {op: "pallas_rows"}
     kernel = "pallas_rows" if op == "rmsnorm" else "reference"
-    bwd = "log_softmax_bwd" if op == "log_softmax" else f"{op}_bwd"
-    assert (both[op], both[bwd]) == (kernel, kernel), both
+    assert pair == (kernel, kernel)
 
 
 def test_default_configs_walk_where_measured_faster():
