@@ -223,14 +223,13 @@ def test_config_validation(rows):
             norms_mgpu.MosaicRowConfig(**{knob: 1})
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
-def test_config_knobs_keep_the_bits_interpret(op):
+def _check_knobs_keep_the_bits(op, shape, *, interpret: bool):
     """The weight and bias loaded for each row (forward and backward), and the backward's
     column sums kept in shared memory, give the bits of the default forms (the parameter
-    gradients too); those forms lower for cuda as well."""
-    args = _operands(op, (7, 256), jnp.bfloat16)
-    ct = rand((7, 256), jnp.bfloat16)
-    bwd = (f"{op}_bwd", _bwd_spec(op, 256), (args[0], args[1], ct))
+    gradients too); in the interpreter those forms also lower for cuda."""
+    args = _operands(op, shape, jnp.bfloat16)
+    ct = rand(shape, jnp.bfloat16)
+    bwd = (f"{op}_bwd", _bwd_spec(op, shape[-1]), (args[0], args[1], ct))
     for name, spec, operands, knobs in (
         (op, _fwd_spec(op), args, dict(params_per_row=True)),
         (*bwd, dict(params_per_row=True)),
@@ -238,12 +237,26 @@ def test_config_knobs_keep_the_bits_interpret(op):
         (*bwd, dict(params_per_row=True, sums_in_smem=True)),
     ):
         base, other = (
-            _run(_kernel(name, spec, 3, **k), operands, interpret=True) for k in ({}, knobs)
+            _run(_kernel(name, spec, 3, **k), operands, interpret=interpret) for k in ({}, knobs)
         )
         for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        text = cuda_lowering(_kernel(name, spec, 3, **knobs), *operands)
-        assert len(mosaic_gpu_calls(text)) == 1, (name, knobs)
+        if interpret:
+            text = cuda_lowering(_kernel(name, spec, 3, **knobs), *operands)
+            assert len(mosaic_gpu_calls(text)) == 1, (name, knobs)
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_config_knobs_keep_the_bits_interpret(op):
+    _check_knobs_keep_the_bits(op, (7, 256), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(40, 4096), (20, 16384)])
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_config_knobs_keep_the_bits(op, shape):
+    """On the GPU, at rows whose sums take 16-64 KB of shared memory each."""
+    _check_knobs_keep_the_bits(op, shape, interpret=False)
 
 
 @pytest.mark.parametrize(
