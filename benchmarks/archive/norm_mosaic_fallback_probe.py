@@ -5,7 +5,8 @@ Checks which kernels ``auto`` and ``pallas`` mode pick and the values against jn
 times jnp, ts[xla], ts[auto] and ts[pallas] (the Mosaic forward and backward) inside one
 program, forward and backward with every gradient consumed (x's, the weight's and the
 bias's: a training step needs them all), at the shapes norm_mosaic_probe.py timed. It
-decided ``norms_mgpu.prefer``. With the argument ``triton`` the Triton backend stays and
+kept the Mosaic kernels out of ``auto`` below 2²³ elements (``norms_mgpu.PREFER``; above,
+host timing decided: norm-mosaic-host-h200.txt). With the argument ``triton`` the Triton backend stays and
 the same step is timed at 2¹⁹ to 2²² elements, where ``auto`` took the Triton forward
 kernels beside the references' backward when it ran (forward kernels from 2¹⁹, backward
 kernels from 2²³; it led to norms_gpu's pair rules). With ``fwd`` the forward alone is
