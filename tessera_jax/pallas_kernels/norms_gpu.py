@@ -87,8 +87,8 @@ MISSING = _compat.TRITON_MISSING
 # The power of two that brings a finite f32 row's squares into range (primitives/norms.py).
 _OVERFLOW_SCALE = np.float32(2.0**-100)
 # The multiprocessors of an H100 or H200: programs that walk several row blocks are
-# launched in multiples of it.
-_SMS = 132
+# launched in multiples of it (fixed, so the weight gradients' sums do not move by GPU).
+_SMS = device.H100_SMS
 # Forward programs of rows this wide (padded) with a weight or bias walk several blocks
 # (narrower ones with both a weight and a bias too: RowConfig.default).
 _WALK_ROW = 8192

@@ -109,11 +109,11 @@ class MosaicRowConfig:
         rmsnorm and layernorm backward at 4096- and 8192-wide rows ran 1.2-1.5x faster
         with 256 to 512 CTAs than with 4 rows a CTA, and at 1024- and 2048-wide rows with
         fewer than a wave slower (benchmarks/archive/norm-mosaic-bwd-h200.txt). The
-        sums' bits depend on the rows a CTA, so on the shape and the GPU's
-        multiprocessor count (fixed at an H100's or H200's, as norms_gpu's backward)."""
+        sums' bits depend on the rows a CTA, so on the shape only: the wave is sized for an
+        H100's or H200's multiprocessors on any GPU, as norms_gpu's backward is."""
         if not partials:
             return MosaicRowConfig()
-        return MosaicRowConfig(rows=max(1, pl.cdiv(n, norms_gpu._SMS * _resident_ctas(d))))
+        return MosaicRowConfig(rows=max(1, pl.cdiv(n, device.H100_SMS * _resident_ctas(d))))
 
 
 def _resident_ctas(d: int) -> int:
