@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 import tessera_jax as ts
 from tessera_jax import _compat
-from tessera_jax.pallas_kernels import norms_gpu, norms_mgpu
+from tessera_jax.pallas_kernels import device, norms_mgpu
 from tests._util import assert_close, cuda_lowering, f64, mosaic_gpu_calls, rand
 from tests.test_norm_kernels import (
     OPS,
@@ -127,7 +127,8 @@ def _check_rows_keep_their_bits(op, *, interpret: bool):
     ct = rand((9, 512), jnp.bfloat16)
     saved = whole if op.endswith("softmax") else args[0]
     operands = (saved, ct) if op.endswith("softmax") else (saved, args[1], ct)
-    bwd = _kernel(f"{op}_bwd", _bwd_spec(op, 512), 4)
+    # (the default tiling, which walks as many rows a CTA as one wave needs)
+    bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), _bwd_spec(op, 512))
     runs = [jax.tree.leaves(_run(bwd, operands, interpret=interpret)) for _ in range(2)]
     for a, b in zip(*runs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -276,10 +277,10 @@ def test_backward_returns_the_gradients_asked_for_interpret(op, weight, want):
     d = 256
     x, w, *b = _operands(op, (5, d), jnp.float32)
     ct = rand(x.shape, x.dtype)
-    kw = dict(eps=1e-5, has_weight=weight) | (dict(has_bias=True) if op == "layernorm" else {})
-    kw |= {f"{p}_grad_shape": (d,) if p in want else None for p in ("weight", "bias")}
-    if op == "rmsnorm":
-        del kw["bias_grad_shape"]
+    kw = dict(_bwd_spec(op, d)) | dict(has_weight=weight)
+    for p in ("weight", "bias"):
+        if f"{p}_grad_shape" in kw and p not in want:
+            kw[f"{p}_grad_shape"] = None
     bwd = functools.partial(getattr(norms_mgpu, f"{op}_bwd"), tuple(sorted(kw.items())))
     operands = (x, w, ct) if weight else (x, ct)
     got = _run(bwd, operands, interpret=True)
@@ -297,7 +298,7 @@ def test_backward_returns_the_gradients_asked_for_interpret(op, weight, want):
 def test_default_tiling_launches_about_a_wave_for_column_sums():
     """Without a config, kernels that write column sums walk enough rows a CTA for about
     one wave of resident CTAs (wider rows: fewer fit); the others walk 4 rows a CTA."""
-    default, sms = norms_mgpu.MosaicRowConfig.default, norms_gpu._SMS
+    default, sms = norms_mgpu.MosaicRowConfig.default, device.H100_SMS
     assert default(32768, 4096, partials=False).rows == 4
     for n, d, per_sm in ((32768, 4096, 4), (8192, 8192, 4), (4096, 16384, 4), (65536, 1024, 16)):
         rows = default(n, d, partials=True).rows
